@@ -1,0 +1,31 @@
+# The two entry points of the README: `make demo` and `make test`.
+# Both build .venv first. torch is pinned exactly (a local CPU wheel on these
+# machines) and installed BEFORE nixl, which otherwise pulls CUDA packages.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,monitor,ray]'
+	$(BIN)/pip install -q nixl==1.5.1
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	UCX_NET_DEVICES=lo $(BIN)/tensorferry demo
+
+test: $(STAMP)
+	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
+
+clean:
+	rm -rf $(VENV)

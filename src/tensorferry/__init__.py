@@ -1,0 +1,82 @@
+"""tensorferry: move many PyTorch tensors between processes and hosts at memory speed.
+
+Importing the package is cheap and does not import torch: the public names
+below are loaded on first use. ``tensorferry.monitor`` works without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    AccessDenied,
+    AuthenticationError,
+    BackendUnavailableError,
+    LayoutMismatchError,
+    MonitorError,
+    NoSuchProcess,
+    PeerGoneError,
+    PoolExhaustedError,
+    ProtocolError,
+    TensorferryError,
+    TicketError,
+    TransferError,
+    TransferTimeoutError,
+    UnsupportedTensorError,
+    ZombieProcess,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; loaded lazily (they import torch).
+_LAZY = {
+    "MemoryPool": "tensorferry.pool",
+    "Packed": "tensorferry.pool",
+    "Block": "tensorferry.pool",
+    "PoolStats": "tensorferry.pool",
+    "unpack": "tensorferry.pool",
+    "Layout": "tensorferry.spec",
+}
+
+__all__ = [
+    "__version__",
+    "MemoryPool",
+    "Packed",
+    "Block",
+    "PoolStats",
+    "unpack",
+    "Layout",
+    "TensorferryError",
+    "PoolExhaustedError",
+    "LayoutMismatchError",
+    "UnsupportedTensorError",
+    "TicketError",
+    "TransferError",
+    "PeerGoneError",
+    "TransferTimeoutError",
+    "AuthenticationError",
+    "ProtocolError",
+    "BackendUnavailableError",
+    "MonitorError",
+    "NoSuchProcess",
+    "ZombieProcess",
+    "AccessDenied",
+]
+
+if TYPE_CHECKING:
+    from .pool import Block, MemoryPool, Packed, PoolStats, unpack
+    from .spec import Layout
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorferry' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

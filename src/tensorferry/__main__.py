@@ -1,0 +1,3 @@
+from tensorferry.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The error hierarchy of tensorferry.
+
+Every error raised on purpose is a :class:`TensorferryError`. Each subclass
+also inherits the builtin that fits, so ``except MemoryError`` or
+``except ValueError`` keep working for callers who do not know tensorferry.
+Messages say what happened, give the numbers, and name the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TensorferryError",
+    "PoolExhaustedError",
+    "LayoutMismatchError",
+    "UnsupportedTensorError",
+    "TicketError",
+    "TransferError",
+    "PeerGoneError",
+    "TransferTimeoutError",
+    "AuthenticationError",
+    "ProtocolError",
+    "BackendUnavailableError",
+    "MonitorError",
+    "NoSuchProcess",
+    "ZombieProcess",
+    "AccessDenied",
+]
+
+
+class TensorferryError(Exception):
+    """Base class of every error tensorferry raises on purpose."""
+
+
+class PoolExhaustedError(TensorferryError, MemoryError):
+    """A pool cannot hold what was asked of it; nothing was allocated."""
+
+    def __init__(
+        self,
+        requested_nbytes: int,
+        free_nbytes: int,
+        largest_free_nbytes: int,
+        capacity_nbytes: int,
+        *,
+        detail: str = "",
+    ) -> None:
+        self.requested_nbytes = requested_nbytes
+        self.free_nbytes = free_nbytes
+        self.largest_free_nbytes = largest_free_nbytes
+        self.capacity_nbytes = capacity_nbytes
+        parts = [
+            f"pool cannot hold {requested_nbytes:,} bytes: "
+            f"{free_nbytes:,} of {capacity_nbytes:,} bytes are free, "
+            f"the largest free block is {largest_free_nbytes:,} bytes"
+        ]
+        if detail:
+            parts.append(detail)
+        parts.append(
+            "nothing was allocated; release objects you no longer need "
+            "(Packed.release()), or create the pool with a larger capacity_nbytes"
+        )
+        super().__init__("; ".join(parts))
+
+
+class LayoutMismatchError(TensorferryError, ValueError):
+    """Sender and receiver disagree about the layout of a transfer."""
+
+
+class UnsupportedTensorError(TensorferryError, ValueError):
+    """An object holds a leaf tensorferry cannot pack (named in the message)."""
+
+
+class TicketError(TensorferryError, ValueError):
+    """Ticket or layout bytes are truncated, corrupted, oversized or hostile."""
+
+
+class TransferError(TensorferryError, RuntimeError):
+    """A transfer between processes failed."""
+
+
+class PeerGoneError(TransferError, ConnectionError):
+    """The other side of a transfer went away (died, closed, unreachable)."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A wait of a transfer ran past its timeout."""
+
+
+class AuthenticationError(TransferError, PermissionError):
+    """A peer did not present the shared-secret token."""
+
+
+class ProtocolError(TransferError):
+    """A peer sent bytes that do not follow tensorferry's wire protocol."""
+
+
+class BackendUnavailableError(TensorferryError, ImportError):
+    """An optional backend (nixl, ray, CUDA) is not installed or not usable."""
+
+
+class MonitorError(TensorferryError):
+    """Base class of the monitor's per-process errors; carries ``pid``."""
+
+    def __init__(self, pid: int, name: str | None = None, msg: str | None = None) -> None:
+        self.pid = pid
+        self.name = name
+        who = f"pid {pid}" + (f" ({name})" if name else "")
+        super().__init__(msg or f"{who}: {self._what}")
+
+    _what = "cannot be sampled"
+
+
+class NoSuchProcess(MonitorError, ProcessLookupError):
+    """The process exited (or never existed) before it could be read."""
+
+    _what = "process no longer exists; it exited between listing and reading"
+
+
+class ZombieProcess(NoSuchProcess):
+    """The process has exited but was not yet reaped; it has no memory."""
+
+    _what = "process is a zombie (exited, not yet reaped by its parent); it holds no memory"
+
+
+class AccessDenied(MonitorError, PermissionError):
+    """The process belongs to another user and the file is not readable."""
+
+    _what = (
+        "permission denied; run the monitor as the process's user or as root, "
+        "or sample it without exact figures"
+    )

@@ -1,0 +1,514 @@
+"""The agent: select processes, sample them every tick, and spend a bounded
+CPU budget on exact figures without stalling any of them too long.
+
+Cheap figures (statm/status/stat, ~30 µs a process) are taken for every
+selected process every tick. Exact figures (smaps_rollup) make the kernel
+walk the target's page tables while holding its mmap lock, so the target's
+mmap/munmap/page faults on new memory wait for the walk. The agent therefore:
+
+- spends at most ``cpu_budget_fraction`` of a core on them over time (a
+  token bucket refilled at that rate);
+- re-reads a process no more often than ``cost / budget`` (a 5 ms walk at
+  0.1% of a core: every 5 s), sooner when its RSS moved by more than
+  ``rss_change_fraction``;
+- never reads a process whose walk it estimates (from RSS and page-table
+  size) above ``max_stall_seconds`` unless ``force_exact``;
+- reports with every sample how old its exact figures are.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Agent", "AgentConfig", "AgentStats", "Selection", "Snapshot"]
+
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
+
+from ._cgroup import CgroupMemory, CgroupReader
+from ._group import GroupMemory, group_samples
+from ._sample import Backend, default_backend, with_exact
+from ._types import ExactMemory, ProcessMemory
+
+# A 4 KiB page costs the walk ~45 ns (45 ms for 4 GiB = 1 Mi pages, measured
+# on the machines this was written for); 8 bytes of page table map one page.
+_DEFAULT_WALK_SECONDS_PER_PAGE = 45e-9
+_SMALL_PAGE_NBYTES = 4096
+_PTE_NBYTES = 8
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which processes the agent watches; the union of what is set."""
+
+    pids: tuple[int, ...] = ()
+    """These process ids (a pid that is gone is counted as vanished each tick)."""
+    pattern: str | None = None
+    """A regular expression searched in each process's command line (argv joined by spaces)."""
+    tree_root_pid: int | None = None
+    """This process and all its descendants (a raylet's workers, a trainer's ranks)."""
+    all_processes: bool = False
+    """Every process on the node (kernel threads excluded: they hold no user memory)."""
+
+    def __post_init__(self) -> None:
+        for pid in self.pids:
+            if not isinstance(pid, int) or pid <= 0:
+                raise ValueError(f"pids must be positive ints, got {pid!r}")
+        if self.tree_root_pid is not None and self.tree_root_pid <= 0:
+            raise ValueError(f"tree_root_pid must be a positive int, got {self.tree_root_pid!r}")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regular expression: {exc}") from exc
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is selected."""
+        return not (self.pids or self.pattern or self.tree_root_pid or self.all_processes)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How the agent samples; defaults suit a node of ML workers."""
+
+    interval_seconds: float = 1.0
+    """Time between ticks."""
+    jitter_fraction: float = 0.1
+    """Each interval is drawn from interval * [1 - jitter, 1 + jitter], so agents on many nodes do not tick in step."""
+    exact: bool = True
+    """Read exact USS/PSS (smaps_rollup) at all, within the budget."""
+    cpu_budget_fraction: float = 0.001
+    """CPU spent on exact reads, as a fraction of one core over time (0.001 = 0.1%)."""
+    max_stall_seconds: float = 0.02
+    """Never read exact figures of a process whose walk is estimated above this (it stalls the target as long)."""
+    force_exact: bool = False
+    """Read exact figures even where the walk would exceed max_stall_seconds (still within the budget)."""
+    rss_change_fraction: float = 0.10
+    """Re-read exact figures before cost/budget allows when RSS moved by more than this fraction."""
+    walk_seconds_per_page: float = _DEFAULT_WALK_SECONDS_PER_PAGE
+    """Estimated walk cost of one resident 4 KiB page, for processes not read yet."""
+    walk_base_seconds: float = 0.0002
+    """Estimated walk cost of a small process (its mappings, the file itself)."""
+    cgroups: bool = False
+    """Also read the memory figures of the selected processes' cgroups (v1 and v2)."""
+    count_fds: bool = True
+    """Count each process's open fds (a listdir of /proc/PID/fd, ~5 µs)."""
+    max_groups: int = 50
+    """Groups by name kept in each snapshot; the rest fold into ``other``."""
+    rescan_seconds: float = 10.0
+    """Re-match command lines of processes that did not match this often (they retitle)."""
+
+    def __post_init__(self) -> None:
+        if not self.interval_seconds > 0:
+            raise ValueError(f"interval_seconds must be > 0, got {self.interval_seconds}")
+        if not 0 <= self.jitter_fraction < 1:
+            raise ValueError(f"jitter_fraction must be in [0, 1), got {self.jitter_fraction}")
+        if not 0 < self.cpu_budget_fraction <= 1:
+            raise ValueError(
+                f"cpu_budget_fraction must be in (0, 1] (a fraction of one core; 0.001 = 0.1%), "
+                f"got {self.cpu_budget_fraction}"
+            )
+        if not self.max_stall_seconds > 0:
+            raise ValueError(f"max_stall_seconds must be > 0, got {self.max_stall_seconds}")
+        if not self.rss_change_fraction > 0:
+            raise ValueError(f"rss_change_fraction must be > 0, got {self.rss_change_fraction}")
+        if self.walk_seconds_per_page < 0 or self.walk_base_seconds < 0:
+            raise ValueError("walk cost estimates must be >= 0")
+        if self.max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {self.max_groups}")
+        if not self.rescan_seconds > 0:
+            raise ValueError(f"rescan_seconds must be > 0, got {self.rescan_seconds}")
+
+
+class AgentStats(NamedTuple):
+    """What the agent itself has cost, since it was made."""
+
+    ticks: int
+    """Ticks taken."""
+    samples: int
+    """Cheap samples taken."""
+    sample_seconds: float
+    """Wall time spent in cheap samples."""
+    exact_reads: int
+    """smaps_rollup reads."""
+    exact_seconds: float
+    """Wall time spent in smaps_rollup reads (~ the stall they caused, summed)."""
+    exact_skipped_stall: int
+    """Exact reads not done because the walk would stall the target too long."""
+    exact_denied: int
+    """Exact reads refused (another user's process)."""
+    errors: dict[str, int]
+    """Processes skipped, by reason: ``vanished``, ``zombie``, ``denied``."""
+    cpu_seconds: float
+    """CPU time of this process (the agent, its server, Python) since the agent was made."""
+    rss_bytes: int
+    """This process's RSS now."""
+    budget_tokens_seconds: float
+    """Exact-read budget left in the bucket (may be negative after an expensive read)."""
+
+
+class Snapshot(NamedTuple):
+    """One tick's view of the selected processes."""
+
+    timestamp: float
+    """When the tick ran, seconds since the epoch."""
+    samples: tuple[ProcessMemory, ...]
+    """One per selected process that could be read, largest RSS first."""
+    groups: tuple[GroupMemory, ...]
+    """The samples grouped by name (``ray::Actor`` style)."""
+    cgroups: tuple[CgroupMemory, ...]
+    """Memory cgroups of the samples (empty unless AgentConfig.cgroups)."""
+    errors: dict[str, int]
+    """Processes skipped this tick, by reason."""
+    stall_skipped_pids: frozenset[int]
+    """Processes whose exact read the stall limit forbids."""
+    stats: AgentStats
+    """The agent's own cost so far."""
+
+
+@dataclass
+class _ExactState:
+    exact: ExactMemory | None
+    read_at: float
+    rss_at_read: int
+    denied: bool = False
+
+
+@dataclass
+class _Counters:
+    ticks: int = 0
+    samples: int = 0
+    sample_seconds: float = 0.0
+    exact_reads: int = 0
+    exact_seconds: float = 0.0
+    exact_skipped_stall: int = 0
+    exact_denied: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: {"vanished": 0, "zombie": 0, "denied": 0})
+
+
+class Agent:
+    """Watches selected processes' memory at a bounded cost to them.
+
+    Args:
+        selection: which processes.
+        config: how to sample them.
+        backend: where figures come from (the platform's default when None).
+        cgroup_reader: where cgroup figures come from (the real sysfs when None).
+        clock: monotonic seconds; tests inject one to drive the budget.
+        rng: the jitter's random source.
+
+    Raises:
+        ValueError: the selection is empty.
+    """
+
+    def __init__(
+        self,
+        selection: Selection,
+        config: AgentConfig | None = None,
+        *,
+        backend: Backend | None = None,
+        cgroup_reader: CgroupReader | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if selection.is_empty:
+            raise ValueError(
+                "the selection is empty; give pids, a pattern, a tree root pid, or all_processes=True"
+            )
+        self.selection = selection
+        self.config = config or AgentConfig()
+        self.backend = backend or default_backend(count_fds=self.config.count_fds)
+        self.cgroup_reader = cgroup_reader
+        if self.config.cgroups and cgroup_reader is None:
+            self.cgroup_reader = CgroupReader(getattr(self.backend, "proc_root", "/proc"))
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._pattern = re.compile(selection.pattern) if selection.pattern else None
+        self._own_pid = os.getpid()
+        self._exact: dict[tuple[int, float], _ExactState] = {}
+        self._ppids: dict[int, int] = {}
+        self._matches: dict[int, tuple[bool, float]] = {}
+        self._counters = _Counters()
+        cap = max(self.config.max_stall_seconds, self.config.cpu_budget_fraction * self.config.interval_seconds)
+        # The bucket holds at most one maximal permitted walk: a burst never
+        # stalls more than max_stall_seconds beyond the long-run rate.
+        self._bucket_cap = cap
+        self._tokens = cap
+        self._last_refill = clock()
+        self._cpu_start = time.process_time()
+        self._latest: Snapshot | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- selection ---------------------------------------------------------------
+
+    def _matches_pattern(self, pattern: re.Pattern[str], pid: int, now: float) -> bool:
+        cached = self._matches.get(pid)
+        if cached is not None and (cached[0] or now - cached[1] < self.config.rescan_seconds):
+            return cached[0]
+        try:
+            argv = self.backend.cmdline(pid)
+        except (NoSuchProcess, AccessDenied):
+            argv = ()
+        matched = bool(argv) and pattern.search(" ".join(argv)) is not None
+        self._matches[pid] = (matched, now)
+        return matched
+
+    def _descendants(self, root: int, listed: list[int]) -> set[int]:
+        for pid in listed:
+            if pid not in self._ppids:
+                try:
+                    self._ppids[pid] = self.backend.ppid(pid)
+                except (NoSuchProcess, AccessDenied):
+                    continue
+        children: dict[int, list[int]] = {}
+        for pid, ppid in self._ppids.items():
+            children.setdefault(ppid, []).append(pid)
+        out = {root}
+        stack = [root]
+        while stack:
+            for child in children.get(stack.pop(), ()):
+                if child not in out:
+                    out.add(child)
+                    stack.append(child)
+        return out
+
+    def select(self) -> list[int]:
+        """The pids selected now, sorted."""
+        sel = self.selection
+        chosen: set[int] = set(sel.pids)
+        if sel.all_processes or sel.pattern or sel.tree_root_pid:
+            listed = self.backend.pids()
+            alive = set(listed)
+            # Forget what we learned about pids that are gone (they get reused).
+            for cache in (self._ppids, self._matches):
+                for pid in [p for p in cache if p not in alive]:
+                    del cache[pid]
+            if sel.all_processes:
+                chosen.update(listed)
+            pattern = self._pattern
+            if pattern is not None:
+                now = self._clock()
+                # The agent's own command line holds the pattern: never match itself.
+                chosen.update(
+                    p for p in listed if p != self._own_pid and self._matches_pattern(pattern, p, now)
+                )
+            if sel.tree_root_pid:
+                chosen.update(self._descendants(sel.tree_root_pid, listed) & (alive | {sel.tree_root_pid}))
+        return sorted(chosen)
+
+    # -- exact figures under the budget -------------------------------------------
+
+    def estimate_walk_seconds(self, sample: ProcessMemory) -> float:
+        """What reading ``sample``'s exact figures would cost (and stall it).
+
+        Measured cost, scaled by RSS growth since, once read; before that,
+        base + per-page cost x resident 4 KiB pages, where the page count is
+        bounded by the page table (huge pages need no PTE and walk fast).
+        """
+        state = self._exact.get((sample.pid, sample.create_time))
+        if state is not None and state.exact is not None:
+            growth = sample.rss_bytes / state.rss_at_read if state.rss_at_read else 1.0
+            return state.exact.cost_seconds * max(growth, 1.0)
+        pages = sample.rss_bytes // _SMALL_PAGE_NBYTES
+        if sample.page_table_bytes:
+            pages = min(pages, sample.page_table_bytes // _PTE_NBYTES)
+        return self.config.walk_base_seconds + pages * self.config.walk_seconds_per_page
+
+    def _refill(self, now: float) -> None:
+        elapsed = max(0.0, now - self._last_refill)
+        self._last_refill = now
+        self._tokens = min(self._bucket_cap, self._tokens + elapsed * self.config.cpu_budget_fraction)
+
+    def _due(self, sample: ProcessMemory, now: float) -> tuple[int, float] | None:
+        """``(priority, order)`` if the process should be read now, else None."""
+        state = self._exact.get((sample.pid, sample.create_time))
+        if state is None:
+            return (0, self.estimate_walk_seconds(sample))
+        if state.denied:
+            return None
+        age = now - state.read_at
+        if state.rss_at_read and abs(sample.rss_bytes - state.rss_at_read) > (
+            self.config.rss_change_fraction * state.rss_at_read
+        ):
+            return (1, -age)
+        cost = state.exact.cost_seconds if state.exact is not None else self.config.walk_base_seconds
+        if age >= cost / self.config.cpu_budget_fraction:
+            return (2, -age)
+        return None
+
+    def _exact_pass(self, samples: list[ProcessMemory], now: float) -> set[int]:
+        cfg = self.config
+        stall_skipped: set[int] = set()
+        due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
+        for s in samples:
+            if s.kernel_thread or s.uss_source == "exact":
+                continue
+            est = self.estimate_walk_seconds(s)
+            if est > cfg.max_stall_seconds and not cfg.force_exact:
+                stall_skipped.add(s.pid)
+                self._counters.exact_skipped_stall += 1
+                continue
+            when = self._due(s, now)
+            if when is not None:
+                due.append((when, s, est))
+        due.sort(key=lambda d: d[0])
+        for _, s, est in due:
+            # A full bucket may pay for a walk larger than itself (the debt is
+            # repaid before the next read); otherwise the estimate must fit.
+            if self._tokens < est and self._tokens < self._bucket_cap:
+                break
+            key = (s.pid, s.create_time)
+            try:
+                exact = self.backend.exact(s.pid)
+            except AccessDenied:
+                self._exact[key] = _ExactState(None, now, s.rss_bytes, denied=True)
+                self._counters.exact_denied += 1
+                continue
+            except NoSuchProcess:
+                continue
+            cost = exact.cost_seconds if exact is not None else 0.0
+            self._tokens -= cost
+            self._counters.exact_reads += 1
+            self._counters.exact_seconds += cost
+            self._exact[key] = _ExactState(exact, now, s.rss_bytes)
+        return stall_skipped
+
+    # -- ticking -----------------------------------------------------------------
+
+    def tick(self) -> Snapshot:
+        """Sample the selected processes once; returns (and keeps) the snapshot."""
+        with self._lock:
+            return self._tick()
+
+    def _tick(self) -> Snapshot:
+        now = self._clock()
+        self._refill(now)
+        c = self._counters
+        errors = {"vanished": 0, "zombie": 0, "denied": 0}
+        samples: list[ProcessMemory] = []
+        perf = time.perf_counter
+        for pid in self.select():
+            t0 = perf()
+            try:
+                s = self.backend.cheap(pid)
+            except ZombieProcess:
+                errors["zombie"] += 1
+                continue
+            except NoSuchProcess:
+                errors["vanished"] += 1
+                continue
+            except AccessDenied:
+                errors["denied"] += 1
+                continue
+            finally:
+                c.sample_seconds += perf() - t0
+                c.samples += 1
+            if s.kernel_thread and pid not in self.selection.pids:
+                continue
+            self._ppids[pid] = s.ppid
+            samples.append(s)
+        alive_keys = {(s.pid, s.create_time) for s in samples}
+        for key in [k for k in self._exact if k not in alive_keys]:
+            del self._exact[key]
+        stall_skipped = self._exact_pass(samples, now) if self.config.exact else set()
+        out: list[ProcessMemory] = []
+        for s in samples:
+            state = self._exact.get((s.pid, s.create_time))
+            if state is not None and state.exact is not None and s.uss_source != "exact":
+                s = with_exact(s, state.exact, now - state.read_at)
+            out.append(s)
+        out.sort(key=lambda s: s.rss_bytes, reverse=True)
+        for k, v in errors.items():
+            c.errors[k] += v
+        c.ticks += 1
+        cgroups: tuple[CgroupMemory, ...] = ()
+        if self.cgroup_reader is not None and self.config.cgroups:
+            cgroups = tuple(self.cgroup_reader.for_pids([s.pid for s in out]))
+        snap = Snapshot(
+            timestamp=time.time(),
+            samples=tuple(out),
+            groups=tuple(group_samples(out, max_groups=self.config.max_groups)),
+            cgroups=cgroups,
+            errors=errors,
+            stall_skipped_pids=frozenset(stall_skipped),
+            stats=self.stats(),
+        )
+        self._latest = snap
+        return snap
+
+    def stats(self) -> AgentStats:
+        """The agent's own cost so far."""
+        c = self._counters
+        return AgentStats(
+            ticks=c.ticks,
+            samples=c.samples,
+            sample_seconds=c.sample_seconds,
+            exact_reads=c.exact_reads,
+            exact_seconds=c.exact_seconds,
+            exact_skipped_stall=c.exact_skipped_stall,
+            exact_denied=c.exact_denied,
+            errors=dict(c.errors),
+            cpu_seconds=time.process_time() - self._cpu_start,
+            rss_bytes=self.backend.self_rss_bytes(),
+            budget_tokens_seconds=self._tokens,
+        )
+
+    @property
+    def latest(self) -> Snapshot | None:
+        """The last snapshot taken, or None before the first tick."""
+        return self._latest
+
+    def next_delay_seconds(self) -> float:
+        """The wait before the next tick: the interval with jitter."""
+        j = self.config.jitter_fraction
+        return self.config.interval_seconds * (1.0 + self._rng.uniform(-j, j))
+
+    def run(
+        self,
+        *,
+        duration_seconds: float | None = None,
+        on_snapshot: Callable[[Snapshot], None] | None = None,
+    ) -> None:
+        """Tick until :meth:`stop` (or for ``duration_seconds``), in this thread.
+
+        Args:
+            duration_seconds: stop after this long (the first tick is at 0).
+            on_snapshot: called with each snapshot, in this thread.
+        """
+        start = time.monotonic()
+        while not self._stop.is_set():
+            snap = self.tick()
+            if on_snapshot is not None:
+                on_snapshot(snap)
+            delay = self.next_delay_seconds()
+            if duration_seconds is not None:
+                remaining = start + duration_seconds - time.monotonic()
+                if remaining <= delay:
+                    self._stop.wait(max(0.0, remaining))
+                    break
+            if self._stop.wait(delay):
+                break
+
+    def start(self) -> None:
+        """Tick in a background (daemon) thread until :meth:`stop`."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="tensorferry-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        """Stop ticking (waits for a background thread to finish its tick)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_seconds)
+            self._thread = None

@@ -1,0 +1,95 @@
+"""One-shot sampling: ``sample(pid)`` and the platform's backend behind it."""
+
+from __future__ import annotations
+
+__all__ = ["Backend", "default_backend", "sample"]
+
+import sys
+from typing import Protocol
+
+from ._types import ExactMemory, ProcessMemory
+
+
+class Backend(Protocol):
+    """What the sampler and the agent need from a platform."""
+
+    count_fds: bool
+
+    def pids(self) -> list[int]: ...
+
+    def ppid(self, pid: int) -> int: ...
+
+    def cmdline(self, pid: int) -> tuple[str, ...]: ...
+
+    def cheap(self, pid: int) -> ProcessMemory: ...
+
+    def exact(self, pid: int) -> ExactMemory | None: ...
+
+    def self_rss_bytes(self) -> int: ...
+
+
+_DEFAULT: Backend | None = None
+
+
+def default_backend(proc_root: str | None = None, *, count_fds: bool = True) -> Backend:
+    """The backend for this platform: /proc on Linux, psutil elsewhere.
+
+    Args:
+        proc_root: read this /proc tree instead of the real one (Linux only;
+            tests point it at fixture trees).
+        count_fds: count each process's open fds (a listdir per sample).
+    """
+    if sys.platform.startswith("linux") or proc_root is not None:
+        from ._procfs import ProcfsBackend
+
+        return ProcfsBackend(proc_root or "/proc", count_fds=count_fds)
+    from ._psutil import PsutilBackend
+
+    return PsutilBackend(count_fds=count_fds)
+
+
+def with_exact(cheap: ProcessMemory, exact: ExactMemory | None, age_seconds: float) -> ProcessMemory:
+    """``cheap`` with exact figures attached (unchanged when there are none)."""
+    if exact is None:
+        return cheap
+    return cheap._replace(
+        uss_bytes=exact.uss_bytes,
+        pss_bytes=exact.pss_bytes,
+        uss_source="exact",
+        exact_age_seconds=age_seconds,
+        exact_cost_seconds=exact.cost_seconds,
+    )
+
+
+def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> ProcessMemory:
+    """Sample one process's memory and CPU now.
+
+    The cheap figures (RSS and its anon/file/shmem split, swap, peak, CPU,
+    threads, fds) cost ~30 µs and do not disturb the target. ``exact=True``
+    also reads USS and PSS from ``smaps_rollup``, which walks the target's page
+    tables and blocks its mmap/munmap for the walk (~0.2 ms small, ~10 ms per
+    GiB of 4 KiB pages); to watch processes continuously use :class:`Agent`,
+    which bounds that cost.
+
+    Args:
+        pid: the process.
+        exact: also read USS and PSS.
+        backend: where to read from; the platform's default when None.
+
+    Returns:
+        A :class:`ProcessMemory`; ``uss_source`` says whether USS was read.
+
+    Raises:
+        NoSuchProcess: the process does not exist (or exited meanwhile).
+        ZombieProcess: it exited and was not reaped yet.
+        AccessDenied: it belongs to another user (exact figures need ptrace rights).
+    """
+    global _DEFAULT
+    if backend is None:
+        if _DEFAULT is None:
+            _DEFAULT = default_backend()
+        backend = _DEFAULT
+    cheap = backend.cheap(pid)
+    if not exact or cheap.uss_source == "exact":
+        return cheap
+    return with_exact(cheap, backend.exact(pid), 0.0)

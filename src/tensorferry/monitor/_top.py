@@ -1,0 +1,206 @@
+"""``tensorferry top``: a live table of the selected processes, largest first.
+
+The table is built by a pure function of a snapshot (tested directly); the
+loop around it redraws each tick and quits on ``q``. Keys are read from a
+file descriptor with select(), so a pipe works as well as a terminal.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KeyReader", "SortKey", "build_table", "format_bytes", "run_top"]
+
+import os
+import select
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Literal
+
+from rich.console import Console
+from rich.table import Table
+
+from ._agent import Agent, Snapshot
+from ._types import ProcessMemory
+
+SortKey = Literal["rss", "uss", "pss", "anon", "shmem", "swap", "cpu"]
+
+_QUIT_KEYS = frozenset("qQ")
+
+
+def format_bytes(nbytes: int | None) -> str:
+    """``1.5G``-style sizes (binary units); ``-`` for None."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1024 or unit == "T":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{value:.1f}T"
+
+
+def _sort_value(s: ProcessMemory, key: SortKey) -> float:
+    if key == "cpu":
+        return s.cpu_user_seconds + s.cpu_system_seconds
+    if key in ("uss", "pss"):
+        # Unknown exact figures sort by RSS, so nothing big hides at the bottom.
+        value = s.uss_bytes if key == "uss" else s.pss_bytes
+        return float(value if value is not None else s.rss_bytes)
+    return float(getattr(s, f"{key}_bytes"))
+
+
+def _age(s: ProcessMemory, stall_skipped: frozenset[int]) -> str:
+    if s.exact_age_seconds is not None:
+        return f"{s.exact_age_seconds:.0f}s"
+    if s.pid in stall_skipped:
+        # Too big to walk within the stall limit: say so rather than "-".
+        return "too big"
+    return "-"
+
+
+def build_table(snapshot: Snapshot, *, sort_by: SortKey = "rss", limit: int | None = None) -> Table:
+    """The rich Table for one snapshot, sorted by ``sort_by``, largest first.
+
+    Args:
+        snapshot: what the agent saw.
+        sort_by: the column to sort by.
+        limit: show at most this many rows (None: all).
+    """
+    samples = sorted(snapshot.samples, key=lambda s: _sort_value(s, sort_by), reverse=True)
+    shown = samples[:limit] if limit is not None else samples
+    total_rss = sum(s.rss_bytes for s in snapshot.samples)
+    errs = ", ".join(f"{k} {v}" for k, v in snapshot.errors.items() if v)
+    st = snapshot.stats
+    caption = (
+        f"{len(snapshot.samples)} processes, RSS {format_bytes(total_rss)}; "
+        f"ANON is RSS - shared, not USS; USS/PSS from smaps_rollup, AGE = how old. "
+        f"monitor: {st.exact_reads} exact reads, {st.cpu_seconds:.2f}s CPU, "
+        f"RSS {format_bytes(st.rss_bytes)}" + (f"; skipped: {errs}" if errs else "") + ". q quits"
+    )
+    table = Table(title=f"tensorferry top (sorted by {sort_by})", caption=caption, expand=False)
+    for header in ("PID", "NAME", "RSS", "ANON", "FILE", "SHMEM", "SWAP", "USS", "PSS", "AGE", "THR", "CPU s"):
+        table.add_column(header, justify="left" if header == "NAME" else "right", no_wrap=True)
+    for s in shown:
+        title = s.cmdline[0] if s.cmdline and s.cmdline[0].startswith("ray::") else s.name
+        table.add_row(
+            str(s.pid),
+            title[:32],
+            format_bytes(s.rss_bytes),
+            format_bytes(s.anon_bytes),
+            format_bytes(s.file_bytes),
+            format_bytes(s.shmem_bytes),
+            format_bytes(s.swap_bytes),
+            format_bytes(s.uss_bytes),
+            format_bytes(s.pss_bytes),
+            _age(s, snapshot.stall_skipped_pids),
+            str(s.num_threads),
+            f"{s.cpu_user_seconds + s.cpu_system_seconds:.1f}",
+        )
+    return table
+
+
+class KeyReader:
+    """Reads single keys from a terminal or a pipe without blocking.
+
+    On a terminal it switches to cbreak mode (keys arrive without Enter) and
+    restores the mode on close; on anything else (a pipe, a file, /dev/null)
+    it reads what arrives as is, so tests and scripts can send ``q``.
+
+    Args:
+        stream: where keys come from (stdin by default).
+    """
+
+    def __init__(self, stream: IO[str] | IO[bytes] | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stdin
+        self._fd: int | None = None
+        self._saved: list | None = None  # type: ignore[type-arg]
+        try:
+            self._fd = self._stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            self._fd = None
+        if self._fd is not None and os.isatty(self._fd):
+            import termios
+            import tty
+
+            self._saved = termios.tcgetattr(self._fd)
+            tty.setcbreak(self._fd)
+
+    def poll(self, timeout_seconds: float) -> str | None:
+        """One key if one arrives within ``timeout_seconds``, else None (also at end of input)."""
+        if self._fd is None:
+            time.sleep(timeout_seconds)
+            return None
+        ready, _, _ = select.select([self._fd], [], [], max(0.0, timeout_seconds))
+        if not ready:
+            return None
+        data = os.read(self._fd, 1)
+        if not data:
+            # End of input (a closed pipe) reads as ready forever: wait the timeout out.
+            time.sleep(timeout_seconds)
+            return None
+        return data.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        """Restore the terminal mode."""
+        if self._saved is not None and self._fd is not None:
+            import termios
+
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+            self._saved = None
+
+    def __enter__(self) -> KeyReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_quit_key(key: str | None) -> bool:
+    """True for the keys that quit (``q`` / ``Q``)."""
+    return key is not None and key in _QUIT_KEYS
+
+
+def run_top(
+    agent: Agent,
+    *,
+    console: Console | None = None,
+    keys: KeyReader | None = None,
+    sort_by: SortKey = "rss",
+    limit: int | None = None,
+    duration_seconds: float | None = None,
+    on_frame: Callable[[Snapshot], None] | None = None,
+) -> int:
+    """Redraw the table every tick until ``q`` (or ``duration_seconds``).
+
+    Returns:
+        The number of frames drawn.
+    """
+    from rich.live import Live
+
+    console = console or Console()
+    own_keys = keys is None
+    keys = keys or KeyReader()
+    frames = 0
+    start = time.monotonic()
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                snap = agent.tick()
+                live.update(build_table(snap, sort_by=sort_by, limit=limit), refresh=True)
+                frames += 1
+                if on_frame is not None:
+                    on_frame(snap)
+                deadline = time.monotonic() + agent.next_delay_seconds()
+                if duration_seconds is not None:
+                    deadline = min(deadline, start + duration_seconds)
+                quit_ = False
+                while (left := deadline - time.monotonic()) > 0:
+                    if is_quit_key(keys.poll(left)):
+                        quit_ = True
+                        break
+                if quit_ or (duration_seconds is not None and time.monotonic() - start >= duration_seconds):
+                    break
+    finally:
+        if own_keys:
+            keys.close()
+    return frames

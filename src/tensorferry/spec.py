@@ -1,0 +1,410 @@
+"""``Layout``: what a receiver needs to rebuild a packed object, as bytes.
+
+A layout is columnar: one small integer array per field (dtype code, number of
+dimensions, the dimensions), the nesting as a short token list, and the dict
+keys as one blob. 100k tensors encode to a few hundred KB; a list of 100k
+same-shaped tensors to a few KB, since the body is zlib-compressed when large.
+
+Decoding trusts nothing: the header's counts are bounded, the body's size is
+computed from them and checked before anything is decompressed or allocated,
+and every field is range-checked. No pickle, nothing executed.
+
+Imports numpy only (dtypes are names here; the torch adapter maps them).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Union
+
+import numpy as np
+
+from .errors import LayoutMismatchError, TicketError
+
+__all__ = [
+    "DTYPES",
+    "Layout",
+    "TreeOp",
+    "MAX_TENSORS",
+    "MAX_NDIM",
+    "MAX_LAYOUT_NBYTES",
+]
+
+# Wire codes of dtypes: name -> (code, element size). Codes are part of the
+# wire format and never change; new dtypes take new codes.
+DTYPES: dict[str, tuple[int, int]] = {
+    "bool": (0, 1),
+    "uint8": (1, 1),
+    "int8": (2, 1),
+    "int16": (3, 2),
+    "int32": (4, 4),
+    "int64": (5, 8),
+    "float16": (6, 2),
+    "bfloat16": (7, 2),
+    "float32": (8, 4),
+    "float64": (9, 8),
+    "complex64": (10, 8),
+    "complex128": (11, 16),
+    "float8_e4m3fn": (12, 1),
+    "float8_e5m2": (13, 1),
+    "float8_e4m3fnuz": (14, 1),
+    "float8_e5m2fnuz": (15, 1),
+    "uint16": (16, 2),
+    "uint32": (17, 4),
+    "uint64": (18, 8),
+    "complex32": (19, 4),
+    "float8_e8m0fnu": (20, 1),
+}
+_NAMES_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_ELEMENT_SIZE_BY_CODE = np.zeros(max(_NAMES_BY_CODE) + 1, dtype=np.int64)
+for _code, _name in _NAMES_BY_CODE.items():
+    _ELEMENT_SIZE_BY_CODE[_code] = DTYPES[_name][1]
+
+# Bounds a decoder enforces before it allocates anything sized by the header.
+MAX_TENSORS = 1 << 24  # 16M tensors: far above any model's parameter count
+MAX_NDIM = 64  # torch's own limit on dimensions
+MAX_TREE_TOKENS = 1 << 25
+MAX_DIM = 1 << 48  # a dimension above 2^48 elements cannot exist in memory
+MAX_NUMEL = 1 << 62  # keeps numel * element_size inside int64
+MAX_LAYOUT_NBYTES = 64 << 20  # 64 MiB: ~100x a 100k-tensor state dict's layout
+_MAX_DEPTH = 256  # nesting deeper than this is hostile, not a model
+
+_MAGIC = b"TFLY"
+_VERSION = 1
+_FLAG_ZLIB = 1
+_FLAG_DIMS32 = 2
+# magic, version, flags, tensors, dims, tree tokens, keys, key blob bytes,
+# body bytes (uncompressed), crc32 of the uncompressed body
+_HEADER = struct.Struct("<4sHHIQIIQQI")
+# Bodies smaller than this are sent raw: compressing them saves nothing.
+_COMPRESS_ABOVE = 4096
+
+
+class TreeOp:
+    """Opcodes of the nesting tokens: each token is (op, count)."""
+
+    LEAVES = 0  # `count` consecutive tensors
+    LIST = 1  # a list of the next `count` items
+    TUPLE = 2  # a tuple of the next `count` items
+    DICT = 3  # a dict of `count` items, keys taken in order from the key list
+
+
+Key = Union[str, int]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Per-tensor dtype and shape, plus the nesting, of one packed object.
+
+    Sender and receiver derive every byte offset from this with
+    :func:`tensorferry.layout.packed_offsets`; nothing else is needed.
+
+    Attributes:
+        dtype_codes: uint8 wire code of each tensor's dtype (see ``DTYPES``).
+        ndims: uint8 number of dimensions of each tensor.
+        dims: int64 dimensions of all tensors, concatenated.
+        tree_ops: uint8 opcode of each nesting token (:class:`TreeOp`).
+        tree_counts: int64 count of each nesting token.
+        keys: the dict keys, in the order the DICT tokens consume them.
+    """
+
+    dtype_codes: np.ndarray
+    ndims: np.ndarray
+    dims: np.ndarray
+    tree_ops: np.ndarray
+    tree_counts: np.ndarray
+    keys: tuple[Key, ...] = ()
+    nbytes: np.ndarray = field(init=False, repr=False)
+    alignments: np.ndarray = field(init=False, repr=False)
+    numels: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        numels = _numels(self.ndims, self.dims)
+        alignments = _ELEMENT_SIZE_BY_CODE[self.dtype_codes]
+        object.__setattr__(self, "numels", numels)
+        object.__setattr__(self, "alignments", alignments)
+        object.__setattr__(self, "nbytes", numels * alignments)
+
+    # -- views ---------------------------------------------------------------
+
+    @property
+    def num_tensors(self) -> int:
+        return int(self.dtype_codes.size)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data (without padding)."""
+        return int(self.nbytes.sum())
+
+    def dtype_names(self) -> list[str]:
+        return [_NAMES_BY_CODE[c] for c in self.dtype_codes.tolist()]
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        dims = self.dims.tolist()
+        out: list[tuple[int, ...]] = []
+        pos = 0
+        for nd in self.ndims.tolist():
+            out.append(tuple(dims[pos : pos + nd]))
+            pos += nd
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout(num_tensors={self.num_tensors}, total_nbytes={self.total_nbytes:,}, "
+            f"tree_tokens={self.tree_ops.size}, keys={len(self.keys)})"
+        )
+
+    def same_as(self, other: "Layout") -> bool:
+        """True when both describe the same tensors in the same structure."""
+        return (
+            np.array_equal(self.dtype_codes, other.dtype_codes)
+            and np.array_equal(self.ndims, other.ndims)
+            and np.array_equal(self.dims, other.dims)
+            and np.array_equal(self.tree_ops, other.tree_ops)
+            and np.array_equal(self.tree_counts, other.tree_counts)
+            and self.keys == other.keys
+        )
+
+    # -- encoding ------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """Encode as versioned, checksummed bytes (zlib when large)."""
+        dims32 = not self.dims.size or int(self.dims.max()) < (1 << 32)
+        key_kinds, key_lens, key_blob = _encode_keys(self.keys)
+        body = b"".join(
+            (
+                self.dtype_codes.astype(np.uint8).tobytes(),
+                self.ndims.astype(np.uint8).tobytes(),
+                self.dims.astype("<u4" if dims32 else "<i8").tobytes(),
+                self.tree_ops.astype(np.uint8).tobytes(),
+                self.tree_counts.astype("<u4").tobytes(),
+                key_kinds.tobytes(),
+                key_lens.tobytes(),
+                key_blob,
+            )
+        )
+        flags = _FLAG_DIMS32 if dims32 else 0
+        payload = body
+        if len(body) > _COMPRESS_ABOVE:
+            packed = zlib.compress(body, 1)
+            if len(packed) < len(body):
+                payload, flags = packed, flags | _FLAG_ZLIB
+        header = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            flags,
+            self.num_tensors,
+            int(self.dims.size),
+            int(self.tree_ops.size),
+            len(self.keys),
+            len(key_blob),
+            len(body),
+            zlib.crc32(body),
+        )
+        return header + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = MAX_LAYOUT_NBYTES) -> "Layout":
+        """Decode and validate bytes made by :meth:`to_bytes`.
+
+        Runs on the receiver, on bytes from the network: every count is
+        bounded and the body size is checked before anything sized by the
+        header is allocated.
+
+        Raises:
+            TicketError: truncated, corrupted, oversized or hostile bytes.
+            LayoutMismatchError: fields that cannot describe real tensors.
+        """
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        if len(view) < _HEADER.size:
+            raise TicketError(
+                f"layout is truncated: {len(view)} bytes, the header alone has {_HEADER.size}"
+            )
+        magic, version, flags, n, ndims_total, ntok, nkeys, key_blob_n, body_n, crc = _HEADER.unpack_from(view, 0)
+        if magic != _MAGIC:
+            raise TicketError(f"not a tensorferry layout: magic {bytes(magic)!r}, expected {_MAGIC!r}")
+        if version != _VERSION:
+            raise TicketError(
+                f"layout version {version} is not supported (this tensorferry reads "
+                f"version {_VERSION}); use the same tensorferry version on both sides"
+            )
+        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32):
+            raise TicketError(f"layout has unknown flags {flags:#x}")
+        if n > MAX_TENSORS or ntok > MAX_TREE_TOKENS or nkeys > MAX_TENSORS or ndims_total > n * MAX_NDIM:
+            raise TicketError(
+                f"layout header claims {n:,} tensors, {ndims_total:,} dims, {ntok:,} tree "
+                f"tokens, {nkeys:,} keys: beyond the bounds ({MAX_TENSORS:,} tensors, "
+                f"{MAX_NDIM} dims each)"
+            )
+        dim_width = 4 if flags & _FLAG_DIMS32 else 8
+        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n
+        if expected != body_n or expected > max_nbytes:
+            raise TicketError(
+                f"layout body size {body_n:,} does not match its counts ({expected:,}) "
+                f"or exceeds the limit of {max_nbytes:,} bytes"
+            )
+        payload = view[_HEADER.size :]
+        if flags & _FLAG_ZLIB:
+            dec = zlib.decompressobj()
+            try:
+                body = dec.decompress(payload, expected)
+            except zlib.error as exc:
+                raise TicketError(f"layout body is corrupted: {exc}") from exc
+            if len(body) != expected or dec.unconsumed_tail or not dec.eof:
+                raise TicketError(
+                    f"layout body decompresses to {len(body):,}+ bytes, expected exactly {expected:,}"
+                )
+        else:
+            if len(payload) != expected:
+                raise TicketError(
+                    f"layout body has {len(payload):,} bytes, expected {expected:,} (truncated or padded)"
+                )
+            body = bytes(payload)
+        if zlib.crc32(body) != crc:
+            raise TicketError("layout body fails its checksum: corrupted in transit")
+
+        pos = 0
+
+        def take(count: int, dtype: str) -> np.ndarray:
+            nonlocal pos
+            width = np.dtype(dtype).itemsize
+            arr = np.frombuffer(body, dtype=dtype, count=count, offset=pos)
+            pos += count * width
+            return arr
+
+        codes = take(n, "u1")
+        ndims = take(n, "u1")
+        dims = take(ndims_total, "<u4" if dim_width == 4 else "<i8").astype(np.int64)
+        ops = take(ntok, "u1")
+        counts = take(ntok, "<u4").astype(np.int64)
+        key_kinds = take(nkeys, "u1")
+        key_lens = take(nkeys, "<u4").astype(np.int64)
+        key_blob = body[pos : pos + key_blob_n]
+
+        if n and int(codes.max()) >= _ELEMENT_SIZE_BY_CODE.size or (n and not _ELEMENT_SIZE_BY_CODE[codes].all()):
+            raise LayoutMismatchError("layout names a dtype code this tensorferry does not know")
+        if n and int(ndims.max()) > MAX_NDIM:
+            raise LayoutMismatchError(f"layout has a tensor of {int(ndims.max())} dims (max {MAX_NDIM})")
+        if int(ndims.sum()) != ndims_total:
+            raise LayoutMismatchError(
+                f"layout dims count {ndims_total} does not match the tensors' ndims sum {int(ndims.sum())}"
+            )
+        if dims.size and (int(dims.min()) < 0 or int(dims.max()) > MAX_DIM):
+            raise LayoutMismatchError("layout has a dimension out of range")
+        keys = _decode_keys(key_kinds, key_lens, key_blob)
+        _check_tree(ops, counts, n, nkeys)
+        return cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys)
+
+
+def _numels(ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    n = ndims.size
+    numels = np.ones(n, dtype=np.int64)
+    if not dims.size:
+        return numels
+    has = ndims > 0
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(ndims[:-1], out=starts[1:])
+    idx = starts[has]
+    # Float products first: a product above MAX_NUMEL is rejected before the
+    # integer product could wrap around.
+    fprod = np.multiply.reduceat(dims.astype(np.float64), idx)
+    if fprod.size and float(fprod.max()) > MAX_NUMEL:
+        raise LayoutMismatchError("layout has a tensor with more elements than can exist")
+    numels[has] = np.multiply.reduceat(dims, idx)
+    return numels
+
+
+def _encode_keys(keys: tuple[Key, ...]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    kinds = np.zeros(len(keys), dtype=np.uint8)
+    parts: list[bytes] = []
+    for i, k in enumerate(keys):
+        if isinstance(k, str):
+            parts.append(k.encode("utf-8", "surrogatepass"))
+        else:
+            kinds[i] = 1
+            parts.append(str(int(k)).encode("ascii"))
+    lens = np.fromiter((len(p) for p in parts), dtype="<u4", count=len(parts))
+    return kinds, lens, b"".join(parts)
+
+
+def _decode_keys(kinds: np.ndarray, lens: np.ndarray, blob: bytes) -> tuple[Key, ...]:
+    if int(lens.sum()) != len(blob):
+        raise LayoutMismatchError("layout key lengths do not add up to the key blob")
+    if kinds.size and int(kinds.max()) > 1:
+        raise LayoutMismatchError("layout has a key of unknown kind")
+    try:
+        text = blob.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise LayoutMismatchError(f"layout keys are not valid UTF-8: {exc}") from exc
+    if len(text) == len(blob):  # all ASCII: byte lengths are character lengths
+        ends = np.cumsum(lens).tolist()
+        starts = [0] + ends[:-1]
+        strs = [text[s:e] for s, e in zip(starts, ends)]
+    else:
+        strs, pos = [], 0
+        for ln in lens.tolist():
+            strs.append(blob[pos : pos + ln].decode("utf-8", "surrogatepass"))
+            pos += ln
+    if not kinds.any():
+        return tuple(strs)
+    out: list[Key] = []
+    for kind, s in zip(kinds.tolist(), strs):
+        if kind == 1:
+            if not s or len(s) > 32 or not s.lstrip("-").isdigit():
+                raise LayoutMismatchError(f"layout has a malformed integer key {s[:40]!r}")
+            out.append(int(s))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _check_tree(ops: np.ndarray, counts: np.ndarray, num_tensors: int, num_keys: int) -> None:
+    """Walk the tokens once, as unflatten will, without building anything."""
+    if ops.size and int(ops.max()) > TreeOp.DICT:
+        raise LayoutMismatchError("layout has an unknown nesting opcode")
+    leaves = keys = 0
+    # Stack of remaining item counts of the open containers.
+    stack: list[int] = []
+    tok = 0
+    ntok = ops.size
+    opl, cl = ops.tolist(), counts.tolist()
+    roots = 0
+    while tok < ntok:
+        if not stack:
+            roots += 1
+            if roots > 1:
+                raise LayoutMismatchError("layout nesting has more than one root")
+        op, c = opl[tok], cl[tok]
+        tok += 1
+        if op == TreeOp.LEAVES:
+            if c == 0:
+                raise LayoutMismatchError("layout nesting has an empty leaf run")
+            leaves += c
+            consumed = c
+        else:
+            if op == TreeOp.DICT:
+                keys += c
+            consumed = 1
+        # This token fills `consumed` slots of the innermost open container
+        # (a leaf run may span several slots, never past the container's end).
+        if stack:
+            if consumed > stack[-1]:
+                raise LayoutMismatchError("layout leaf run overflows its container")
+            stack[-1] -= consumed
+        elif op == TreeOp.LEAVES and c != 1:
+            raise LayoutMismatchError("layout root is a run of several tensors")
+        if op != TreeOp.LEAVES:
+            if len(stack) >= _MAX_DEPTH:
+                raise LayoutMismatchError(f"layout nesting is deeper than {_MAX_DEPTH}")
+            stack.append(c)
+        while stack and stack[-1] == 0:
+            stack.pop()
+    if stack or roots != 1:
+        raise LayoutMismatchError("layout nesting is incomplete")
+    if leaves != num_tensors or keys != num_keys:
+        raise LayoutMismatchError(
+            f"layout nesting holds {leaves} tensors and {keys} keys, the header says "
+            f"{num_tensors} and {num_keys}"
+        )
