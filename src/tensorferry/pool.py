@@ -65,7 +65,8 @@ class Packed:
         copy_runs: contiguous copies issued for the runs of adjacent tensors.
         strided_copies: tensors that were not contiguous (transposed,
             strided, expanded, conjugated) and were copied element-wise into
-            the pool instead of as raw bytes.
+            the pool instead of as raw bytes, plus numpy arrays torch cannot
+            share (negative strides, read-only) that were staged through a copy.
     """
 
     blocks: tuple[Block, ...]
@@ -211,7 +212,7 @@ class MemoryPool:
             return self._pack(obj)
 
     def _pack(self, obj: Any) -> Packed:
-        leaves, ops, counts, keys, _ = flatten(obj)
+        leaves, ops, counts, keys, staged = flatten(obj)
         info = inspect_leaves(obj, leaves, ops, counts, keys)
         lay = info.layout
         nbytes = lay.nbytes
@@ -227,7 +228,9 @@ class MemoryPool:
         )
         try:
             with torch.no_grad():
-                packed.copy_runs, packed.strided_copies = self._copy_in(leaves, info, blocks, groups)
+                packed.copy_runs, strided = self._copy_in(leaves, info, blocks, groups)
+            # numpy arrays flatten had to copy are staging copies too: count them.
+            packed.strided_copies = strided + staged
         except BaseException:
             for b in blocks:
                 self._allocator.free(b.offset)
@@ -367,6 +370,28 @@ class MemoryPool:
             self._live.pop(id(packed), None)
             for b in packed.blocks:
                 self._allocator.free(b.offset)
+
+    def lease_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 view of ``[offset, offset + nbytes)`` with its OWN storage.
+
+        CPU only. Tensors made from it share that storage, whose owner is
+        ``view._tf_owner`` (a numpy array): watch it to learn when the last
+        of them is gone, whichever view outlives the others.
+        """
+        if self._mmap is None:
+            raise ValueError("lease_view needs a CPU pool")
+        arr = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
+        view = torch.from_numpy(arr)
+        view._tf_owner = arr  # type: ignore[attr-defined]
+        return view
+
+    def _adopt(self, packed: Packed) -> None:
+        """Count a Packed made from this pool's blocks by another packer
+        (a streamed piece) as live, so stats and release treat it alike."""
+        with self._lock:
+            self._live[id(packed)] = packed
+            self._packs += 1
+            self._packed_nbytes += packed.nbytes
 
     def unpack(self, packed: Packed) -> Any:
         """Views of the pool's memory in the original structure (no copy).

@@ -14,6 +14,7 @@ Imports numpy only (dtypes are names here; the torch adapter maps them).
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ _FLAG_DIMS32 = 2
 _HEADER = struct.Struct("<4sHHIQIIQQI")
 # Bodies smaller than this are sent raw: compressing them saves nothing.
 _COMPRESS_ABOVE = 4096
+# What str(int(key)) can produce; an integer key on the wire must match it.
+_INT_KEY = re.compile(r"-?[0-9]+")
 
 
 class TreeOp:
@@ -142,6 +145,12 @@ class Layout:
         return [_NAMES_BY_CODE[c] for c in self.dtype_codes.tolist()]
 
     def shapes(self) -> list[tuple[int, ...]]:
+        n = self.ndims.size
+        if n and self.dims.size == n * int(self.ndims[0]) and (self.ndims == self.ndims[0]).all():
+            # Every tensor has the same number of dims (the common case): one
+            # reshape instead of a slice per tensor.
+            k = int(self.ndims[0])
+            return list(map(tuple, self.dims.reshape(n, k).tolist())) if k else [()] * n
         dims = self.dims.tolist()
         out: list[tuple[int, ...]] = []
         pos = 0
@@ -249,7 +258,9 @@ class Layout:
         if flags & _FLAG_ZLIB:
             dec = zlib.decompressobj()
             try:
-                body = dec.decompress(payload, expected)
+                # max_length 0 means "no limit" to zlib: ask for one byte when
+                # the body should be empty, so a bomb still stops at once.
+                body = dec.decompress(payload, max(expected, 1))
             except zlib.error as exc:
                 raise TicketError(f"layout body is corrupted: {exc}") from exc
             if len(body) != expected or dec.unconsumed_tail or not dec.eof:
@@ -295,7 +306,12 @@ class Layout:
             raise LayoutMismatchError("layout has a dimension out of range")
         keys = _decode_keys(key_kinds, key_lens, key_blob)
         _check_tree(ops, counts, n, nkeys)
-        return cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys)
+        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys)
+        # numel <= MAX_NUMEL alone still lets numel * 16 wrap around int64
+        # (2^62 complex128 elements "are" 0 bytes); bound the bytes in floats.
+        if n and float(layout.numels.astype(np.float64) @ layout.alignments) > MAX_NUMEL:
+            raise LayoutMismatchError("layout has more bytes of tensor data than can exist")
+        return layout
 
 
 def _numels(ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:
@@ -336,23 +352,26 @@ def _decode_keys(kinds: np.ndarray, lens: np.ndarray, blob: bytes) -> tuple[Key,
         raise LayoutMismatchError("layout has a key of unknown kind")
     try:
         text = blob.decode("utf-8", "surrogatepass")
+        if len(text) == len(blob):  # all ASCII: byte lengths are character lengths
+            ends = np.cumsum(lens).tolist()
+            starts = [0] + ends[:-1]
+            strs = [text[s:e] for s, e in zip(starts, ends)]
+        else:
+            # Forged lengths may cut a character in two: decode each key alone.
+            strs, pos = [], 0
+            for ln in lens.tolist():
+                strs.append(blob[pos : pos + ln].decode("utf-8", "surrogatepass"))
+                pos += ln
     except UnicodeDecodeError as exc:
         raise LayoutMismatchError(f"layout keys are not valid UTF-8: {exc}") from exc
-    if len(text) == len(blob):  # all ASCII: byte lengths are character lengths
-        ends = np.cumsum(lens).tolist()
-        starts = [0] + ends[:-1]
-        strs = [text[s:e] for s, e in zip(starts, ends)]
-    else:
-        strs, pos = [], 0
-        for ln in lens.tolist():
-            strs.append(blob[pos : pos + ln].decode("utf-8", "surrogatepass"))
-            pos += ln
     if not kinds.any():
         return tuple(strs)
     out: list[Key] = []
     for kind, s in zip(kinds.tolist(), strs):
         if kind == 1:
-            if not s or len(s) > 32 or not s.lstrip("-").isdigit():
+            # ASCII digits only: str.isdigit() also accepts "²", and
+            # lstrip("-") accepts "--5", both of which int() rejects.
+            if len(s) > 32 or not _INT_KEY.fullmatch(s):
                 raise LayoutMismatchError(f"layout has a malformed integer key {s[:40]!r}")
             out.append(int(s))
         else:

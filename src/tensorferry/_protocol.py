@@ -1,0 +1,265 @@
+"""The control protocol between a Receiver and a Sender: framed, typed, bounded.
+
+Every frame is a fixed header (magic, version, message type, payload length)
+followed by a msgpack payload decoded by msgspec into one typed struct per
+message type. Lengths are bounded before anything is read; unknown types,
+bad magic, wrong versions and malformed payloads raise :class:`ProtocolError`
+and the connection is closed. Nothing is unpickled.
+
+Data never travels in control frames: the tcp transport streams raw block
+bytes after a ``DATA`` header, read with ``recv_into`` straight into the
+destination memory.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import socket
+import struct
+import time
+from typing import Any, Sequence
+
+import msgspec
+
+from .errors import PeerGoneError, ProtocolError, TransferTimeoutError
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "MAX_FRAME_NBYTES",
+    "MsgType",
+    "Hello",
+    "Welcome",
+    "Acquire",
+    "Located",
+    "Fetch",
+    "Release",
+    "Released",
+    "Failure",
+    "send_msg",
+    "send_data_header",
+    "recv_msg",
+    "recv_exact_into",
+    "send_all_views",
+]
+
+MAGIC = b"TFCP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHI")
+# A control frame carries ids, offsets and metadata: 16 MiB is far above
+# what NIXL agent metadata (the largest) needs, and small enough to buffer.
+MAX_FRAME_NBYTES = 16 << 20
+_MAX_BLOCKS = 1 << 20
+
+
+class MsgType:
+    HELLO = 1
+    WELCOME = 2
+    ACQUIRE = 3
+    LOCATED = 4
+    FETCH = 5
+    DATA = 6
+    RELEASE = 7
+    RELEASED = 8
+    FAILURE = 9
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """Receiver -> sender, first frame: who I am and what I speak."""
+
+    token: bytes = b""
+    transport: str = ""
+    nixl_metadata: bytes = b""
+
+
+class Welcome(msgspec.Struct, frozen=True):
+    """Sender -> receiver: the pool behind this sender (shm also passes its fd)."""
+
+    pool_nbytes: int
+    pool_generation: int
+    pool_base_addr: int = 0
+    nixl_metadata: bytes = b""
+    nixl_agent: str = ""
+
+
+class Acquire(msgspec.Struct, frozen=True):
+    """Take one reader slot of a ticket's piece; waits until the piece is packed."""
+
+    ticket_id: int
+    piece: int = 0
+    timeout_seconds: float = 60.0
+
+
+class Located(msgspec.Struct, frozen=True):
+    """Where a piece is in the sender's pool: (offset, nbytes) per block."""
+
+    blocks: list[tuple[int, int]]
+    virtual_offset: int = 0
+
+
+class Fetch(msgspec.Struct, frozen=True):
+    """tcp: send me the bytes of these blocks of an acquired piece."""
+
+    ticket_id: int
+    piece: int = 0
+
+
+class Release(msgspec.Struct, frozen=True):
+    """The reader is done with this piece (its slot is given back)."""
+
+    ticket_id: int
+    piece: int = 0
+
+
+class Released(msgspec.Struct, frozen=True):
+    """Reply to Release: whether the hold was still valid until now."""
+
+    valid: bool
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """Any request can be answered with a Failure: a kind and a message."""
+
+    kind: str
+    message: str
+
+
+_TYPES: dict[int, type] = {
+    MsgType.HELLO: Hello,
+    MsgType.WELCOME: Welcome,
+    MsgType.ACQUIRE: Acquire,
+    MsgType.LOCATED: Located,
+    MsgType.FETCH: Fetch,
+    MsgType.RELEASE: Release,
+    MsgType.RELEASED: Released,
+    MsgType.FAILURE: Failure,
+}
+_TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {code: msgspec.msgpack.Decoder(cls) for code, cls in _TYPES.items()}
+
+
+def send_msg(sock: socket.socket, msg: Any, *, fds: Sequence[int] = ()) -> None:
+    """Send one control frame (optionally passing file descriptors)."""
+    payload = _ENCODER.encode(msg)
+    frame = _HEADER.pack(MAGIC, VERSION, _TYPE_OF[type(msg)], len(payload)) + payload
+    try:
+        if fds:
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.sendall(frame)
+    except socket.timeout as exc:
+        raise TransferTimeoutError("timed out sending a control frame to the peer") from exc
+    except OSError as exc:
+        raise PeerGoneError(f"the peer closed the connection while we were sending ({exc})") from exc
+
+
+def send_data_header(sock: socket.socket, nbytes: int) -> None:
+    """tcp: announce ``nbytes`` of raw block bytes that follow."""
+    try:
+        sock.sendall(_HEADER.pack(MAGIC, VERSION, MsgType.DATA, 0) + struct.pack("<Q", nbytes))
+    except OSError as exc:
+        raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
+
+
+def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            if fds is not None and got == 0:
+                nbytes, ancdata, _flags, _addr = sock.recvmsg_into([view], socket.CMSG_SPACE(4 * 4))
+                for level, kind, data in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        usable = len(data) - len(data) % 4
+                        fds.extend(array.array("i", data[:usable]))
+            else:
+                nbytes = sock.recv_into(view[got:], n - got)
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after {got} of {n} bytes from the peer") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the connection to the peer broke after {got} of {n} bytes ({exc})") from exc
+        if nbytes == 0:
+            raise PeerGoneError(f"the peer closed the connection after {got} of {n} bytes")
+        got += nbytes
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None) -> Any:
+    """Receive one control frame and decode it into its typed struct.
+
+    Raises:
+        ProtocolError: bad magic, version, type or length, or a malformed
+            payload; also a valid message of a type not in ``expect``.
+        PeerGoneError: the peer closed the connection.
+        TransferTimeoutError: the socket's timeout passed.
+    """
+    header = _recv_exact(sock, _HEADER.size, fds=fds)
+    magic, version, kind, length = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol")
+    if version != VERSION:
+        raise ProtocolError(f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry on both sides")
+    if kind == MsgType.DATA:
+        (nbytes,) = struct.unpack("<Q", _recv_exact(sock, 8))
+        return ("DATA", nbytes)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"peer sent unknown message type {kind}")
+    if length > MAX_FRAME_NBYTES:
+        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {MAX_FRAME_NBYTES:,}")
+    payload = _recv_exact(sock, length) if length else b""
+    try:
+        msg = decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"peer sent a malformed {_TYPES[kind].__name__}: {exc}") from exc
+    if isinstance(msg, Located) and len(msg.blocks) > _MAX_BLOCKS:
+        raise ProtocolError(f"peer located {len(msg.blocks):,} blocks; the limit is {_MAX_BLOCKS:,}")
+    if expect is not None and not isinstance(msg, expect) and not isinstance(msg, Failure):
+        raise ProtocolError(f"peer sent {type(msg).__name__}, expected {' or '.join(t.__name__ for t in expect)}")
+    return msg
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
+    """Fill ``view`` from the socket, straight into its memory (no copies)."""
+    got = 0
+    n = len(view)
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(n - got, 1 << 26))
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the sender's connection broke after {got:,} of {n:,} bytes ({exc})") from exc
+        if k == 0:
+            raise PeerGoneError(f"the sender closed the connection after {got:,} of {n:,} bytes")
+        got += k
+
+
+def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-gather send of memory views straight from pool memory."""
+    # sendmsg takes many buffers per call but may send only part of them;
+    # advance through the list and resend the rest.
+    pending = collections.deque(v for v in views if len(v))
+    try:
+        while pending:
+            batch = [pending[i] for i in range(min(64, len(pending)))]
+            sent = sock.sendmsg(batch)
+            while sent:
+                first = pending[0]
+                if sent >= len(first):
+                    sent -= len(first)
+                    pending.popleft()
+                else:
+                    pending[0] = first[sent:]
+                    sent = 0
+    except socket.timeout as exc:
+        raise TransferTimeoutError("timed out sending block bytes to the receiver") from exc
+    except OSError as exc:
+        raise PeerGoneError(f"the receiver closed the connection during a send ({exc})") from exc

@@ -1,0 +1,389 @@
+"""``Receiver``: redeem tickets into tensors, in new memory or in place.
+
+The receiver side of a transfer. ``get`` acquires a reader slot from the
+sender, moves the bytes (shm: one copy per block out of the mapped pool;
+tcp: ``recv_into`` straight into the destination; nixl: a one-sided READ),
+releases the slot, and rebuilds the object as views of the destination.
+
+* By default the destination is new memory (or the receiver's own pool,
+  if it has one: the views then keep their blocks until the last of them is
+  collected).
+* ``into=`` copies into the caller's existing tensors (weight updates in
+  place); shapes and dtypes must match.
+* ``zero_copy=True`` (shm only) returns views of the sender's pool itself;
+  the sender's slot is held until the last view's storage is collected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Literal
+
+import torch
+
+from . import layout as _layout
+from ._tensors import flatten, gc_paused
+from .errors import LayoutMismatchError, PeerGoneError, TicketError, TransferError, TransferTimeoutError
+from .pool import MemoryPool, unpack
+from .spec import Layout
+from .ticket import Ticket
+
+__all__ = ["Receiver"]
+
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+
+class _Releaser:
+    """Sends the Release of zero-copy holds when their views are collected.
+
+    Finalizers run wherever the GC runs; they only enqueue here, and one
+    thread does the (blocking) socket work.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="tensorferry-releaser", daemon=True)
+        self._thread.start()
+
+    def submit(self, channel: Any, ticket_id: int, piece: int) -> None:
+        self._queue.put((channel, ticket_id, piece))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            channel, ticket_id, piece = item
+            with channel.lock:
+                try:
+                    channel.release(ticket_id, piece, timeout=10.0)
+                except Exception:
+                    pass  # the sender is gone; its pool went with it
+                channel.holds -= 1
+                if channel.holds == 0 and getattr(channel, "retired", False):
+                    channel.close()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class Receiver:
+    """Redeem tickets from any sender of one transport.
+
+    A context manager. Thread-safe: concurrent gets use separate connections.
+
+    Args:
+        transport: the transport of the tickets it redeems (``None``: any).
+        pool: optional receive pool; copies land in it, and the returned
+            views keep their blocks until collected. The nixl transport makes
+            one of ``capacity_nbytes`` if none is given (it reads into
+            registered memory).
+        token: the sender's shared secret, if it has one.
+        timeout: default seconds for every wait of a get.
+        capacity_nbytes: size of the receive pool nixl makes.
+    """
+
+    def __init__(
+        self,
+        transport: Literal["shm", "tcp", "nixl"] | None = None,
+        pool: MemoryPool | None = None,
+        *,
+        token: str | bytes | None = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        capacity_nbytes: int = 256 << 20,
+    ) -> None:
+        from .transports import channel_class
+
+        self.transport = transport
+        if transport is not None:
+            channel_class(transport)  # fail early on an unknown name
+        self.token = token.encode() if isinstance(token, str) else (token or b"")
+        self.timeout = float(timeout)
+        self._own_pool = False
+        if pool is None and transport == "nixl":
+            pool = MemoryPool(capacity_nbytes)
+            self._own_pool = True
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, str], list[Any]] = {}
+        self._all: list[Any] = []
+        self._releaser = _Releaser()
+        self._closed = False
+        self.bytes_received = 0
+        self.gets = 0
+
+    # -- connections ---------------------------------------------------------------
+
+    def _checkout(self, ticket: Ticket, timeout: float) -> Any:
+        from .transports import channel_class
+
+        key = (ticket.transport, ticket.address)
+        with self._lock:
+            if self._closed:
+                raise TransferError("this Receiver is closed")
+            idle = self._idle.get(key)
+            while idle:
+                ch = idle.pop()
+                if not ch.closed:
+                    break
+            else:
+                ch = None
+        if ch is None:
+            ch = channel_class(ticket.transport)(ticket.address, token=self.token, timeout=timeout, receiver=self)
+            with self._lock:
+                self._all.append(ch)
+        if ch.welcome.pool_generation != ticket.pool_generation:
+            self._return(key, ch)
+            raise TicketError(
+                f"ticket {ticket.id} is from an earlier pool of the sender at {ticket.address} "
+                "(the sender restarted); ask for a new ticket"
+            )
+        return ch
+
+    def _return(self, key: tuple[str, str], ch: Any) -> None:
+        with self._lock:
+            if self._closed or ch.closed:
+                return
+            self._idle.setdefault(key, []).append(ch)
+
+    def _discard(self, ch: Any) -> None:
+        with ch.lock:
+            if ch.holds:
+                ch.retired = True  # zero-copy views still need it; closed after them
+            else:
+                ch.close()
+
+    # -- get -------------------------------------------------------------------------
+
+    def get(self, ticket: Ticket | bytes, *, timeout: float | None = None, into: Any = None, zero_copy: bool = False) -> Any:
+        """Fetch the object of ``ticket``.
+
+        Args:
+            ticket: a :class:`Ticket` or its bytes.
+            timeout: seconds for the whole get (default: the receiver's).
+            into: existing tensors (same nesting or same leaf order) to write
+                into; returned as given, updated in place.
+            zero_copy: shm only: return views of the sender's pool; the
+                sender keeps the blocks until the views are collected.
+
+        Returns:
+            The object, nested as the sender put it.
+
+        Raises:
+            TicketError: a malformed or stale ticket.
+            LayoutMismatchError: ``into`` does not match the sent tensors.
+            PeerGoneError: the sender went away; the receiver stays usable.
+            TransferTimeoutError: it took longer than ``timeout``.
+        """
+        if isinstance(ticket, (bytes, bytearray, memoryview)):
+            ticket = Ticket.from_bytes(ticket)
+        if self.transport is not None and ticket.transport != self.transport:
+            raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
+        timeout = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        layout = ticket.layout
+        targets = self._check_into(layout, into) if into is not None else None
+        if zero_copy and (into is not None or ticket.streamed):
+            raise TransferError("zero_copy cannot be combined with into=, or with a streamed object (larger than the sender's free pool)")
+        ch = self._checkout(ticket, timeout)
+        key = (ticket.transport, ticket.address)
+        try:
+            with ch.lock:
+                if zero_copy:
+                    result = self._get_zero_copy(ch, ticket, layout, deadline)
+                elif ticket.streamed:
+                    result = self._get_streamed(ch, ticket, layout, targets, deadline)
+                else:
+                    result = self._get_resident(ch, ticket, layout, targets, deadline)
+        except (PeerGoneError, TransferTimeoutError, OSError) as exc:
+            self._discard(ch)  # its stream may be mid-frame: never reuse it
+            if isinstance(exc, OSError) and not isinstance(exc, TransferError):
+                raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
+            raise
+        except BaseException:
+            self._discard(ch)
+            raise
+        self._return(key, ch)
+        self.gets += 1
+        self.bytes_received += layout.total_nbytes
+        return into if into is not None else result
+
+    def _left(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError("the get ran out of time")
+        return left
+
+    def _get_resident(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline))
+        blocks = [tuple(b) for b in located.blocks]
+        if blocks != [tuple(b) for b in ticket.blocks]:
+            ch.release(ticket.id, 0, timeout=self._left(deadline))
+            raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
+        try:
+            if targets is not None and ch.supports_zero_copy:
+                # shm: one copy, from the sender's pool into the caller's tensors.
+                src = self._views(ch.remote_views(blocks), layout)
+                _copy_leaves(src, targets)
+                return None
+            dests, owner = self._destination([n for _, n in blocks])
+            ch.read_into(ticket.id, 0, blocks, dests, deadline=deadline)
+        finally:
+            ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
+        obj_leaves = self._views(dests, layout)
+        if targets is not None:
+            _copy_leaves(obj_leaves, targets)
+            return None
+        return _rebuild(layout, obj_leaves)
+
+    def _get_streamed(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
+        dests, owner = self._destination([ticket.total_nbytes])
+        whole = dests[0]
+        for piece in range(ticket.num_pieces):
+            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline))
+            blocks = [tuple(b) for b in located.blocks]
+            voff = located.virtual_offset
+            want = min(ticket.piece_nbytes, ticket.total_nbytes - piece * ticket.piece_nbytes)
+            if len(blocks) != 1 or blocks[0][1] != want or voff != piece * ticket.piece_nbytes:
+                ch.release(ticket.id, piece, timeout=5.0)
+                raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
+            try:
+                ch.read_into(ticket.id, piece, blocks, [whole[voff : voff + want]], deadline=deadline)
+            finally:
+                ch.release(ticket.id, piece, timeout=max(self._left_or_zero(deadline), 5.0))
+        leaves = self._views([whole], layout)
+        if targets is not None:
+            _copy_leaves(leaves, targets)
+            return None
+        return _rebuild(layout, leaves)
+
+    def _get_zero_copy(self, ch, ticket: Ticket, layout: Layout, deadline: float) -> Any:
+        if not ch.supports_zero_copy:
+            raise TransferError(f"zero_copy needs the shm transport; this ticket is {ticket.transport}")
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline))
+        blocks = [tuple(b) for b in located.blocks]
+        views = ch.remote_views(blocks)
+        # The hold is released when the last block view's storage dies: every
+        # returned tensor is a view of one of these, so the release follows
+        # the storage, not any one tensor object.
+        remaining = [len(views)]
+        lock = threading.Lock()
+        ch.holds += 1
+        releaser = self._releaser
+
+        def one_gone() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                releaser.submit(ch, ticket.id, 0)
+
+        for v in views:
+            _finalize_storage(v, one_gone)
+        leaves = self._views(views, layout)
+        return _rebuild(layout, leaves)
+
+    @staticmethod
+    def _left_or_zero(deadline: float) -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    def _views(self, blocks: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
+        from .pool import _views
+
+        groups = _layout.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
+        with gc_paused():
+            return _views(blocks, layout, groups)
+
+    def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], Any]:
+        """Fresh destination blocks (16-aligned), from the receive pool if any."""
+        total = sum(_layout.align_up(n, _layout.BLOCK_ALIGNMENT) for n in sizes)
+        if self.pool is not None:
+            try:
+                ext = self.pool._allocator.allocate(total)
+            except MemoryError:
+                ext = None  # receive pool full: fall back to new memory
+            if ext is not None:
+                base = self.pool.lease_view(ext.offset, total)
+                _finalize_storage(base, _PoolLease(self.pool, ext.offset))
+                return _split(base, sizes), None
+        base = torch.empty(total, dtype=torch.uint8)
+        return _split(base, sizes), None
+
+    @staticmethod
+    def _check_into(layout: Layout, into: Any) -> list[torch.Tensor]:
+        leaves, *_ = flatten(into)
+        if len(leaves) != layout.num_tensors:
+            raise LayoutMismatchError(f"into= has {len(leaves)} tensors, the sender sent {layout.num_tensors}")
+        names = layout.dtype_names()
+        shapes = layout.shapes()
+        bad = []
+        for i, (t, name, shape) in enumerate(zip(leaves, names, shapes)):
+            if str(t.dtype).removeprefix("torch.") != name or tuple(t.shape) != shape:
+                bad.append(f"tensor {i}: into= has {t.dtype}{tuple(t.shape)}, the sender sent torch.{name}{shape}")
+        if bad:
+            raise LayoutMismatchError("into= does not match what was sent: " + "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
+        return leaves
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            chans = list(self._all)
+            self._idle.clear()
+        for ch in chans:
+            self._discard(ch)
+        self._releaser.stop()
+        if self._own_pool and self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PoolLease:
+    """Frees a receive-pool block when the views made from it are collected."""
+
+    def __init__(self, pool: MemoryPool, offset: int) -> None:
+        self.pool, self.offset = pool, offset
+
+    def __call__(self) -> None:
+        try:
+            self.pool._allocator.free(self.offset)
+        except KeyError:
+            pass
+
+
+def _finalize_storage(view: torch.Tensor, callback: Any) -> None:
+    """Run ``callback`` when the storage of ``view`` is collected.
+
+    ``view`` was made by ``torch.from_numpy``; its storage keeps that numpy
+    array alive, so watching the array follows the storage: the callback
+    fires when the last tensor sharing it is gone, whichever view that is.
+    """
+    weakref.finalize(view._tf_owner, callback)  # type: ignore[attr-defined]
+
+
+def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for n in sizes:
+        out.append(base[pos : pos + n])
+        pos += _layout.align_up(n, _layout.BLOCK_ALIGNMENT)
+    return out
+
+
+def _copy_leaves(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for s, d in zip(src, dst):
+            if d.numel():
+                d.copy_(s)
+
+
+def _rebuild(layout: Layout, leaves: list[torch.Tensor]) -> Any:
+    from ._tensors import unflatten
+
+    return unflatten(layout, leaves)

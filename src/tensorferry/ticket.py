@@ -1,0 +1,106 @@
+"""``Ticket``: the small, versioned, validated claim check of one transfer.
+
+A Sender's ``put`` returns a Ticket; the user moves it over their own control
+plane (a queue, an RPC, Ray); a Receiver's ``get`` redeems it. It holds the
+layout, where the bytes are (blocks in the sender's pool, or a stream of
+pieces for objects larger than the pool), and how to reach the sender.
+Encoded with msgspec's msgpack, typed and bounded on decode; no pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from .errors import TicketError
+from .spec import MAX_LAYOUT_NBYTES, Layout
+
+__all__ = ["Ticket", "MAX_TICKET_NBYTES"]
+
+_MAGIC = b"TFTK"
+_VERSION = 1
+# The layout dominates a ticket; everything else is a few hundred bytes.
+MAX_TICKET_NBYTES = MAX_LAYOUT_NBYTES + (1 << 20)
+_MAX_BLOCKS = 1 << 20
+_MAX_ADDRESS = 512
+
+
+class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Everything a receiver needs to fetch one object from one sender.
+
+    Attributes:
+        id: the transfer's id, unique per sender.
+        transport: ``"shm"``, ``"tcp"`` or ``"nixl"``.
+        address: where the sender listens (a Unix socket name, or host:port).
+        pool_generation: the sender pool's generation; a receiver refuses a
+            ticket from an earlier pool at a recycled address.
+        layout_bytes: the encoded :class:`Layout`.
+        blocks: ``(offset, nbytes)`` in the sender's pool, one per block, when
+            the object is resident (``num_pieces == 1``).
+        total_nbytes: the object's packed size as one block (streamed objects
+            travel as byte ranges of that block).
+        piece_nbytes: bytes per piece of a streamed object.
+        num_pieces: 1 for a resident object, more for a streamed one.
+        readers: how many gets the sender waits for before freeing.
+        lease_seconds: how long unredeemed slots are kept.
+    """
+
+    id: int
+    transport: Literal["shm", "tcp", "nixl"]
+    address: Annotated[str, msgspec.Meta(max_length=_MAX_ADDRESS)]
+    pool_generation: int
+    layout_bytes: Annotated[bytes, msgspec.Meta(max_length=MAX_LAYOUT_NBYTES)]
+    blocks: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=_MAX_BLOCKS)]
+    total_nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    piece_nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    num_pieces: Annotated[int, msgspec.Meta(ge=1)]
+    readers: Annotated[int, msgspec.Meta(ge=1)]
+    lease_seconds: float
+
+    @property
+    def streamed(self) -> bool:
+        return self.num_pieces > 1 or not self.blocks and self.total_nbytes > 0
+
+    @property
+    def layout(self) -> Layout:
+        """The decoded, validated layout (decoded on every access)."""
+        return Layout.from_bytes(self.layout_bytes)
+
+    def to_bytes(self) -> bytes:
+        return _MAGIC + _VERSION.to_bytes(2, "little") + _ENCODER.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Ticket":
+        """Decode and validate a ticket (from the network: trust nothing).
+
+        Raises:
+            TicketError: truncated, oversized, corrupted or hostile bytes.
+        """
+        data = bytes(data)
+        if len(data) > MAX_TICKET_NBYTES:
+            raise TicketError(f"ticket of {len(data):,} bytes exceeds the limit of {MAX_TICKET_NBYTES:,}")
+        if len(data) < 6 or data[:4] != _MAGIC:
+            raise TicketError("not a tensorferry ticket (bad magic or truncated)")
+        version = int.from_bytes(data[4:6], "little")
+        if version != _VERSION:
+            raise TicketError(f"ticket version {version} is not supported (this tensorferry reads {_VERSION})")
+        try:
+            ticket = _DECODER.decode(data[6:])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TicketError(f"ticket is malformed: {exc}") from exc
+        for off, n in ticket.blocks:
+            if off < 0 or n <= 0 or off % 16:
+                raise TicketError(f"ticket has an invalid block (offset {off}, nbytes {n})")
+        if ticket.num_pieces > 1 and ticket.piece_nbytes <= 0:
+            raise TicketError("a streamed ticket needs a positive piece size")
+        if ticket.num_pieces > 1 and -(-ticket.total_nbytes // ticket.piece_nbytes) != ticket.num_pieces:
+            raise TicketError(
+                f"ticket says {ticket.num_pieces} pieces of {ticket.piece_nbytes:,} bytes for "
+                f"{ticket.total_nbytes:,} bytes"
+            )
+        return ticket
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Ticket)

@@ -1,0 +1,72 @@
+"""Transports, picked by name: ``shm``, ``tcp``, ``nixl``.
+
+Implementations are private modules behind the small contract of
+:mod:`tensorferry.transports._base`; this module only maps names to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TRANSPORTS", "make_server", "channel_class", "available"]
+
+TRANSPORTS = ("shm", "tcp", "nixl")
+
+
+def _check(name: str) -> None:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
+
+
+def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int) -> Any:
+    """Start the sender-side server of transport ``name``."""
+    _check(name)
+    if name in ("tcp", "nixl"):
+        from ._tcp import is_loopback
+
+        if not is_loopback(host) and not token:
+            raise ValueError(
+                f"binding the {name} transport to {host!r} (not loopback) needs a token: "
+                "pass token=... to the Sender and the same to each Receiver"
+            )
+    if name == "shm":
+        from ._shm import ShmServer
+
+        return ShmServer(ledger, token=token)
+    if name == "tcp":
+        from ._tcp import TcpServer
+
+        return TcpServer(ledger, token=token, host=host, port=port)
+    from ._nixl import NixlServer
+
+    return NixlServer(ledger, token=token, host=host, port=port)
+
+
+def channel_class(name: str) -> type:
+    """The receiver-side channel class of transport ``name``."""
+    _check(name)
+    if name == "shm":
+        from ._shm import ShmChannel
+
+        return ShmChannel
+    if name == "tcp":
+        from ._tcp import TcpChannel
+
+        return TcpChannel
+    from ._nixl import NixlChannel
+
+    return NixlChannel
+
+
+def available() -> list[str]:
+    """The transports that work on this machine."""
+    import sys
+
+    from .._info import backend_available
+
+    out = ["tcp"]
+    if sys.platform.startswith("linux"):
+        out.insert(0, "shm")
+    if backend_available("nixl"):
+        out.append("nixl")
+    return out

@@ -1,0 +1,268 @@
+"""The transport contract: a sender-side server and a receiver-side channel.
+
+A transport is a pair of small classes:
+
+* a :class:`ControlServer` subclass, run by a Sender: it accepts receivers,
+  shakes hands (token, pool identity, whatever the transport must pass), and
+  answers Acquire / Release from the sender's ledger; a transport adds its
+  own requests (tcp's Fetch) and handshake extras (shm's file descriptor,
+  nixl's agent metadata);
+* a :class:`Channel` subclass, used by a Receiver for one sender: it sends
+  Acquire / Release, and moves the bytes of acquired blocks into destination
+  memory with :meth:`Channel.read_into` (shm: one copy per block out of the
+  mapped pool; tcp: ``recv_into`` straight into the destination; nixl: a
+  one-sided READ).
+
+Everything in and out is plain data: lists of ``(offset, nbytes)`` and 1-D
+uint8 tensors. A broken or hostile peer gets its connection closed; the
+server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .. import _protocol as P
+from ..errors import (
+    AuthenticationError,
+    PeerGoneError,
+    ProtocolError,
+    TensorferryError,
+    TransferError,
+    TransferTimeoutError,
+)
+
+if TYPE_CHECKING:
+    from ..sender import Ledger
+
+__all__ = ["ControlServer", "Channel", "Connection"]
+
+log = logging.getLogger("tensorferry.transports")
+
+# A peer that starts a frame must finish it this fast; an idle connection
+# may wait forever (a receiver between gets).
+_FRAME_TIMEOUT_SECONDS = 30.0
+
+
+class Connection:
+    """One accepted receiver connection and the reader slots it holds."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.holds: dict[tuple[int, int], int] = {}
+        self.lock = threading.Lock()
+
+
+class ControlServer:
+    """Sender side: accept receivers and serve the ledger over the protocol.
+
+    Args:
+        ledger: the sender's bookkeeping of tickets and reader slots.
+        token: shared secret every receiver must present (empty: none).
+    """
+
+    transport: ClassVar[str] = ""
+
+    def __init__(self, ledger: "Ledger", *, token: bytes = b"") -> None:
+        self.ledger = ledger
+        self.token = token
+        self.listener = self._listen()
+        self._closed = False
+        self._conns: set[Connection] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tensorferry-{self.transport}-accept", daemon=True)
+        self._thread.start()
+
+    # -- what a transport provides ---------------------------------------------
+
+    def _listen(self) -> socket.socket:
+        raise NotImplementedError
+
+    @property
+    def address(self) -> str:
+        raise NotImplementedError
+
+    def _authorize(self, sock: socket.socket) -> None:
+        """Check the peer before the handshake (shm: same user)."""
+
+    def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
+        pool = self.ledger.pool
+        return P.Welcome(pool_nbytes=pool.capacity_nbytes, pool_generation=pool.generation, pool_base_addr=pool.data_ptr), []
+
+    def _handle_extra(self, conn: Connection, msg: Any) -> bool:
+        """Handle a transport-specific request; False if it is not one."""
+        return False
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, addr = self.listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.01)
+                continue
+            conn = Connection(sock, str(addr))
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tensorferry-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        sock = conn.sock
+        try:
+            self._authorize(sock)
+            sock.settimeout(_FRAME_TIMEOUT_SECONDS)
+            hello = P.recv_msg(sock, expect=(P.Hello,))
+            if not isinstance(hello, P.Hello):
+                raise ProtocolError("expected Hello")
+            if hello.transport != self.transport:
+                raise ProtocolError(f"receiver speaks {hello.transport!r}, this sender serves {self.transport!r}")
+            if self.token and not hmac.compare_digest(hello.token, self.token):
+                P.send_msg(sock, P.Failure(kind="auth", message="wrong or missing token"))
+                raise AuthenticationError(f"peer {conn.peer} presented a wrong token")
+            welcome, fds = self._welcome(conn, hello)
+            P.send_msg(sock, welcome, fds=fds)
+            while not self._closed:
+                sock.settimeout(None)
+                msg = P.recv_msg(sock)
+                sock.settimeout(_FRAME_TIMEOUT_SECONDS)
+                if isinstance(msg, P.Acquire):
+                    P.send_msg(sock, self.ledger.acquire(conn, msg))
+                elif isinstance(msg, P.Release):
+                    P.send_msg(sock, self.ledger.release(conn, msg.ticket_id, msg.piece))
+                elif not self._handle_extra(conn, msg):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from a receiver")
+        except (PeerGoneError, TransferTimeoutError):
+            pass  # the receiver went away: its holds are dropped below
+        except TensorferryError as exc:
+            log.warning("closing connection from %s: %s", conn.peer, exc)
+        except Exception:  # a bug must not kill the server for everyone
+            log.exception("closing connection from %s after an internal error", conn.peer)
+        finally:
+            self.ledger.drop_connection(conn)
+            with self._lock:
+                self._conns.discard(conn)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2.0)
+
+
+class Channel:
+    """Receiver side: one connection to one sender.
+
+    Not thread-safe: a Receiver keeps one channel per sender and thread.
+
+    Args:
+        address: the sender's address from the ticket.
+        token: the shared secret, if the sender wants one.
+        timeout: seconds for the handshake.
+    """
+
+    transport: ClassVar[str] = ""
+    supports_zero_copy: ClassVar[bool] = False
+
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, receiver: Any = None) -> None:
+        self.address = address
+        self.receiver = receiver
+        self.sock = self._connect(address, timeout)
+        self.holds = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        try:
+            self.sock.settimeout(timeout)
+            P.send_msg(self.sock, self._hello(token))
+            fds: list[int] = []
+            welcome = P.recv_msg(self.sock, expect=(P.Welcome,), fds=fds)
+            if isinstance(welcome, P.Failure):
+                if welcome.kind == "auth":
+                    raise AuthenticationError(f"sender at {address} refused us: {welcome.message}; pass the sender's token")
+                raise TransferError(f"sender at {address} refused us: {welcome.message}")
+            self.welcome: P.Welcome = welcome
+            self._on_welcome(welcome, fds)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _connect(self, address: str, timeout: float) -> socket.socket:
+        raise NotImplementedError
+
+    def _hello(self, token: bytes) -> P.Hello:
+        return P.Hello(token=token, transport=self.transport)
+
+    def _on_welcome(self, welcome: P.Welcome, fds: list[int]) -> None:
+        for fd in fds:
+            import os
+
+            os.close(fd)
+
+    # -- the contract --------------------------------------------------------------
+
+    def request(self, msg: Any, expect: type, *, timeout: float) -> Any:
+        """Send one request and wait for its reply (Failure -> TransferError)."""
+        self.sock.settimeout(max(timeout, 0.001))
+        P.send_msg(self.sock, msg)
+        reply = P.recv_msg(self.sock, expect=(expect,))
+        if isinstance(reply, P.Failure):
+            if reply.kind == "timeout":
+                raise TransferTimeoutError(f"sender at {self.address}: {reply.message}")
+            raise TransferError(f"sender at {self.address}: {reply.message}")
+        return reply
+
+    def acquire(self, ticket_id: int, piece: int, *, timeout: float) -> P.Located:
+        # The sender waits up to `timeout` for a streamed piece; our socket
+        # waits a little longer so its answer (or its Failure) gets here.
+        located = self.request(P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout), P.Located, timeout=timeout + 5.0)
+        pool_n = self.welcome.pool_nbytes
+        for off, n in located.blocks:
+            if off < 0 or n <= 0 or off + n > pool_n:
+                raise ProtocolError(f"sender located a block ({off}, {n}) outside its {pool_n:,}-byte pool")
+        return located
+
+    def release(self, ticket_id: int, piece: int, *, timeout: float) -> bool:
+        return self.request(P.Release(ticket_id=ticket_id, piece=piece), P.Released, timeout=timeout).valid
+
+    def read_into(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], dests: list[torch.Tensor], *, deadline: float) -> None:
+        """Move the bytes of acquired ``blocks`` into ``dests`` (1-D uint8, same sizes)."""
+        raise NotImplementedError
+
+    def remote_views(self, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Zero-copy views of the sender's blocks (shm only)."""
+        raise TransferError(f"the {self.transport} transport cannot hand out zero-copy views; use transport='shm'")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass

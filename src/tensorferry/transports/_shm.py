@@ -1,0 +1,108 @@
+"""``shm``: same-host transfers through the sender's memfd pool.
+
+The receiver connects to the sender's abstract Unix socket (nothing on the
+file system, nothing in /dev/shm), proves it is the same user (SO_PEERCRED),
+and receives the pool's memfd over the socket (SCM_RIGHTS). It maps the pool
+once per sender, privately (copy-on-write: a receiver that writes into a
+zero-copy view changes only its own copy, never the sender's data), and
+copies each block out with one copy, or hands out views of it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import struct
+
+import numpy as np
+import torch
+
+from .. import _protocol as P
+from ..errors import AuthenticationError, ProtocolError
+from ._base import Channel, Connection, ControlServer
+
+__all__ = ["ShmServer", "ShmChannel"]
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class ShmServer(ControlServer):
+    transport = "shm"
+
+    def _listen(self) -> socket.socket:
+        if self.ledger.pool.fd is None:
+            raise ValueError("the shm transport needs a CPU MemoryPool (a memfd); this pool is on " + str(self.ledger.pool.device))
+        self._name = f"tensorferry-{os.getpid()}-{secrets.token_hex(6)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self._name)  # abstract namespace: gone with the process
+        sock.listen(64)
+        return sock
+
+    @property
+    def address(self) -> str:
+        return "@" + self._name
+
+    def _authorize(self, sock: socket.socket) -> None:
+        pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid != os.getuid() and uid != 0:
+            raise AuthenticationError(f"process {pid} of user {uid} may not map this sender's pool")
+
+    def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
+        welcome, _ = super()._welcome(conn, hello)
+        return welcome, [self.ledger.pool.fd]
+
+
+class ShmChannel(Channel):
+    transport = "shm"
+    supports_zero_copy = True
+
+    def _connect(self, address: str, timeout: float) -> socket.socket:
+        if not address.startswith("@"):
+            raise ProtocolError(f"shm address {address!r} is not an abstract socket name")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + address[1:])
+        except OSError as exc:
+            sock.close()
+            from ..errors import PeerGoneError
+
+            raise PeerGoneError(f"no sender listens at {address} (it exited, or is on another host: use tcp) ({exc})") from exc
+        return sock
+
+    def _on_welcome(self, welcome: P.Welcome, fds: list[int]) -> None:
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"shm sender passed {len(fds)} file descriptors, expected 1")
+        fd = fds[0]
+        try:
+            size = os.fstat(fd).st_size
+            if size < welcome.pool_nbytes:
+                raise ProtocolError(f"sender's pool file has {size:,} bytes, it claims {welcome.pool_nbytes:,}")
+            self._mmap = mmap.mmap(fd, welcome.pool_nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the fd is not needed
+        self.remote = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
+
+    def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
+        for (off, n), dst in zip(blocks, dests):
+            dst.copy_(self.remote[off : off + n])
+
+    def remote_views(self, blocks):
+        # One numpy array per block, each a separate owner of the mapping:
+        # the caller ties the release of the hold to their collection.
+        out = []
+        for off, n in blocks:
+            arr = np.frombuffer(self._mmap, dtype=np.uint8, count=n, offset=off)
+            t = torch.from_numpy(arr)
+            t._tf_owner = arr  # what the receiver watches to release the hold
+            out.append(t)
+        return out
+
+    def close(self) -> None:
+        super().close()
+        # Views handed out keep the mapping alive; it is unmapped after them.
+        self.remote = None
