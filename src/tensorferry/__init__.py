@@ -37,6 +37,9 @@ _LAZY = {
     "PoolStats": "tensorferry.pool",
     "unpack": "tensorferry.pool",
     "Layout": "tensorferry.spec",
+    "Ticket": "tensorferry.ticket",
+    "Sender": "tensorferry.sender",
+    "Receiver": "tensorferry.receiver",
 }
 
 __all__ = [
@@ -47,6 +50,9 @@ __all__ = [
     "PoolStats",
     "unpack",
     "Layout",
+    "Ticket",
+    "Sender",
+    "Receiver",
     "TensorferryError",
     "PoolExhaustedError",
     "LayoutMismatchError",
@@ -66,7 +72,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .pool import Block, MemoryPool, Packed, PoolStats, unpack
+    from .receiver import Receiver
+    from .sender import Sender
     from .spec import Layout
+    from .ticket import Ticket
 
 
 def __getattr__(name: str) -> Any:

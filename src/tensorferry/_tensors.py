@@ -30,6 +30,8 @@ _TORCH_BY_CODE: dict[int, torch.dtype] = {code: _TORCH_BY_NAME[name] for name, (
 
 # Nesting beyond this depth is almost certainly a cycle or hostile input.
 _MAX_DEPTH = 256
+# Integer keys travel as decimal text of at most 32 characters (spec.py).
+_MAX_INT_KEY = 10**31
 
 
 def torch_dtype(code: int) -> torch.dtype:
@@ -92,7 +94,9 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
                 problems.append(f"{_path(path)} is a numpy array of dtype {t.dtype}; use a numeric dtype")
                 return
             if not t.flags.writeable or any(s < 0 for s in t.strides):
-                t = np.ascontiguousarray(t).copy() if not t.flags.writeable else np.ascontiguousarray(t)
+                # One C-ordered, writable copy covers both cases (the old
+                # ascontiguousarray().copy() copied a non-contiguous one twice).
+                t = np.array(t, order="C")
                 copied += 1
             try:
                 t = torch.from_numpy(t)
@@ -123,6 +127,10 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     problems.append(f"{_path(path)} has key {k!r} of type {type(k).__name__}; keys must be str or int")
+                elif isinstance(k, int) and not -_MAX_INT_KEY < k < _MAX_INT_KEY:
+                    # Layout.from_bytes rejects longer integer keys as hostile;
+                    # refuse them here rather than pack what no receiver can read.
+                    problems.append(f"{_path(path)} has integer key {k} of more than 31 digits; use a str key")
                 keys.append(k)
                 path.append(k)
                 walk(v, depth + 1)
@@ -234,6 +242,10 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
         lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys))
         # A meta tensor has no memory: address 0 with a non-zero size.
         bad = bool(np.any((ptrs == 0) & (lay.nbytes > 0)))
+        # A zero-size meta tensor has address 0 like any empty tensor: ask the
+        # few address-0 leaves their device.
+        if not bad:
+            bad = any(leaves[i].is_meta for i in np.flatnonzero(ptrs == 0).tolist())
     if bad:
         problems = _find_problems(obj)
         raise UnsupportedTensorError(

@@ -109,7 +109,9 @@ def packed_offsets(nbytes, alignments) -> tuple[np.ndarray, int]:
     # before, so only non-empty tensors take part in the placement.
     if not nonzero.all():
         idx = np.flatnonzero(nonzero)
-        sub_off, total = packed_offsets(n[idx], a[idx]) if idx.size else (np.zeros(0, np.int64), 0)
+        if not idx.size:
+            return np.zeros(n.size, dtype=np.int64), 0
+        sub_off, total = packed_offsets(n[idx], a[idx])
         ends = sub_off + n[idx]
         # Each zero-size tensor sits at the end of the last non-empty one before it.
         prior = np.cumsum(nonzero) - 1  # index into idx of the last non-empty <= i

@@ -68,7 +68,7 @@ class PsutilBackend:
         except psutil.Error as exc:
             raise _translate(exc, pid) from exc
 
-    def cheap(self, pid: int) -> ProcessMemory:
+    def cheap(self, pid: int, *, count_fds: bool | None = None) -> ProcessMemory:
         """The figures psutil reads without walking page tables.
 
         Raises:
@@ -87,7 +87,7 @@ class PsutilBackend:
                 ppid = proc.ppid()
                 threads = proc.num_threads()
                 fds: int | None = None
-                if self.count_fds:
+                if self.count_fds if count_fds is None else count_fds:
                     try:
                         fds = proc.num_handles() if sys.platform.startswith("win") else proc.num_fds()
                     except psutil.AccessDenied:

@@ -21,7 +21,7 @@ class Backend(Protocol):
 
     def cmdline(self, pid: int) -> tuple[str, ...]: ...
 
-    def cheap(self, pid: int) -> ProcessMemory: ...
+    def cheap(self, pid: int, *, count_fds: bool | None = None) -> ProcessMemory: ...
 
     def exact(self, pid: int) -> ExactMemory | None: ...
 
@@ -29,6 +29,10 @@ class Backend(Protocol):
 
 
 _DEFAULT: Backend | None = None
+_EXACT_FIELDS_START = ProcessMemory._fields.index("uss_bytes")
+assert ProcessMemory._fields[_EXACT_FIELDS_START:] == (
+    "uss_bytes", "pss_bytes", "uss_source", "exact_age_seconds", "exact_cost_seconds",
+), "with_exact() relies on the exact fields being last"
 
 
 def default_backend(proc_root: str | None = None, *, count_fds: bool = True) -> Backend:
@@ -52,12 +56,12 @@ def with_exact(cheap: ProcessMemory, exact: ExactMemory | None, age_seconds: flo
     """``cheap`` with exact figures attached (unchanged when there are none)."""
     if exact is None:
         return cheap
-    return cheap._replace(
-        uss_bytes=exact.uss_bytes,
-        pss_bytes=exact.pss_bytes,
-        uss_source="exact",
-        exact_age_seconds=age_seconds,
-        exact_cost_seconds=exact.cost_seconds,
+    # Slicing the tuple is ~5x faster than _replace, and the agent does this
+    # for every process every tick; the exact fields are the last five.
+    return tuple.__new__(
+        ProcessMemory,
+        cheap[:_EXACT_FIELDS_START]
+        + (exact.uss_bytes, exact.pss_bytes, "exact", age_seconds, exact.cost_seconds),
     )
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Literal
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -28,15 +29,16 @@ _QUIT_KEYS = frozenset("qQ")
 
 
 def format_bytes(nbytes: int | None) -> str:
-    """``1.5G``-style sizes (binary units); ``-`` for None."""
+    """``1.5G`` / ``100M``-style sizes (binary units, at most 5 characters); ``-`` for None."""
     if nbytes is None:
         return "-"
     value = float(nbytes)
     for unit in ("B", "K", "M", "G", "T"):
         if value < 1024 or unit == "T":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+            # One decimal only where it matters: keeps every column narrow.
+            return f"{value:.1f}{unit}" if value < 10 and unit != "B" else f"{value:.0f}{unit}"
         value /= 1024
-    return f"{value:.1f}T"
+    return f"{value:.0f}T"
 
 
 def _sort_value(s: ProcessMemory, key: SortKey) -> float:
@@ -77,9 +79,17 @@ def build_table(snapshot: Snapshot, *, sort_by: SortKey = "rss", limit: int | No
         f"monitor: {st.exact_reads} exact reads, {st.cpu_seconds:.2f}s CPU, "
         f"RSS {format_bytes(st.rss_bytes)}" + (f"; skipped: {errs}" if errs else "") + ". q quits"
     )
-    table = Table(title=f"tensorferry top (sorted by {sort_by})", caption=caption, expand=False)
+    # No vertical rules: twelve columns must fit an 80-column terminal.
+    table = Table(
+        title=f"tensorferry top (sorted by {sort_by})", caption=caption, expand=False,
+        box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False,
+    )
     for header in ("PID", "NAME", "RSS", "ANON", "FILE", "SHMEM", "SWAP", "USS", "PSS", "AGE", "THR", "CPU s"):
-        table.add_column(header, justify="left" if header == "NAME" else "right", no_wrap=True)
+        if header == "NAME":
+            # The name gives way first; figures and pids are never cut.
+            table.add_column(header, no_wrap=True, overflow="ellipsis", min_width=6, ratio=1)
+        else:
+            table.add_column(header, justify="right", no_wrap=True, min_width=len(header))
     for s in shown:
         title = s.cmdline[0] if s.cmdline and s.cmdline[0].startswith("ray::") else s.name
         table.add_row(
@@ -178,6 +188,9 @@ def run_top(
     from rich.live import Live
 
     console = console or Console()
+    if limit is None:
+        # Title, header, borders and caption take ~8 lines; keep the frame on screen.
+        limit = max(5, console.height - 8)
     own_keys = keys is None
     keys = keys or KeyReader()
     frames = 0
