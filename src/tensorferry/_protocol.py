@@ -41,6 +41,7 @@ __all__ = [
     "send_data_header",
     "recv_msg",
     "recv_exact_into",
+    "recv_scatter_into",
     "send_all_views",
 ]
 
@@ -242,6 +243,41 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -
         got += k
 
 
+# Linux's IOV_MAX: the most buffers one recvmsg_into / sendmsg takes.
+_IOV_MAX = 1024
+
+
+def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline: float) -> None:
+    """Fill ``views`` in order from the socket, scatter-gather (recvmsg_into),
+    straight into their memory: many small tensors cost few system calls."""
+    pending = collections.deque(v for v in views if len(v))
+    total = sum(len(v) for v in pending)
+    got = 0
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes")
+        sock.settimeout(left)
+        batch = [pending[i] for i in range(min(_IOV_MAX, len(pending)))]
+        try:
+            k = sock.recvmsg_into(batch)[0]
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the sender's connection broke after {got:,} of {total:,} bytes ({exc})") from exc
+        if k == 0:
+            raise PeerGoneError(f"the sender closed the connection after {got:,} of {total:,} bytes")
+        got += k
+        while k:
+            first = pending[0]
+            if k >= len(first):
+                k -= len(first)
+                pending.popleft()
+            else:
+                pending[0] = first[k:]
+                k = 0
+
+
 def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Scatter-gather send of memory views straight from pool memory."""
     # sendmsg takes many buffers per call but may send only part of them;
@@ -249,7 +285,7 @@ def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
     pending = collections.deque(v for v in views if len(v))
     try:
         while pending:
-            batch = [pending[i] for i in range(min(64, len(pending)))]
+            batch = [pending[i] for i in range(min(_IOV_MAX, len(pending)))]
             sent = sock.sendmsg(batch)
             while sent:
                 first = pending[0]

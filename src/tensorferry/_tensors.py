@@ -124,6 +124,9 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
         if isinstance(x, dict):
             ops.append(TreeOp.DICT)
             counts.append(len(x))
+            # All of a dict's keys go out when it opens: unflatten takes them
+            # there, before the keys of any dict nested in its values.
+            keys.extend(x)
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     problems.append(f"{_path(path)} has key {k!r} of type {type(k).__name__}; keys must be str or int")
@@ -131,7 +134,6 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
                     # Layout.from_bytes rejects longer integer keys as hostile;
                     # refuse them here rather than pack what no receiver can read.
                     problems.append(f"{_path(path)} has integer key {k} of more than 31 digits; use a str key")
-                keys.append(k)
                 path.append(k)
                 walk(v, depth + 1)
                 path.pop()

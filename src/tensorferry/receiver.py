@@ -16,6 +16,7 @@ releases the slot, and rebuilds the object as views of the destination.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ from .ticket import Ticket
 __all__ = ["Receiver"]
 
 DEFAULT_TIMEOUT_SECONDS = 60.0
+# Below this many tensors, views cost less than handing the copy to a thread.
+_OVERLAP_MIN_TENSORS = 2048
 
 
 class _Releaser:
@@ -111,6 +114,7 @@ class Receiver:
         self._idle: dict[tuple[str, str], list[Any]] = {}
         self._all: list[Any] = []
         self._releaser = _Releaser()
+        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorferry-copy")
         self._closed = False
         self.bytes_received = 0
         self.gets = 0
@@ -188,6 +192,11 @@ class Receiver:
         targets = self._check_into(layout, into) if into is not None else None
         if zero_copy and (into is not None or ticket.streamed):
             raise TransferError("zero_copy cannot be combined with into=, or with a streamed object (larger than the sender's free pool)")
+        if not ticket.blocks and not ticket.streamed:
+            # No bytes (an empty object, zero-size tensors): the sender keeps
+            # no slot for it, so there is nothing to fetch or release.
+            self.gets += 1
+            return into if into is not None else _rebuild(layout, self._views([], layout))
         ch = self._checkout(ticket, timeout)
         key = (ticket.transport, ticket.address)
         try:
@@ -229,15 +238,40 @@ class Receiver:
                 src = self._views(ch.remote_views(blocks), layout)
                 _copy_leaves(src, targets)
                 return None
-            dests, owner = self._destination([n for _, n in blocks])
-            ch.read_into(ticket.id, 0, blocks, dests, deadline=deadline)
+            if targets is not None and ch.supports_scatter:
+                # tcp: the bytes land straight in the caller's tensors.
+                segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
+                ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
+                for staged, target in fixups:
+                    target.copy_(staged.view(target.dtype).view(target.shape))
+                return None
+            dests, _ = self._destination([n for _, n in blocks])
+            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
         finally:
             ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
-        obj_leaves = self._views(dests, layout)
         if targets is not None:
             _copy_leaves(obj_leaves, targets)
             return None
         return _rebuild(layout, obj_leaves)
+
+    def _read_and_view(self, ch, ticket_id: int, piece: int, blocks, dests, layout: Layout, deadline: float) -> list[torch.Tensor]:
+        """Move the bytes and build the views; for many tensors, at once.
+
+        The views depend only on where the destination is, not on its
+        bytes, and the copy (memcpy, recv_into, NIXL) runs without the GIL:
+        building 100k views while the bytes move hides their cost.
+        """
+        if layout.num_tensors < _OVERLAP_MIN_TENSORS:
+            ch.read_into(ticket_id, piece, blocks, dests, deadline=deadline)
+            return self._views(dests, layout)
+        future = self._copier.submit(ch.read_into, ticket_id, piece, blocks, dests, deadline=deadline)
+        try:
+            leaves = self._views(dests, layout)
+        finally:
+            error = future.exception()  # always wait: the slot is released after
+        if error is not None:
+            raise error
+        return leaves
 
     def _get_streamed(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
         dests, owner = self._destination([ticket.total_nbytes])
@@ -335,6 +369,7 @@ class Receiver:
         for ch in chans:
             self._discard(ch)
         self._releaser.stop()
+        self._copier.shutdown(wait=False)
         if self._own_pool and self.pool is not None:
             self.pool.close()
 
@@ -366,6 +401,40 @@ def _finalize_storage(view: torch.Tensor, callback: Any) -> None:
     fires when the last tensor sharing it is gone, whichever view that is.
     """
     weakref.finalize(view._tf_owner, callback)  # type: ignore[attr-defined]
+
+
+def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[torch.Tensor]):
+    """The byte stream of the blocks as a list of destination segments:
+    each target tensor's own memory where it is dense, a scratch buffer for
+    alignment gaps and for targets that are not (copied after)."""
+    groups = _layout.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
+    nbytes = layout.nbytes.tolist()
+    offsets = groups.offsets.tolist()
+    bounds = groups.bounds.tolist()
+    # Alignment gaps are < 16 bytes each: one small scratch covers them all.
+    scratch = torch.empty(16 * (layout.num_tensors + len(block_nbytes)) + 16, dtype=torch.uint8)
+    spos = 0
+    segments: list[torch.Tensor] = []
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b in range(len(block_nbytes)):
+        cursor = 0
+        for i in range(bounds[b], bounds[b + 1]):
+            n = nbytes[i]
+            if not n:
+                continue
+            gap = offsets[i] - cursor
+            if gap:
+                segments.append(scratch[spos : spos + gap])
+                spos += gap
+            t = targets[i]
+            if t.is_contiguous() and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
+                segments.append(t.detach().reshape(-1).view(torch.uint8))
+            else:
+                staged = torch.empty(n, dtype=torch.uint8)
+                segments.append(staged)
+                fixups.append((staged, t))
+            cursor = offsets[i] + n
+    return segments, fixups
 
 
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -263,7 +263,9 @@ class Layout:
                 body = dec.decompress(payload, max(expected, 1))
             except zlib.error as exc:
                 raise TicketError(f"layout body is corrupted: {exc}") from exc
-            if len(body) != expected or dec.unconsumed_tail or not dec.eof:
+            # Bytes after the end of the stream (unused_data) are padding a
+            # raw body would be rejected for too.
+            if len(body) != expected or dec.unconsumed_tail or dec.unused_data or not dec.eof:
                 raise TicketError(
                     f"layout body decompresses to {len(body):,}+ bytes, expected exactly {expected:,}"
                 )

@@ -30,9 +30,10 @@ class Backend(Protocol):
 
 _DEFAULT: Backend | None = None
 _EXACT_FIELDS_START = ProcessMemory._fields.index("uss_bytes")
-assert ProcessMemory._fields[_EXACT_FIELDS_START:] == (
+if ProcessMemory._fields[_EXACT_FIELDS_START:] != (
     "uss_bytes", "pss_bytes", "uss_source", "exact_age_seconds", "exact_cost_seconds",
-), "with_exact() relies on the exact fields being last"
+):
+    raise RuntimeError("with_exact() relies on ProcessMemory's exact fields being its last five")
 
 
 def default_backend(proc_root: str | None = None, *, count_fds: bool = True) -> Backend:

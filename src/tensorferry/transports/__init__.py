@@ -67,6 +67,8 @@ def available() -> list[str]:
     out = ["tcp"]
     if sys.platform.startswith("linux"):
         out.insert(0, "shm")
-    if backend_available("nixl"):
+    import importlib.util
+
+    if backend_available("nixl") and importlib.util.find_spec("tensorferry.transports._nixl") is not None:
         out.append("nixl")
     return out

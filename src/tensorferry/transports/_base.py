@@ -189,6 +189,9 @@ class Channel:
 
     transport: ClassVar[str] = ""
     supports_zero_copy: ClassVar[bool] = False
+    # read_into accepts any list of destination segments whose sizes add up
+    # to the blocks' bytes (not one destination per block).
+    supports_scatter: ClassVar[bool] = False
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, receiver: Any = None) -> None:
         self.address = address

@@ -89,6 +89,7 @@ class TcpServer(ControlServer):
 
 class TcpChannel(Channel):
     transport = "tcp"
+    supports_scatter = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         host, port = parse_address(address)
@@ -110,5 +111,6 @@ class TcpChannel(Channel):
         want = sum(n for _, n in blocks)
         if reply[1] != want:
             raise ProtocolError(f"sender announced {reply[1]:,} bytes, the blocks hold {want:,}")
-        for dst in dests:
-            P.recv_exact_into(self.sock, memoryview(dst.numpy()), deadline=deadline)
+        if sum(d.numel() for d in dests) != want:
+            raise ProtocolError(f"destination segments hold {sum(d.numel() for d in dests):,} bytes, the blocks {want:,}")
+        P.recv_scatter_into(self.sock, [memoryview(d.numpy()) for d in dests], deadline=deadline)
