@@ -1,0 +1,300 @@
+"""What watching a process costs it: tensorferry's monitor against psutil and
+Ray dashboard's attribute sets, on the same target processes, in one run.
+
+Measures (see docs/monitor.md for the reading):
+  1. cost per sample on targets: small, 1k/10k/50k mappings, 1 and 4 GiB of
+     4 KiB pages, torch imported; for tensorferry's cheap sample (with and
+     without the fd count), its exact read, psutil memory_info(),
+     memory_full_info(), and Ray's as_dict attribute sets before and after
+     it dropped memory_full_info;
+  2. interference: the 4 GiB target maps, touches and unmaps 256 KiB in a loop
+     and records its iteration latencies with no monitor, with tensorferry's
+     Agent at 1 Hz (default budget), and with a memory_full_info loop at 1 Hz;
+  3. agent self-cost: CPU seconds per hour and RSS of an agent process
+     watching 100 processes at 1 Hz (serving /metrics on 127.0.0.1).
+
+Run: .venv/bin/python benchmarks/bench_monitor.py [--quick]
+Writes benchmarks/results/bench_monitor.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from tensorferry.monitor import Agent, AgentConfig, Selection  # noqa: E402
+from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
+
+TARGET = ROOT / "tests" / "monitor" / "fixtures" / "target.py"
+RESULTS = ROOT / "benchmarks" / "results" / "bench_monitor.json"
+
+RAY_BEFORE = ["pid", "create_time", "cpu_percent", "cpu_times", "cmdline", "memory_info", "memory_full_info", "num_fds"]
+RAY_AFTER = ["pid", "create_time", "cpu_percent", "cpu_times", "cmdline", "memory_info", "num_fds"]
+
+
+class Target:
+    """A benchmark target; ends by closing its stdin, then by its pid."""
+
+    def __init__(self, label: str, *args: str) -> None:
+        self.label = label
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TARGET), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"target {label} failed to start")
+        self.facts = json.loads(line)
+        self.pid = self.proc.pid
+
+    def churn(self, seconds: float) -> dict[str, float]:
+        self.proc.stdin.write(f"churn {seconds}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def per_call(fn, *, min_calls: int, max_seconds: float) -> float:
+    """Median seconds per call of ``fn`` (each call timed alone)."""
+    times: list[float] = []
+    deadline = time.perf_counter() + max_seconds
+    while len(times) < min_calls or (time.perf_counter() < deadline and len(times) < 20 * min_calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= min_calls and time.perf_counter() > deadline:
+            break
+    return statistics.median(times)
+
+
+def sample_costs(targets: list[Target], quick: bool) -> list[dict[str, object]]:
+    rows = []
+    with_fds = ProcfsBackend(count_fds=True)
+    no_fds = ProcfsBackend(count_fds=False)
+    cheap_n = 300 if quick else 2000
+    for t in targets:
+        p = psutil.Process(t.pid)
+        p.cpu_percent()
+        budget = 0.5 if quick else 1.5  # seconds of walking per expensive method
+        row: dict[str, object] = {"target": t.label, "pid": t.pid}
+        s = with_fds.cheap(t.pid)
+        row["rss_bytes"] = s.rss_bytes
+        row["page_table_bytes"] = s.page_table_bytes
+        with open(f"/proc/{t.pid}/maps", "rb") as f:
+            row["mappings"] = f.read().count(b"\n")
+        row["tf_cheap_s"] = per_call(lambda: with_fds.cheap(t.pid), min_calls=cheap_n, max_seconds=1)
+        row["tf_cheap_nofds_s"] = per_call(lambda: no_fds.cheap(t.pid), min_calls=cheap_n, max_seconds=1)
+        row["psutil_memory_info_s"] = per_call(p.memory_info, min_calls=cheap_n, max_seconds=1)
+        row["ray_after_s"] = per_call(lambda: p.as_dict(attrs=RAY_AFTER), min_calls=cheap_n // 4, max_seconds=1)
+        row["tf_exact_s"] = per_call(lambda: no_fds.exact(t.pid), min_calls=3, max_seconds=budget)
+        row["psutil_memory_full_info_s"] = per_call(p.memory_full_info, min_calls=3, max_seconds=budget)
+        row["ray_before_s"] = per_call(lambda: p.as_dict(attrs=RAY_BEFORE), min_calls=3, max_seconds=budget)
+        row["full_info_over_tf_cheap"] = row["psutil_memory_full_info_s"] / row["tf_cheap_s"]
+        est_agent = Agent(Selection(pids=(t.pid,)), backend=no_fds)
+        row["agent_walk_estimate_s"] = est_agent.estimate_walk_seconds(s)
+        row["agent_would_walk"] = row["agent_walk_estimate_s"] <= AgentConfig().max_stall_seconds
+        rows.append(row)
+        print(f"  sampled {t.label}", file=sys.stderr, flush=True)
+    return rows
+
+
+def interference(victim: Target, seconds: float) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    out["no monitor"] = victim.churn(seconds)
+    print("  churn: no monitor", file=sys.stderr, flush=True)
+
+    # The agent watches the victim, as the memory_full_info loop below does;
+    # walking other targets here would measure CPU contention on 2 cores, not stalls.
+    agent = Agent(Selection(pids=(victim.pid,)), AgentConfig(interval_seconds=1.0))
+    agent.start()
+    try:
+        out["tensorferry Agent 1 Hz"] = victim.churn(seconds)
+    finally:
+        agent.stop()
+    st = agent.stats()
+    out["tensorferry Agent 1 Hz"]["agent_exact_reads"] = st.exact_reads
+    out["tensorferry Agent 1 Hz"]["agent_exact_seconds"] = st.exact_seconds
+    out["tensorferry Agent 1 Hz"]["agent_stall_skips"] = st.exact_skipped_stall
+    print("  churn: agent", file=sys.stderr, flush=True)
+
+    stop = threading.Event()
+    walks: list[float] = []
+
+    def full_info_loop() -> None:
+        p = psutil.Process(victim.pid)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            p.memory_full_info()
+            walks.append(time.perf_counter() - t0)
+            stop.wait(max(0.0, 1.0 - (time.perf_counter() - t0)))
+
+    th = threading.Thread(target=full_info_loop, daemon=True)
+    th.start()
+    try:
+        out["psutil memory_full_info 1 Hz"] = victim.churn(seconds)
+    finally:
+        stop.set()
+        th.join(10)
+    out["psutil memory_full_info 1 Hz"]["walks"] = len(walks)
+    out["psutil memory_full_info 1 Hz"]["median_walk_seconds"] = statistics.median(walks) if walks else 0.0
+    print("  churn: memory_full_info", file=sys.stderr, flush=True)
+    # The noise floor: the same run again with nothing watching.
+    out["no monitor (again)"] = victim.churn(seconds)
+    return out
+
+
+AGENT_CODE = r"""
+import json, sys, time, resource
+sys.path.insert(0, sys.argv[3])
+from tensorferry.monitor import Agent, AgentConfig, Selection, serve_prometheus
+root, seconds = int(sys.argv[1]), float(sys.argv[2])
+agent = Agent(Selection(tree_root_pid=root), AgentConfig(interval_seconds=1.0))
+server = serve_prometheus(agent, host="127.0.0.1", port=0)
+agent.tick()  # warm: first exact reads of everyone, caches
+warm = agent.stats()
+cpu0 = time.process_time()
+agent.run(duration_seconds=seconds)
+cpu = time.process_time() - cpu0
+st = agent.stats()
+snap = agent.latest
+server.close()
+print(json.dumps({
+    "processes": len(snap.samples), "seconds": seconds, "cpu_seconds": cpu,
+    "ticks": st.ticks - warm.ticks,
+    "cheap_sample_seconds": st.sample_seconds - warm.sample_seconds,
+    "samples": st.samples - warm.samples,
+    "exact_seconds": st.exact_seconds - warm.exact_seconds, "exact_reads": st.exact_reads - warm.exact_reads,
+    "rss_bytes": st.rss_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+}))
+"""
+
+
+def agent_self_cost(seconds: float) -> dict[str, float]:
+    tree = Target("tree", "tree", "99")  # 1 parent + 99 children = 100 processes
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", AGENT_CODE, str(tree.pid), str(seconds), str(ROOT / "src")],
+            capture_output=True, text=True, check=True, timeout=seconds + 60,
+        )
+    finally:
+        tree.close()
+    r = json.loads(out.stdout)
+    r["cpu_seconds_per_hour"] = r["cpu_seconds"] / r["seconds"] * 3600
+    r["core_fraction"] = r["cpu_seconds"] / r["seconds"]
+    r["cheap_us_per_process"] = r["cheap_sample_seconds"] / max(1, r["samples"]) * 1e6
+    return r
+
+
+def print_tables(costs, interf, self_cost) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(width=160)
+    t = Table(title="cost per sample (median, µs)")
+    for h in ("target", "RSS", "maps", "tf cheap", "tf cheap -fds", "psutil mem_info", "Ray after",
+              "tf exact", "psutil full_info", "Ray before", "full_info / tf cheap", "agent walks?"):
+        t.add_column(h, justify="right")
+    for r in costs:
+        t.add_row(
+            r["target"], f"{r['rss_bytes'] / 2**20:.0f}M", str(r["mappings"]),
+            *(f"{r[k] * 1e6:.1f}" for k in ("tf_cheap_s", "tf_cheap_nofds_s", "psutil_memory_info_s",
+                                            "ray_after_s", "tf_exact_s", "psutil_memory_full_info_s",
+                                            "ray_before_s")),
+            f"{r['full_info_over_tf_cheap']:.0f}x",
+            "yes" if r["agent_would_walk"] else f"no (est {r['agent_walk_estimate_s'] * 1e3:.0f} ms)",
+        )
+    c.print(t)
+    base = max(interf["no monitor"], interf["no monitor (again)"], key=lambda r: r["worst_seconds"])
+    t = Table(title="interference: 4 GiB target mapping/touching/unmapping 256 KiB in a loop")
+    for h in ("monitor", "iterations", "p50 µs", "p99 µs", "p99.9 µs", "worst µs", "worst / worse no-monitor run"):
+        t.add_column(h, justify="right")
+    for name, r in interf.items():
+        t.add_row(name, str(r["iterations"]), f"{r['p50_seconds'] * 1e6:.0f}", f"{r['p99_seconds'] * 1e6:.0f}",
+                  f"{r['p999_seconds'] * 1e6:.0f}", f"{r['worst_seconds'] * 1e6:.0f}",
+                  f"{r['worst_seconds'] / base['worst_seconds']:.2f}x")
+    c.print(t)
+    s = self_cost
+    c.print(
+        f"agent self-cost, {s['processes']} processes at 1 Hz for {s['seconds']:.0f} s: "
+        f"{s['cpu_seconds_per_hour']:.1f} CPU s/hour ({s['core_fraction'] * 100:.3f}% of a core; "
+        f"cheap sample {s['cheap_us_per_process']:.1f} µs/process, exact {s['exact_seconds'] * 1e3:.1f} ms "
+        f"in {s['exact_reads']} reads); RSS {s['rss_bytes'] / 2**20:.1f} MiB "
+        f"(peak {s['peak_rss_bytes'] / 2**20:.1f} MiB)"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller targets, shorter phases (a smoke run)")
+    args = ap.parse_args()
+    big = (256, 1024) if args.quick else (1024, 4096)
+    churn_seconds = 3.0 if args.quick else 10.0
+    self_seconds = 5.0 if args.quick else 30.0
+    t_start = time.monotonic()
+    targets: list[Target] = []
+    try:
+        print("starting targets", file=sys.stderr, flush=True)
+        targets.append(Target("small", "sleep"))
+        for n in (1000, 10000, 50000):
+            targets.append(Target(f"{n // 1000}k maps", "maps", str(n)))
+        targets.append(Target(f"{big[0] // 1024 or big[0]}{'G' if big[0] >= 1024 else 'M'} RSS", "big", str(big[0])))
+        targets.append(Target(f"{big[1] // 1024}G RSS", "big", str(big[1])))
+        targets.append(Target("torch", "torch"))
+        costs = sample_costs(targets, args.quick)
+        victim = targets[5]
+        interf = interference(victim, churn_seconds)
+    finally:
+        for t in targets:
+            t.close()
+    self_cost = agent_self_cost(self_seconds)
+    cheap_max = max(r["tf_cheap_s"] for r in costs)
+    at50k = next(r for r in costs if r["target"] == "50k maps")
+    base = max(interf["no monitor"]["worst_seconds"], interf["no monitor (again)"]["worst_seconds"])
+    summary = {
+        "cheap_sample_max_us": cheap_max * 1e6,
+        "cheap_sample_target_30us_met": cheap_max <= 30e-6,
+        "full_info_over_cheap_at_50k_maps": at50k["full_info_over_tf_cheap"],
+        "ratio_target_500x_met": at50k["full_info_over_tf_cheap"] >= 500,
+        "agent_worst_over_no_monitor": interf["tensorferry Agent 1 Hz"]["worst_seconds"] / base,
+        "full_info_worst_over_no_monitor": interf["psutil memory_full_info 1 Hz"]["worst_seconds"] / base,
+        "agent_worst_within_2x_met": interf["tensorferry Agent 1 Hz"]["worst_seconds"] <= 2 * base,
+        "agent_core_percent": self_cost["core_fraction"] * 100,
+        "agent_cpu_target_0.5pct_met": self_cost["core_fraction"] < 0.005,
+        "agent_rss_mib": self_cost["rss_bytes"] / 2**20,
+        "agent_rss_target_80mib_met": self_cost["rss_bytes"] < 80 * 2**20,
+        "wall_seconds": time.monotonic() - t_start,
+    }
+    print_tables(costs, interf, self_cost)
+    print(json.dumps(summary, indent=2))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(
+        {"quick": args.quick, "kernel": os.uname().release, "cpus": os.cpu_count(),
+         "sample_costs": costs, "interference": interf, "agent_self_cost": self_cost, "summary": summary},
+        indent=2,
+    ))
+    print(f"wrote {RESULTS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
