@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 import torch
 
@@ -33,6 +34,9 @@ from .ticket import Ticket
 __all__ = ["Sender", "Ledger"]
 
 TransportName = Literal["shm", "tcp", "nixl"]
+
+# Reader count of a ticket put with readers=None: never reached.
+_UNLIMITED = 1 << 62
 
 # Default pool size of a Sender that creates its own pool.
 DEFAULT_CAPACITY_NBYTES = 256 << 20
@@ -99,6 +103,18 @@ class Ledger:
         if entry is None:
             return True
         return entry.done.wait(timeout)
+
+    def discard(self, ticket_id: int) -> None:
+        """Give up every slot nobody holds; free each piece once its holders
+        release (used for tickets put with ``readers=None``)."""
+        with self._cond:
+            entry = self._entries.get(ticket_id)
+            if entry is None:
+                return
+            for piece in entry.pieces:
+                piece.unclaimed = 0
+                piece.readers = piece.finished + piece.holding
+                self._settle(entry, piece)
 
     def live_entries(self) -> int:
         with self._cond:
@@ -307,6 +323,9 @@ class Sender:
         lease_seconds: default time a ticket's unredeemed slots are kept.
         piece_nbytes: size of the pieces of streamed objects (default: half
             the pool, so one piece is read while the next is packed).
+        prefault: touch the pool's pages now, not during the first puts.
+        extra_transports: more transports to serve the same pool over (e.g.
+            ``("tcp",)`` beside shm); see :meth:`ticket_for`.
 
     Raises:
         ValueError: an unknown transport, or a non-loopback bind without a token.
@@ -324,6 +343,7 @@ class Sender:
         lease_seconds: float = 60.0,
         piece_nbytes: int | None = None,
         prefault: bool = False,
+        extra_transports: tuple[str, ...] = (),
     ) -> None:
         from .transports import make_server
 
@@ -339,16 +359,22 @@ class Sender:
             raise ValueError(f"piece_nbytes {self.piece_nbytes:,} exceeds the pool's {cap:,} bytes")
         token_b = token.encode() if isinstance(token, str) else (token or b"")
         self.ledger = Ledger(self.pool)
+        self.servers: dict[str, Any] = {}
         try:
-            self.server = make_server(transport, self.ledger, token=token_b, host=host, port=port)
+            for name in (transport, *extra_transports):
+                if name not in self.servers:
+                    self.servers[name] = make_server(name, self.ledger, token=token_b, host=host, port=port if name == transport else 0)
         except BaseException:
+            for server in self.servers.values():
+                server.close()
             self.ledger.close()
             if self._own_pool:
                 self.pool.close()
             raise
+        self.server = self.servers[transport]
         self.address = self.server.address
 
-    def put(self, obj: Any, *, readers: int = 1, lease_seconds: float | None = None, one_shot: bool = False) -> Ticket:
+    def put(self, obj: Any, *, readers: int | None = 1, lease_seconds: float | None = None, one_shot: bool = False) -> Ticket:
         """Pack ``obj`` and return its ticket at once.
 
         Copies each view's bytes into the pool (only its own bytes). An object
@@ -358,7 +384,8 @@ class Sender:
 
         Args:
             obj: a tensor or any nesting of lists, tuples and dicts of tensors.
-            readers: number of receivers that will get it.
+            readers: number of receivers that will get it; ``None`` for any
+                number, until :meth:`discard` (the lease does not apply).
             lease_seconds: how long slots nobody acquired are kept.
             one_shot: raise instead of streaming when it does not fit.
 
@@ -366,11 +393,14 @@ class Sender:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
             PoolExhaustedError: ``one_shot`` and it does not fit; nothing held.
         """
-        if readers < 1:
-            raise ValueError(f"readers must be at least 1, got {readers}")
+        if readers is not None and readers < 1:
+            raise ValueError(f"readers must be at least 1 (or None: until discard), got {readers}")
         lease = float(lease_seconds if lease_seconds is not None else self.lease_seconds)
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
+        if readers is None:
+            # Any number of gets until discard(); the lease does not apply.
+            readers, deadline = _UNLIMITED, float("inf")
         try:
             packed = self.pool.pack(obj)
         except PoolExhaustedError:
@@ -389,11 +419,12 @@ class Sender:
             total_nbytes=_layout.packed_offsets(packed.layout.nbytes, packed.layout.alignments)[1],
             piece_nbytes=0,
             num_pieces=1,
-            readers=readers,
+            readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
         )
         if not packed.blocks:
             piece.finished = readers  # nothing to read: done already
+            packed.release()  # no ledger entry will: drop it from the pool's live set
             entry.done.set()
             return ticket
         self.ledger.add(entry)
@@ -420,11 +451,23 @@ class Sender:
             total_nbytes=total,
             piece_nbytes=size,
             num_pieces=len(pieces),
-            readers=readers,
+            readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
         )
         self.ledger.add(entry)
         return ticket
+
+    def discard(self, ticket: Ticket) -> None:
+        """Stop serving ``ticket``: no new gets; blocks are freed as soon as
+        the gets in progress (and zero-copy views) release them."""
+        self.ledger.discard(ticket.id)
+
+    def ticket_for(self, ticket: Ticket, transport: str) -> Ticket:
+        """The same ticket, redeemable over another transport this sender serves."""
+        server = self.servers.get(transport)
+        if server is None:
+            raise ValueError(f"this sender serves {', '.join(self.servers)}, not {transport!r}")
+        return msgspec.structs.replace(ticket, transport=transport, address=server.address)
 
     def wait_released(self, ticket: Ticket, timeout: float | None = None) -> None:
         """Wait until every reader released the ticket (or its lease expired).
@@ -451,7 +494,8 @@ class Sender:
 
     def close(self) -> None:
         """Stop serving and free every block (receivers mid-read will fail)."""
-        self.server.close()
+        for server in self.servers.values():
+            server.close()
         self.ledger.close()
         if self._own_pool:
             self.pool.close()

@@ -42,7 +42,8 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             travel as byte ranges of that block).
         piece_nbytes: bytes per piece of a streamed object.
         num_pieces: 1 for a resident object, more for a streamed one.
-        readers: how many gets the sender waits for before freeing.
+        readers: how many gets the sender waits for before freeing (0: any
+            number, until the sender discards it).
         lease_seconds: how long unredeemed slots are kept.
     """
 
@@ -55,7 +56,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     total_nbytes: Annotated[int, msgspec.Meta(ge=0)]
     piece_nbytes: Annotated[int, msgspec.Meta(ge=0)]
     num_pieces: Annotated[int, msgspec.Meta(ge=1)]
-    readers: Annotated[int, msgspec.Meta(ge=1)]
+    readers: Annotated[int, msgspec.Meta(ge=0)]
     lease_seconds: float
 
     @property

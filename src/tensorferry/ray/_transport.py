@@ -1,0 +1,227 @@
+"""tensorferry as a Ray Direct Transport: ``tensor_transport="tensorferry"``.
+
+Ray creates one :class:`TensorferryTransport` per process with no arguments,
+so everything it needs is read from the environment (see :func:`settings`)
+and created lazily: the source actor's Sender (shm, with tcp beside it on the
+same pool) and the destination actor's Receiver.
+
+One-sided: Ray never calls ``send_multiple_tensors``. On the source, Ray
+calls ``extract_tensor_transport_metadata`` right after the method returns;
+that packs the tensors once and puts a ticket for any number of readers in
+Ray's metadata. The destination's ``recv_multiple_tensors`` redeems it over
+shm when both actors share a node, tcp otherwise. ``garbage_collect`` (the
+ref went out of scope) discards the ticket; blocks are freed as soon as the
+reads in flight finish. A destination that dies mid-read drops its
+connection, which releases its hold.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, List, NamedTuple, Optional
+
+from ray.experimental.rdt.tensor_transport_manager import (
+    CommunicatorMetadata,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+__all__ = ["TensorferryTransport", "TensorferryTransportMetadata", "Settings", "settings", "NAME"]
+
+NAME = "tensorferry"
+
+
+class Settings(NamedTuple):
+    """Per-process configuration, read from the environment.
+
+    Attributes:
+        pool_nbytes: size of each source actor's pool
+            (``TENSORFERRY_RAY_POOL_BYTES``, default 1 GiB; a memfd costs
+            memory only for pages that were written).
+        transport: ``auto`` (shm on one node, tcp across nodes), ``shm``,
+            ``tcp`` or ``nixl`` (``TENSORFERRY_RAY_TRANSPORT``).
+        host: address the tcp server binds and advertises
+            (``TENSORFERRY_RAY_HOST``, default 127.0.0.1; set the node's IP
+            and a token for multi-host clusters).
+        token: shared secret (``TENSORFERRY_TOKEN``).
+        zero_copy: same-node receivers get views of the source's pool instead
+            of a copy (``TENSORFERRY_RAY_ZERO_COPY=1``); the source keeps the
+            blocks until those views are collected.
+        timeout_seconds: per-get timeout (``TENSORFERRY_RAY_TIMEOUT``).
+    """
+
+    pool_nbytes: int
+    transport: str
+    host: str
+    token: str
+    zero_copy: bool
+    timeout_seconds: float
+
+
+def settings() -> Settings:
+    env = os.environ
+    return Settings(
+        pool_nbytes=int(env.get("TENSORFERRY_RAY_POOL_BYTES", str(1 << 30))),
+        transport=env.get("TENSORFERRY_RAY_TRANSPORT", "auto"),
+        host=env.get("TENSORFERRY_RAY_HOST", "127.0.0.1"),
+        token=env.get("TENSORFERRY_TOKEN", ""),
+        zero_copy=env.get("TENSORFERRY_RAY_ZERO_COPY", "0") not in ("", "0", "false", "no"),
+        timeout_seconds=float(env.get("TENSORFERRY_RAY_TIMEOUT", "60")),
+    )
+
+
+@dataclass
+class TensorferryTransportMetadata(TensorTransportMetadata):
+    """Ray's metadata plus our tickets: one per transport the source serves."""
+
+    tickets: dict = field(default_factory=dict)  # transport name -> ticket bytes
+    node_id: str = ""
+    nbytes: int = 0
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+class _Process:
+    """This process's Sender and Receiver, made on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sender: Any = None
+        self.receiver: Any = None
+        self.tickets: dict[str, Any] = {}  # obj_id -> Ticket (source side)
+        self.settings = settings()
+
+    def get_sender(self) -> Any:
+        with self.lock:
+            if self.sender is None:
+                from ..sender import Sender
+
+                s = self.settings
+                primary = "nixl" if s.transport == "nixl" else ("tcp" if s.transport == "tcp" else "shm")
+                extra = ("tcp",) if primary == "shm" and s.transport == "auto" else ()
+                self.sender = Sender(primary, capacity_nbytes=s.pool_nbytes, host=s.host, token=s.token or None, extra_transports=extra)
+            return self.sender
+
+    def get_receiver(self) -> Any:
+        with self.lock:
+            if self.receiver is None:
+                from ..receiver import Receiver
+
+                self.receiver = Receiver(token=self.settings.token or None, timeout=self.settings.timeout_seconds)
+            return self.receiver
+
+
+_PROCESS: _Process | None = None
+_PROCESS_LOCK = threading.Lock()
+
+
+def _process() -> _Process:
+    global _PROCESS
+    with _PROCESS_LOCK:
+        if _PROCESS is None:
+            _PROCESS = _Process()
+        return _PROCESS
+
+
+class TensorferryTransport(TensorTransportManager):
+    """Ray's transport manager interface over tensorferry's Sender/Receiver."""
+
+    def tensor_transport_backend(self) -> str:
+        return NAME.upper()
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        # Every wait of a get has a timeout and a dead sender breaks the
+        # connection at once, so an aborted transfer never blocks either side.
+        return True
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        # Runs on every .remote() of an RDT method: no blocking round trip.
+        # An actor without tensorferry fails at extract time with a clear
+        # ImportError in its task error.
+        return True
+
+    def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: List[Any]) -> TensorferryTransportMetadata:
+        import torch
+
+        tensors = list(rdt_object)
+        meta = [(t.shape, t.dtype) for t in tensors]
+        device = tensors[0].device.type if tensors else None
+        proc = _process()
+        sender = proc.get_sender()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ticket = sender.put(tensors, readers=None)
+        tickets = {ticket.transport: ticket.to_bytes()}
+        for name in sender.servers:
+            if name != ticket.transport:
+                tickets[name] = sender.ticket_for(ticket, name).to_bytes()
+        with proc.lock:
+            proc.tickets[obj_id] = ticket
+        return TensorferryTransportMetadata(
+            tensor_meta=meta,
+            tensor_device=device,
+            tickets=tickets,
+            node_id=_node_id(),
+            nbytes=sum(t.numel() * t.element_size() for t in tensors),
+        )
+
+    def get_communicator_metadata(self, src_actor: Any, dst_actor: Any, backend: Optional[str] = None) -> CommunicatorMetadata:
+        return CommunicatorMetadata()
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorferryTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: Optional[List[Any]] = None,
+    ) -> List[Any]:
+        from ..ticket import Ticket
+
+        meta = tensor_transport_metadata
+        if not meta.tickets:
+            return []
+        proc = _process()
+        same_node = meta.node_id == _node_id()
+        order = ("shm", "tcp", "nixl") if same_node else ("tcp", "nixl")
+        name = next((n for n in order if n in meta.tickets), None)
+        if name is None:
+            from ..errors import TransferError
+
+            raise TransferError(
+                f"no usable ticket for object {obj_id}: the source serves {sorted(meta.tickets)} "
+                f"and is on {'this' if same_node else 'another'} node; set TENSORFERRY_RAY_TRANSPORT=auto"
+            )
+        ticket = Ticket.from_bytes(meta.tickets[name])
+        receiver = proc.get_receiver()
+        zero_copy = proc.settings.zero_copy and name == "shm" and not target_buffers
+        if target_buffers:
+            receiver.get(ticket, into=list(target_buffers))
+            return list(target_buffers)
+        return list(receiver.get(ticket, zero_copy=zero_copy))
+
+    def send_multiple_tensors(self, tensors: List[Any], tensor_transport_metadata: Any, communicator_metadata: Any) -> None:
+        raise NotImplementedError("tensorferry is one-sided: the destination pulls")
+
+    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: List[Any]) -> None:
+        proc = _process()
+        with proc.lock:
+            ticket = proc.tickets.pop(obj_id, None)
+        if ticket is not None and proc.sender is not None:
+            proc.sender.discard(ticket)
+
+    def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+        # Nothing to undo on either side: a destination that failed dropped
+        # (or will drop) its connection, which releases its hold; the source
+        # keeps serving the object to other readers until garbage_collect.
+        return None

@@ -1,0 +1,246 @@
+"""Weight sync for RL: one trainer actor publishes versions, N workers pull them.
+
+The trainer packs its ``state_dict`` once per version into its pool; every
+worker pulls the same packed bytes and copies them into its own parameters
+in place (``into=``): no per-worker packing, no pickling, no new memory on
+the workers. A new version is packed while workers still read the old one
+when the pool has room; otherwise the old version is retired and the
+trainer waits for its readers to finish (backpressure). Workers that join
+late get the latest version.
+
+The driver runs the protocol through ``actor.__ray_call__``, so user actor
+classes need no mixin: they only say where their weights are (by default
+``self.model.state_dict()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+__all__ = ["WeightVersion", "SyncReport", "WeightSync", "publish", "update"]
+
+
+class WeightVersion(NamedTuple):
+    """A published version: what a worker needs to pull it."""
+
+    version: int
+    tickets: dict  # transport -> ticket bytes
+    node_id: str
+    nbytes: int
+    num_tensors: int
+    pack_seconds: float
+
+
+class SyncReport(NamedTuple):
+    """One sync of every worker to a new version."""
+
+    version: int
+    seconds: float  # publish + every worker updated, as the driver saw it
+    pack_seconds: float
+    worker_seconds: list  # each worker's get (including its in-place copy)
+    nbytes: int  # bytes every worker received, summed
+    num_workers: int
+
+
+def _default_state_dict(actor: Any) -> Any:
+    model = getattr(actor, "model", None)
+    if model is not None and hasattr(model, "state_dict"):
+        return model.state_dict()
+    if hasattr(actor, "state_dict"):
+        return actor.state_dict()
+    raise AttributeError(
+        f"{type(actor).__name__} has no .model.state_dict() or .state_dict(); "
+        "pass state_dict=lambda actor: ... to WeightSync"
+    )
+
+
+class _Publisher:
+    def __init__(self, capacity_nbytes: int) -> None:
+        from ..sender import Sender
+        from ._transport import settings
+
+        s = settings()
+        self.sender = Sender("shm", capacity_nbytes=capacity_nbytes, host=s.host, token=s.token or None, extra_transports=("tcp",))
+        self.latest: Any = None
+        self.latest_version: WeightVersion | None = None
+        self.version = 0
+        self.lock = threading.Lock()
+
+
+_PUBLISHER: _Publisher | None = None
+_RECEIVER: Any = None
+_STATE_LOCK = threading.Lock()
+
+
+def _publisher(nbytes: int, capacity_nbytes: int | None) -> _Publisher:
+    global _PUBLISHER
+    with _STATE_LOCK:
+        if _PUBLISHER is None:
+            # Room for two versions: the next packs while the last is read.
+            _PUBLISHER = _Publisher(capacity_nbytes or 2 * nbytes + (64 << 20))
+        return _PUBLISHER
+
+
+def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None) -> WeightVersion:
+    """Pack ``state_dict`` as the next version (runs in the trainer process).
+
+    Raises:
+        PoolExhaustedError: the state dict does not fit even in an empty pool.
+        TransferTimeoutError: readers of older versions held the pool too long.
+    """
+    import ray
+
+    from .._tensors import flatten
+    from ..errors import PoolExhaustedError, TransferTimeoutError
+
+    leaves, *_ = flatten(state_dict)
+    nbytes = sum(t.numel() * t.element_size() for t in leaves)
+    pub = _publisher(nbytes, capacity_nbytes)
+    deadline = time.monotonic() + timeout
+    t0 = time.perf_counter()
+    with pub.lock:
+        while True:
+            try:
+                ticket = pub.sender.put(state_dict, readers=None, one_shot=True)
+                break
+            except PoolExhaustedError:
+                if pub.latest is None and pub.sender.pool.stats().used_nbytes == 0:
+                    raise
+                if pub.latest is not None:
+                    # No room for two versions: retire the last one; its
+                    # blocks return as soon as its readers finish.
+                    pub.sender.discard(pub.latest)
+                    pub.latest = None
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(
+                        f"version {pub.version + 1} could not be packed within {timeout} s: readers of older versions still hold the pool"
+                    ) from None
+                time.sleep(0.002)
+        pack_seconds = time.perf_counter() - t0
+        old, pub.latest = pub.latest, ticket
+        if old is not None:
+            pub.sender.discard(old)
+        pub.version += 1
+        tickets = {name: pub.sender.ticket_for(ticket, name).to_bytes() for name in pub.sender.servers}
+        pub.latest_version = WeightVersion(
+            version=pub.version,
+            tickets=tickets,
+            node_id=ray.get_runtime_context().get_node_id(),
+            nbytes=nbytes,
+            num_tensors=len(leaves),
+            pack_seconds=pack_seconds,
+        )
+        return pub.latest_version
+
+
+def latest() -> WeightVersion | None:
+    """The latest version published in this process (trainer side)."""
+    return None if _PUBLISHER is None else _PUBLISHER.latest_version
+
+
+def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> float:
+    """Pull ``version`` into ``targets`` in place (runs in a worker process).
+
+    Returns:
+        Seconds the get took.
+    """
+    global _RECEIVER
+    import ray
+
+    from ..receiver import Receiver
+    from ._transport import settings
+
+    with _STATE_LOCK:
+        if _RECEIVER is None:
+            s = settings()
+            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds)
+        receiver = _RECEIVER
+    same_node = version.node_id == ray.get_runtime_context().get_node_id()
+    name = "shm" if same_node and "shm" in version.tickets else "tcp"
+    t0 = time.perf_counter()
+    receiver.get(version.tickets[name], into=targets, timeout=timeout)
+    return time.perf_counter() - t0
+
+
+def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None) -> WeightVersion:
+    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes)
+
+
+def _actor_latest(actor: Any) -> WeightVersion | None:
+    return latest()
+
+
+def _actor_update(actor: Any, version: WeightVersion, targets_fn: Callable, timeout: float) -> float:
+    seconds = update(version, targets_fn(actor), timeout=timeout)
+    actor._tensorferry_weight_version = version.version
+    return seconds
+
+
+class WeightSync:
+    """Driver side: sync one trainer actor's weights to N worker actors.
+
+    Args:
+        trainer: the trainer actor handle.
+        workers: the worker actor handles.
+        state_dict: ``fn(trainer_self) -> state dict`` (default
+            ``self.model.state_dict()``).
+        targets: ``fn(worker_self) -> tensors to update in place``, in the
+            same order and shapes (default ``self.model.state_dict()``, whose
+            tensors share memory with the parameters).
+        timeout: seconds for each publish and each worker's update.
+        capacity_nbytes: the trainer's pool size (default: room for two
+            versions).
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        workers: Sequence[Any] = (),
+        *,
+        state_dict: Callable[[Any], Any] = _default_state_dict,
+        targets: Callable[[Any], Any] = _default_state_dict,
+        timeout: float = 120.0,
+        capacity_nbytes: int | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.workers = list(workers)
+        self._state_dict = state_dict
+        self._targets = targets
+        self.timeout = timeout
+        self.capacity_nbytes = capacity_nbytes
+        self.version = 0
+
+    def sync(self) -> SyncReport:
+        """Publish a new version and wait until every worker holds it."""
+        import ray
+
+        t0 = time.monotonic()
+        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes))
+        refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
+        worker_seconds = ray.get(refs)
+        seconds = time.monotonic() - t0
+        self.version = version.version
+        return SyncReport(
+            version=version.version,
+            seconds=seconds,
+            pack_seconds=version.pack_seconds,
+            worker_seconds=list(worker_seconds),
+            nbytes=version.nbytes * len(self.workers),
+            num_workers=len(self.workers),
+        )
+
+    def add_worker(self, worker: Any) -> float | None:
+        """Add a worker that joins late; it gets the latest version now.
+
+        Returns:
+            Seconds its update took, or None if nothing was published yet.
+        """
+        import ray
+
+        self.workers.append(worker)
+        version = ray.get(self.trainer.__ray_call__.remote(_actor_latest))
+        if version is None:
+            return None
+        return ray.get(worker.__ray_call__.remote(_actor_update, version, self._targets, self.timeout))
