@@ -113,6 +113,7 @@ class Receiver:
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, str], list[Any]] = {}
         self._all: list[Any] = []
+        self._resources: list[Any] = []  # closed with the receiver (nixl endpoint)
         self._releaser = _Releaser()
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorferry-copy")
         self._closed = False
@@ -369,6 +370,8 @@ class Receiver:
         for ch in chans:
             self._discard(ch)
         self._releaser.stop()
+        for res in self._resources:
+            res.close()
         self._copier.shutdown(wait=False)
         if self._own_pool and self.pool is not None:
             self.pool.close()

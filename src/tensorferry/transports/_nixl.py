@@ -1,0 +1,151 @@
+"""``nixl``: one-sided READs with NVIDIA NIXL (UCX), for RDMA-class networks.
+
+Control travels over the same framed TCP protocol as the tcp transport
+(Hello / Acquire / Release); the bytes do not. The sender registers its pool
+with NIXL once and sends its agent metadata and pool base address in the
+Welcome; the receiver registers its receive pool once, loads the sender's
+metadata, and pulls each acquired block with a READ: one descriptor per
+merged block, straight into receive-pool memory. Destinations outside the
+registered receive pool are staged through it in pool-sized chunks.
+
+Optional: needs the ``nixl`` extra (``nixl==1.5.1``, installed after torch).
+Set ``UCX_NET_DEVICES`` (``lo`` on a host without RDMA).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+from .. import _protocol as P
+from ..errors import TransferError
+from ._nixl_agent import NixlEndpoint
+from ._tcp import TcpChannel, TcpServer
+
+__all__ = ["NixlServer", "NixlChannel"]
+
+# How often the serving endpoint polls NIXL: only needed when UCX emulates
+# READ in software (TCP between hosts); on one host UCX uses CMA.
+_SERVER_PROGRESS_SECONDS = 0.005
+
+
+def _agent_name(side: str) -> str:
+    return f"tensorferry-{side}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class NixlServer(TcpServer):
+    transport = "nixl"
+
+    def __init__(self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0) -> None:
+        pool = ledger.pool
+        self.endpoint = NixlEndpoint(_agent_name("s"), progress_interval_seconds=_SERVER_PROGRESS_SECONDS)
+        try:
+            self.endpoint.register(pool.buffer)  # once, for the pool's life
+            self._metadata = self.endpoint.metadata()
+            super().__init__(ledger, token=token, host=host, port=port)
+        except BaseException:
+            self.endpoint.close()
+            raise
+
+    def _welcome(self, conn, hello):
+        pool = self.ledger.pool
+        welcome = P.Welcome(
+            pool_nbytes=pool.capacity_nbytes,
+            pool_generation=pool.generation,
+            pool_base_addr=pool.data_ptr,
+            nixl_metadata=self._metadata,
+            nixl_agent=self.endpoint.name,
+        )
+        return welcome, []
+
+    def _handle_extra(self, conn, msg) -> bool:
+        return False  # no Fetch: receivers READ
+
+    def close(self) -> None:
+        super().close()
+        self.endpoint.close()
+
+
+def _receiver_endpoint(receiver) -> NixlEndpoint:
+    """The receiver's one endpoint, with its receive pool registered once."""
+    lock = receiver._lock
+    with lock:
+        ep = getattr(receiver, "_tf_nixl_endpoint", None)
+        if ep is None or ep.closed:
+            if receiver.pool is None:
+                from ..pool import MemoryPool
+
+                receiver.pool = MemoryPool(256 << 20)
+                receiver._own_pool = True
+            ep = NixlEndpoint(_agent_name("r"))
+            ep.register(receiver.pool.buffer)
+            receiver._tf_nixl_endpoint = ep
+            receiver._resources.append(ep)
+        return ep
+
+
+class NixlChannel(TcpChannel):
+    transport = "nixl"
+    supports_scatter = False
+
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, receiver=None) -> None:
+        if receiver is None:
+            raise TransferError("the nixl channel needs its Receiver (for the registered receive pool)")
+        self.endpoint = _receiver_endpoint(receiver)
+        super().__init__(address, token=token, timeout=timeout, receiver=receiver)
+
+    def _on_welcome(self, welcome, fds) -> None:
+        super()._on_welcome(welcome, fds)
+        if not welcome.nixl_metadata:
+            raise TransferError(f"the sender at {self.address} sent no NIXL metadata; is it a nixl sender?")
+        self.remote = self.endpoint.add_remote(welcome.nixl_metadata)
+        self.base = welcome.pool_base_addr
+
+    def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
+        pool = self.receiver.pool
+        lo, hi = pool.data_ptr, pool.data_ptr + pool.capacity_nbytes
+        direct_r, direct_l, staged = [], [], []
+        for (off, n), dst in zip(blocks, dests):
+            addr = dst.data_ptr()
+            if lo <= addr and addr + n <= hi:
+                direct_r.append((self.base + off, n))
+                direct_l.append((addr, n))
+            else:
+                staged.append((off, n, dst))
+        if direct_r:
+            self.endpoint.read(self.remote, direct_r, direct_l, timeout=_left(deadline))
+        for off, n, dst in staged:
+            self._read_staged(off, n, dst, deadline)
+
+    def _read_staged(self, off: int, n: int, dst, deadline: float) -> None:
+        """READ into a chunk of the receive pool, copy out, repeat."""
+        pool = self.receiver.pool
+        done = 0
+        while done < n:
+            chunk = min(n - done, pool.stats().largest_free_nbytes)
+            if chunk <= 0:
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"the receive pool ({pool.capacity_nbytes:,} bytes) has no free space to stage a NIXL read; "
+                        "give the Receiver a larger pool or release received objects"
+                    )
+                time.sleep(0.001)
+                continue
+            ext = pool._allocator.allocate(chunk)
+            try:
+                stage = pool.view(ext)[:chunk]
+                self.endpoint.read(self.remote, [(self.base + off + done, chunk)], [(stage.data_ptr(), chunk)], timeout=_left(deadline))
+                dst[done : done + chunk].copy_(stage)
+            finally:
+                pool._allocator.free(ext.offset)
+            done += chunk
+
+
+def _left(deadline: float) -> float:
+    from ..errors import TransferTimeoutError
+
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeoutError("the get ran out of time before its NIXL read")
+    return left
