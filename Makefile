@@ -26,6 +26,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
+	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_transfer.py
+	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python benchmarks/bench_ray.py
+	$(BIN)/python benchmarks/bench_monitor.py
 
 clean:
 	rm -rf $(VENV)
