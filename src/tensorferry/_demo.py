@@ -78,7 +78,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from ._synthetic import synthetic_state_dict
 
-    console = Console()
+    # Wide enough for the table even when stdout is not a terminal.
+    console = Console(width=max(Console().width, 100))
     total = args.size_mib << 20
     console.print(f"building a synthetic state dict: ~{args.size_mib} MiB in ~{args.tensors} tensors")
     sd = synthetic_state_dict(total, args.tensors)
@@ -92,18 +93,19 @@ def run_demo(args: argparse.Namespace) -> int:
         if transfer_scenarios is not None:
             rows.extend(transfer_scenarios(sd, args, progress))
     table = Table(title="tensorferry demo (median of repeats)")
-    for col in ("scenario", "tensors", "GB/s", "time per sync", "blocks", "copy runs", "layout/ticket bytes", "verified"):
-        table.add_column(col, justify="right" if col not in ("scenario",) else "left")
+    for col in ("scenario", "tensors", "GB/s", "ms/sync", "blocks", "copy runs", "ticket B", "verified"):
+        table.add_column(col, justify="right" if col not in ("scenario",) else "left", no_wrap=True)
     for r in rows:
         table.add_row(
             r["scenario"],
             f"{r['tensors']:,}",
             f"{r['nbytes'] / r['seconds'] / 1e9:.2f}",
-            f"{r['seconds'] * 1e3:.1f} ms",
+            f"{r['seconds'] * 1e3:.1f}",
             str(r["blocks"]),
             str(r.get("copy_runs", "-")),
             f"{r['layout_bytes']:,}",
             "yes" if r["verified"] else "NO",
         )
     console.print(table)
+    console.print("GB/s counts the bytes every worker received; ticket B is the size of the layout (pool) or ticket.")
     return 0

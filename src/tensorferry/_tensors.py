@@ -235,12 +235,14 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     bad = not set(dtypes) <= _CODE_BY_TORCH.keys()
     bad = bad or set(map(_get_layout, leaves)) - {torch.strided} != set()
     bad = bad or any(map(_get_nested, leaves))
-    ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n) if not bad else None
-    shapes = list(map(_get_shape, leaves))
-    ndims = np.fromiter(map(len, shapes), dtype=np.uint8, count=n)
-    dims = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(ndims.sum(dtype=np.int64)))
-    codes = np.fromiter(map(_CODE_BY_TORCH.get, dtypes), dtype=np.uint8, count=n) if not bad else None
     if not bad:
+        # Addresses and shapes only after the checks above: a nested tensor
+        # raises RuntimeError on .shape, a sparse one on .data_ptr().
+        ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+        shapes = list(map(_get_shape, leaves))
+        ndims = np.fromiter(map(len, shapes), dtype=np.uint8, count=n)
+        dims = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(ndims.sum(dtype=np.int64)))
+        codes = np.fromiter(map(_CODE_BY_TORCH.get, dtypes), dtype=np.uint8, count=n)
         lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys))
         # A meta tensor has no memory: address 0 with a non-zero size.
         bad = bool(np.any((ptrs == 0) & (lay.nbytes > 0)))

@@ -26,6 +26,7 @@ import torch
 
 from . import layout as _layout
 from ._allocator import Allocator, Extent
+from ._copy import copy_bytes
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves, torch_dtype, unflatten
 from .errors import LayoutMismatchError, PoolExhaustedError
 from .spec import Layout
@@ -157,12 +158,11 @@ class MemoryPool:
             return
         self._closed = True
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # live views still export it; the GC unmaps it after them
-            self._mmap = None
+        # Never mmap.close(): torch.frombuffer holds a reference to the mmap,
+        # not a buffer export, so close() would succeed and unmap memory that
+        # live views still read (a segfault). Dropping our reference unmaps it
+        # now when nothing else holds it, or with the last view's storage.
+        self._mmap = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -255,38 +255,45 @@ class MemoryPool:
             pass
         # No single free block holds it: fill the largest free blocks in turn,
         # tensors in order, each block packed from its own 16-aligned start.
-        plan: list[Block] = []
-        bounds_list = [0]
-        rel = np.zeros(count, dtype=np.int64)
-        start = 0
-        for ext in self._allocator.free_extents(largest_first=True):
-            if start == count:
-                break
-            k, used = _layout.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
-            if k == 0 or used == 0:
-                break
-            off, _ = _layout.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
-            rel[start : start + k] = off
-            plan.append(Block(ext.offset, used))
-            start += k
-            bounds_list.append(start)
-        stats = self._allocator.stats()
-        if start < count:
-            biggest = int(nbytes.max())
-            raise PoolExhaustedError(
-                total,
-                stats.free_nbytes,
-                stats.largest_free_nbytes,
-                stats.capacity_nbytes,
-                detail=(
-                    f"the {count} tensors cannot be placed in the {stats.free_blocks} free "
-                    f"blocks (tensor {start} needs {int(nbytes[start]):,} bytes; the largest "
-                    f"tensor is {biggest:,})"
-                ),
-            )
-        rounded = [Extent(b.offset, _layout.align_up(b.nbytes, _layout.BLOCK_ALIGNMENT)) for b in plan]
-        self._allocator.reserve(rounded)
-        return plan, _layout.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
+        while True:
+            plan: list[Block] = []
+            bounds_list = [0]
+            rel = np.zeros(count, dtype=np.int64)
+            start = 0
+            for ext in self._allocator.free_extents(largest_first=True):
+                if start == count:
+                    break
+                k, used = _layout.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
+                if k == 0 or used == 0:
+                    break
+                off, _ = _layout.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
+                rel[start : start + k] = off
+                plan.append(Block(ext.offset, used))
+                start += k
+                bounds_list.append(start)
+            stats = self._allocator.stats()
+            if start < count:
+                biggest = int(nbytes.max())
+                raise PoolExhaustedError(
+                    total,
+                    stats.free_nbytes,
+                    stats.largest_free_nbytes,
+                    stats.capacity_nbytes,
+                    detail=(
+                        f"the {count} tensors cannot be placed in the {stats.free_blocks} free "
+                        f"blocks (tensor {start} needs {int(nbytes[start]):,} bytes; the largest "
+                        f"tensor is {biggest:,})"
+                    ),
+                )
+            rounded = [Extent(b.offset, _layout.align_up(b.nbytes, _layout.BLOCK_ALIGNMENT)) for b in plan]
+            try:
+                self._allocator.reserve(rounded)
+            except ValueError:
+                # Another thread took part of the plan between the snapshot of
+                # the free extents and now. Its allocation succeeded, so this
+                # retry is progress, not a livelock: plan again.
+                continue
+            return plan, _layout.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
 
     def _copy_in(
         self,
@@ -342,7 +349,7 @@ class MemoryPool:
                 storages[key] = src_all
             s0 = int(ptr[i] - sptr[i])
             d0 = int(d[i])
-            buf[d0 : d0 + length].copy_(src_all[s0 : s0 + length])
+            copy_bytes(buf[d0 : d0 + length], src_all[s0 : s0 + length])
         runs = int(starts.size)
         strided = 0
         for i in np.flatnonzero(~simple).tolist():

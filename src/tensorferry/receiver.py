@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from . import layout as _layout
+from ._copy import copy_tensor
 from ._tensors import flatten, gc_paused
 from .errors import LayoutMismatchError, PeerGoneError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
@@ -243,8 +244,9 @@ class Receiver:
                 # tcp: the bytes land straight in the caller's tensors.
                 segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
-                for staged, target in fixups:
-                    target.copy_(staged.view(target.dtype).view(target.shape))
+                with torch.no_grad():  # targets may be parameters that require grad
+                    for staged, target in fixups:
+                        target.copy_(staged.view(target.dtype).view(target.shape))
                 return None
             dests, _ = self._destination([n for _, n in blocks])
             obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
@@ -452,7 +454,7 @@ def _copy_leaves(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for s, d in zip(src, dst):
             if d.numel():
-                d.copy_(s)
+                copy_tensor(d, s)
 
 
 def _rebuild(layout: Layout, leaves: list[torch.Tensor]) -> Any:

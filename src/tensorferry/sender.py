@@ -26,6 +26,7 @@ import torch
 
 from . import _protocol as P
 from . import layout as _layout
+from ._copy import copy_bytes
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
 from .errors import PoolExhaustedError, TransferTimeoutError
 from .pool import Block, MemoryPool, Packed
@@ -287,7 +288,7 @@ def _pack_range(pool: MemoryPool, entry: _Entry, piece: _Piece) -> Packed:
                     src = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
                     staged += 1
                 d0 = ext.offset + int(off[i]) + lo - start
-                buf[d0 : d0 + hi - lo].copy_(src[lo:hi])
+                copy_bytes(buf[d0 : d0 + hi - lo], src[lo:hi])
                 runs += 1
     except BaseException:
         pool._allocator.free(ext.offset)

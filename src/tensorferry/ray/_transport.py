@@ -95,6 +95,7 @@ class _Process:
         self.sender: Any = None
         self.receiver: Any = None
         self.tickets: dict[str, Any] = {}  # obj_id -> Ticket (source side)
+        self.gets_by_transport: dict[str, int] = {}  # destination side: which path each get took
         self.settings = settings()
 
     def get_sender(self) -> Any:
@@ -207,8 +208,12 @@ class TensorferryTransport(TensorTransportManager):
         zero_copy = proc.settings.zero_copy and name == "shm" and not target_buffers
         if target_buffers:
             receiver.get(ticket, into=list(target_buffers))
-            return list(target_buffers)
-        return list(receiver.get(ticket, zero_copy=zero_copy))
+            result = list(target_buffers)
+        else:
+            result = list(receiver.get(ticket, zero_copy=zero_copy))
+        with proc.lock:
+            proc.gets_by_transport[name] = proc.gets_by_transport.get(name, 0) + 1
+        return result
 
     def send_multiple_tensors(self, tensors: List[Any], tensor_transport_metadata: Any, communicator_metadata: Any) -> None:
         raise NotImplementedError("tensorferry is one-sided: the destination pulls")

@@ -19,6 +19,7 @@ import secrets
 import time
 
 from .. import _protocol as P
+from .._copy import copy_bytes
 from ..errors import TransferError
 from ._nixl_agent import NixlEndpoint
 from ._tcp import TcpChannel, TcpServer
@@ -136,7 +137,7 @@ class NixlChannel(TcpChannel):
             try:
                 stage = pool.view(ext)[:chunk]
                 self.endpoint.read(self.remote, [(self.base + off + done, chunk)], [(stage.data_ptr(), chunk)], timeout=_left(deadline))
-                dst[done : done + chunk].copy_(stage)
+                copy_bytes(dst[done : done + chunk], stage)
             finally:
                 pool._allocator.free(ext.offset)
             done += chunk

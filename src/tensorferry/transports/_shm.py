@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import _protocol as P
+from .._copy import copy_bytes
 from ..errors import AuthenticationError, ProtocolError
 from ._base import Channel, Connection, ControlServer
 
@@ -89,7 +90,7 @@ class ShmChannel(Channel):
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         for (off, n), dst in zip(blocks, dests):
-            dst.copy_(self.remote[off : off + n])
+            copy_bytes(dst, self.remote[off : off + n])
 
     def remote_views(self, blocks):
         # One numpy array per block, each a separate owner of the mapping:
