@@ -79,7 +79,8 @@ def _receiver_endpoint(receiver) -> NixlEndpoint:
 
                 receiver.pool = MemoryPool(256 << 20)
                 receiver._own_pool = True
-            ep = NixlEndpoint(_agent_name("r"))
+            # The reading side makes progress while it polls its own reads.
+            ep = NixlEndpoint(_agent_name("r"), progress_interval_seconds=None)
             ep.register(receiver.pool.buffer)
             receiver._tf_nixl_endpoint = ep
             receiver._resources.append(ep)

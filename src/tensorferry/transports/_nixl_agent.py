@@ -38,6 +38,12 @@ runs. So every endpoint polls in a background thread every millisecond by
 default (about 2% of a core); pass ``progress_interval_seconds=None`` to
 turn it off and call :meth:`~NixlEndpoint.progress` from your own loop.
 
+Fencing: deregistering or closing does not stop a peer that already loaded
+our metadata from reading over CMA: it reads our process's memory by
+address, with no key the kernel checks. The transport's leases (a block is
+reused only after every reader released it) are what protect memory, not
+NIXL registration. A peer's death is detected (PeerGoneError).
+
 Importing this module does not import NIXL; the first endpoint does.
 """
 
@@ -49,6 +55,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -182,6 +189,11 @@ def _translate(exc: BaseException, what: str, peer: str | None = None) -> Transf
             f"{what}: peer {peer!r} is disconnected ({exc}); it died or closed its endpoint. "
             "This endpoint stays usable: remove_remote() the peer and add_remote() fresh metadata from a live one"
         )
+    if kind == "nixlNotFoundError":
+        return TransferError(
+            f"{what}: NIXL found no registration covering the ranges ({exc}): the peer deregistered them, "
+            "or sent metadata taken before registering; ask the peer for fresh metadata"
+        )
     return TransferError(f"{what}: NIXL raised {kind}: {exc}")
 
 
@@ -260,7 +272,8 @@ class NixlEndpoint:
     Thread-safe: one lock serializes every call into the agent (NIXL's agent
     is created without its own locking), so concurrent :meth:`read` calls on
     one endpoint run one after another, each within its own timeout. Use one
-    endpoint per thread for parallel transfers.
+    endpoint per thread for parallel transfers. :meth:`close` from another
+    thread waits for an in-flight read to end (at most its timeout).
 
     Args:
         name: agent name, unique among the agents that talk to each other
@@ -334,8 +347,13 @@ class NixlEndpoint:
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         if progress_interval_seconds is not None:
+            # The thread holds only a weak reference: an endpoint nobody
+            # closed is still collected, and its thread then ends.
             self._progress_thread = threading.Thread(
-                target=self._progress_loop, args=(progress_interval_seconds,), name=f"tensorferry-nixl-progress-{name}", daemon=True
+                target=_progress_loop,
+                args=(weakref.ref(self), self._progress_stop, progress_interval_seconds),
+                name=f"tensorferry-nixl-progress-{name}",
+                daemon=True,
             )
             self._progress_thread.start()
 
@@ -582,7 +600,7 @@ class NixlEndpoint:
             rr, lr = rr[keep], lr[keep]
         if len(rr) == 0:
             return
-        if not self._lock.acquire(timeout=timeout):
+        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise TransferTimeoutError(f"read from {remote!r} waited {timeout} s for another read on this endpoint to finish")
         try:
             self._check_open()
@@ -601,6 +619,8 @@ class NixlEndpoint:
 
     @staticmethod
     def _one_mem(regions: _Regions, idx: np.ndarray, side: str) -> str:
+        if len(set(regions.mems)) == 1:  # the usual case: one pool, nothing to look up
+            return regions.mems[0]
         kinds = {regions.mems[i] for i in np.unique(idx).tolist()}
         if len(kinds) > 1:
             raise ValueError(f"{side} ranges span {' and '.join(sorted(kinds))} memory; one read moves one memory kind per side: split it")
@@ -665,8 +685,11 @@ class NixlEndpoint:
     def progress(self) -> None:
         """Let NIXL make progress for peers reading from us (serving side); never blocks.
 
-        Needed only when UCX emulates READ in software (TCP); harmless
-        otherwise. Skips the turn if a read holds the agent (it progresses it).
+        Answers a peer's connection handshake (error handling ``peer``) and
+        serves READs that UCX emulates in software (TCP); CMA and RDMA READs
+        need nothing. The background thread calls it every millisecond by
+        default. Skips the turn if a read holds the agent (that read's polling
+        progresses it).
         """
         if not self._lock.acquire(blocking=False):
             return
@@ -680,10 +703,6 @@ class NixlEndpoint:
                     log.debug("NIXL progress failed: %s", exc)
         finally:
             self._lock.release()
-
-    def _progress_loop(self, interval_seconds: float) -> None:
-        while not self._progress_stop.wait(interval_seconds):
-            self.progress()
 
     def close(self) -> None:
         """Deregister all memory, forget all peers, release the agent; idempotent."""
@@ -733,6 +752,15 @@ class NixlEndpoint:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._registrations)} regions, {len(self._peers)} peers"
         return f"NixlEndpoint({self.name!r}, {self.backend}, {state})"
+
+
+def _progress_loop(ref: "weakref.ref[NixlEndpoint]", stop: threading.Event, interval_seconds: float) -> None:
+    while not stop.wait(interval_seconds):
+        endpoint = ref()
+        if endpoint is None:
+            return
+        endpoint.progress()
+        del endpoint
 
 
 def _merged_descs(
