@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import select
 import threading
 import time
 import weakref
@@ -131,13 +132,18 @@ class Receiver:
             if self._closed:
                 raise TransferError("this Receiver is closed")
             idle = self._idle.get(key)
+            hung: list[Any] = []
             while idle:
                 ch = idle.pop()
-                if not ch.closed:
+                if not ch.closed and not _hung_up(ch.sock):
                     break
+                hung.append(ch)
             else:
                 ch = None
+        for dead in hung:
+            self._discard(dead)
         if ch is None:
+            self._prune_idle()
             ch = channel_class(ticket.transport)(ticket.address, token=self.token, timeout=timeout, receiver=self)
             with self._lock:
                 self._all.append(ch)
@@ -148,6 +154,27 @@ class Receiver:
                 "(the sender restarted); ask for a new ticket"
             )
         return ch
+
+    def _prune_idle(self) -> None:
+        """Close idle connections whose sender hung up (it exited or closed).
+
+        Each holds a socket and, for shm, a mapping of that sender's whole
+        pool (which keeps the pool's memory alive); a long-lived receiver
+        must not keep one per sender it ever talked to.
+        """
+        with self._lock:
+            dead = []
+            for key, chans in list(self._idle.items()):
+                alive = [c for c in chans if not c.closed and not _hung_up(c.sock)]
+                dead += [c for c in chans if not any(c is a for a in alive)]
+                if alive:
+                    self._idle[key] = alive
+                else:
+                    del self._idle[key]
+        for ch in dead:
+            self._discard(ch)
+        with self._lock:
+            self._all = [c for c in self._all if not c.closed]
 
     def _return(self, key: tuple[str, str], ch: Any) -> None:
         with self._lock:
@@ -191,6 +218,9 @@ class Receiver:
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         layout = ticket.layout
+        packed_nbytes = _layout.packed_offsets(layout.nbytes, layout.alignments)[1]
+        if ticket.total_nbytes != packed_nbytes:
+            raise TicketError(f"ticket says {ticket.total_nbytes:,} bytes, its layout packs into {packed_nbytes:,}")
         targets = self._check_into(layout, into) if into is not None else None
         if zero_copy and (into is not None or ticket.streamed):
             raise TransferError("zero_copy cannot be combined with into=, or with a streamed object (larger than the sender's free pool)")
@@ -277,8 +307,7 @@ class Receiver:
         return leaves
 
     def _get_streamed(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
-        dests, owner = self._destination([ticket.total_nbytes])
-        whole = dests[0]
+        whole = None
         for piece in range(ticket.num_pieces):
             located = ch.acquire(ticket.id, piece, timeout=self._left(deadline))
             blocks = [tuple(b) for b in located.blocks]
@@ -288,6 +317,10 @@ class Receiver:
                 ch.release(ticket.id, piece, timeout=5.0)
                 raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
             try:
+                if whole is None:
+                    # Only once the sender knows the ticket: a forged or
+                    # corrupted size never sizes an allocation on its own.
+                    whole = self._destination([ticket.total_nbytes])[0][0]
                 ch.read_into(ticket.id, piece, blocks, [whole[voff : voff + want]], deadline=deadline)
             finally:
                 ch.release(ticket.id, piece, timeout=max(self._left_or_zero(deadline), 5.0))
@@ -383,6 +416,20 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _hung_up(sock: Any) -> bool:
+    """Whether an idle connection was closed by its sender.
+
+    Between requests a sender sends nothing, so anything to read (the end of
+    the stream, an error) means the connection is unusable.
+    """
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class _PoolLease:

@@ -1,8 +1,9 @@
 """The agent: select processes, sample them every tick, and spend a bounded
 CPU budget on exact figures without stalling any of them too long.
 
-Cheap figures (statm/status/stat, ~30 µs a process) are taken for every
-selected process every tick. Exact figures (smaps_rollup) make the kernel
+Cheap figures (stat every tick, status when stat shows RSS or VmSize moved
+or at least every 10 s; ~8-17 µs a process with the files held open) are
+taken for every selected process every tick. Exact figures (smaps_rollup) make the kernel
 walk the target's page tables while holding its mmap lock, so the target's
 mmap/munmap/page faults on new memory wait for the walk. The agent therefore:
 
@@ -102,6 +103,11 @@ class AgentConfig:
     """Count each process's open fds (a listdir of /proc/PID/fd, ~6 µs: a fifth of a sample)."""
     fds_every_ticks: int = 10
     """Count fds every this many ticks per process (staggered), reporting the last count between."""
+    status_max_age_seconds: float = 10.0
+    """Re-read a process's status (its anon/file/shmem split, swap, peak, page tables) at
+    least this often; sooner whenever stat shows its RSS or VmSize changed. In between the
+    last figures carry over and ``ProcessMemory.status_age_seconds`` says how old they
+    are. 0 re-reads status every tick. (Linux; other platforms read everything each tick.)"""
     max_groups: int = 50
     """Groups by name kept in each snapshot; the rest fold into ``other``."""
     rescan_seconds: float = 10.0
@@ -127,6 +133,8 @@ class AgentConfig:
             raise ValueError(f"max_groups must be >= 1, got {self.max_groups}")
         if self.fds_every_ticks < 1:
             raise ValueError(f"fds_every_ticks must be >= 1, got {self.fds_every_ticks}")
+        if not self.status_max_age_seconds >= 0:
+            raise ValueError(f"status_max_age_seconds must be >= 0, got {self.status_max_age_seconds}")
         if not self.rescan_seconds > 0:
             raise ValueError(f"rescan_seconds must be > 0, got {self.rescan_seconds}")
 
@@ -242,6 +250,11 @@ class Agent:
         # Kernel threads seen while scanning: skipped until their pid is gone.
         self._kthreads: set[int] = set()
         self._fds: dict[int, int] = {}
+        # Linux: keep each process's stat/status open and skip status while
+        # stat shows RSS and VmSize unchanged (ProcfsBackend.cheap_reusing).
+        self._cheap_reusing = getattr(self.backend, "cheap_reusing", None)
+        self._retain = getattr(self.backend, "retain", None)
+        self._sampled: set[int] = set()
         self._counters = _Counters()
         cap = max(self.config.max_stall_seconds, self.config.cpu_budget_fraction * self.config.interval_seconds)
         # The bucket holds at most one maximal permitted walk: a burst never
@@ -406,12 +419,19 @@ class Agent:
         perf = time.perf_counter
         cfg = self.config
         fds_every, fds_cache = cfg.fds_every_ticks, self._fds
+        reusing, status_age, sampled = self._cheap_reusing, cfg.status_max_age_seconds, self._sampled
+        cheap = self.backend.cheap
         for pid in self.select():
             # Stagger fd counts over ticks; a new pid is counted at once.
-            count_fds = cfg.count_fds and ((c.ticks + pid) % fds_every == 0 or pid not in fds_cache)
             t0 = perf()
             try:
-                s = self.backend.cheap(pid, count_fds=count_fds)
+                if reusing is not None:
+                    # The backend carries the last fd count between counts.
+                    count_fds = cfg.count_fds and ((c.ticks + pid) % fds_every == 0 or pid not in sampled)
+                    s = reusing(pid, count_fds=count_fds, max_status_age_seconds=status_age)
+                else:
+                    count_fds = cfg.count_fds and ((c.ticks + pid) % fds_every == 0 or pid not in fds_cache)
+                    s = cheap(pid, count_fds=count_fds)
             except ZombieProcess:
                 errors["zombie"] += 1
                 continue
@@ -428,13 +448,17 @@ class Agent:
                 self._kthreads.add(pid)
                 continue
             self._ppids[pid] = s.ppid
-            if count_fds and s.num_fds is not None:
-                fds_cache[pid] = s.num_fds
-            elif cfg.count_fds and pid in fds_cache:
-                s = s._replace(num_fds=fds_cache[pid])
+            if reusing is None:
+                if count_fds and s.num_fds is not None:
+                    fds_cache[pid] = s.num_fds
+                elif cfg.count_fds and pid in fds_cache:
+                    s = s._replace(num_fds=fds_cache[pid])
             samples.append(s)
+        alive = self._sampled = {s.pid for s in samples}
+        if self._retain is not None:
+            # Close the files of processes no longer sampled (gone, zombies, deselected).
+            self._retain(alive)
         if len(fds_cache) > 2 * len(samples) + 64:
-            alive = {s.pid for s in samples}
             for pid in [p for p in fds_cache if p not in alive]:
                 del fds_cache[pid]
         alive_keys = {(s.pid, s.create_time) for s in samples}
@@ -533,3 +557,8 @@ class Agent:
         if self._thread is not None:
             self._thread.join(timeout_seconds)
             self._thread = None
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            # The files cheap_reusing keeps open; a later tick reopens them.
+            with self._lock:
+                close()

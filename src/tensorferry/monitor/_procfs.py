@@ -33,36 +33,17 @@ _STATUS_FIELDS = (
 _STATUS_SET = frozenset(_STATUS_FIELDS)
 _ROLLUP_RE = re.compile(rb"^(Pss|Private_Clean|Private_Dirty|SwapPss):\s+(\d+) kB", re.M)
 # The Vm*/Rss* block of status as Linux 4.5+ prints it (task_mem() in
-# fs/proc/task_mmu.c): these 15 "Name: N kB" lines, in this order.
-_VM_BLOCK = [
-    b"VmPeak:", b"VmSize:", b"VmLck:", b"VmPin:", b"VmHWM:", b"VmRSS:", b"RssAnon:", b"RssFile:",
-    b"RssShmem:", b"VmData:", b"VmStk:", b"VmExe:", b"VmLib:", b"VmPTE:", b"VmSwap:",
-]
-_VM_UNITS = [b"kB"] * len(_VM_BLOCK)
+# fs/proc/task_mmu.c): 15 "Name: N kB" lines in this order. Matching the whole
+# block checks the layout and captures the 8 figures used in one pass (~2 µs,
+# half of splitting it); any other layout falls back to a line-by-line parse.
+_VM_BLOCK_RE = re.compile(
+    rb"VmPeak:\s+\d+ kB\nVmSize:\s+(\d+) kB\nVmLck:\s+\d+ kB\nVmPin:\s+\d+ kB\n"
+    rb"VmHWM:\s+(\d+) kB\nVmRSS:\s+(\d+) kB\nRssAnon:\s+(\d+) kB\nRssFile:\s+(\d+) kB\n"
+    rb"RssShmem:\s+(\d+) kB\nVmData:\s+\d+ kB\nVmStk:\s+\d+ kB\nVmExe:\s+\d+ kB\n"
+    rb"VmLib:\s+\d+ kB\nVmPTE:\s+(\d+) kB\nVmSwap:\s+(\d+) kB\n"
+)
 # CAP_SYS_PTRACE in include/uapi/linux/capability.h: lets root list any process's fds.
 _CAP_SYS_PTRACE = 19
-
-
-def _status_block(status: bytes) -> list[bytes] | None:
-    """The Vm*/Rss* block of status split into words, if it has the standard layout.
-
-    Word 3i is the i-th name of :data:`_VM_BLOCK`, 3i+1 its value in kB.
-    None when the layout differs (older kernels, kernel threads, fixtures with
-    gaps): the caller then parses line by line.
-    """
-    start = status.find(b"\nVmPeak:")
-    if start < 0:
-        return None
-    swap = status.find(b"\nVmSwap:", start)
-    if swap < 0:
-        return None
-    end = status.find(b"\n", swap + 1)
-    words = status[start:end if end > 0 else len(status)].split()
-    # Checking every name and unit keeps a reordered or extended block from
-    # being read at the wrong offsets; it costs ~0.3 µs.
-    if words[0::3] != _VM_BLOCK or words[2::3] != _VM_UNITS:
-        return None
-    return words
 
 
 def _parse_status_kb(status: bytes) -> dict[bytes, bytes]:
@@ -366,9 +347,7 @@ class ProcfsBackend:
             raise ValueError(f"max_status_age_seconds must be >= 0, got {max_status_age_seconds}")
         return self._cheap(pid, self.count_fds if count_fds is None else count_fds, max_status_age_seconds)
 
-    def _read_stat(self, pid: int, reuse: bool) -> tuple[bytes, tuple[int, int] | None]:
-        if not reuse:
-            return self._read(pid, "stat"), None
+    def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
         for _ in range(2):
             handle = self._handles.get(pid) or self._open_handle(pid)
             if handle is None:  # at the open-file limit
@@ -386,13 +365,10 @@ class ProcfsBackend:
 
     def _status_figures(self, pid: int, status: bytes, kthread: bool) -> tuple[int, ...]:
         """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, from status."""
-        w = _status_block(status)
-        if w is not None:
-            # Word 3i+1 is the value of _VM_BLOCK[i] in kB.
-            return (
-                int(w[16]) << 10, int(w[19]) << 10, int(w[22]) << 10, int(w[25]) << 10,
-                int(w[43]) << 10, int(w[13]) << 10, int(w[4]) << 10, int(w[40]) << 10,
-            )
+        m = _VM_BLOCK_RE.search(status)
+        if m is not None:
+            vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
+            return (rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10)
         kb = _parse_status_kb(status)
         page = self._page_nbytes
         shmem = int(kb.get(b"RssShmem:", 0)) << 10
@@ -428,7 +404,18 @@ class ProcfsBackend:
         # This runs for every process every tick: plain bytes operations, no
         # file objects, no per-line splitting (see benchmarks/bench_monitor.py).
         reuse = reuse_age is not None
-        raw, handle = self._read_stat(pid, reuse)
+        if reuse:
+            raw, handle = self._read_stat(pid)
+        else:
+            handle = None
+            try:
+                fd = os.open(f"{self.proc_root}/{pid}/stat", os.O_RDONLY)
+                try:
+                    raw = os.read(fd, _READ_NBYTES)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _translate(exc, pid) from exc
         close = raw.rfind(b")")
         if close < 0:
             raise NoSuchProcess(pid, msg=f"pid {pid}: {self.proc_root}/{pid}/stat is empty")
@@ -460,8 +447,22 @@ class ProcfsBackend:
                 except OSError as exc:
                     raise _translate(exc, pid) from exc
             else:
-                status = self._read(pid, "status")
-            figures = self._status_figures(pid, status, kthread)
+                try:
+                    fd = os.open(f"{self.proc_root}/{pid}/status", os.O_RDONLY)
+                    try:
+                        status = os.read(fd, _READ_NBYTES)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    raise _translate(exc, pid) from exc
+            m = _VM_BLOCK_RE.search(status)
+            if m is not None:
+                vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
+                figures = (
+                    rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10
+                )
+            else:
+                figures = self._status_figures(pid, status, kthread)
             read_at = now
         if count_fds:
             num_fds = self._count_fds(pid)

@@ -155,6 +155,8 @@ class TensorferryTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: List[Any]) -> TensorferryTransportMetadata:
         import torch
 
+        from ..errors import PoolExhaustedError
+
         tensors = list(rdt_object)
         meta = [(t.shape, t.dtype) for t in tensors]
         device = tensors[0].device.type if tensors else None
@@ -162,7 +164,23 @@ class TensorferryTransport(TensorTransportManager):
         sender = proc.get_sender()
         if device == "cuda":
             torch.cuda.synchronize()
-        ticket = sender.put(tensors, readers=None)
+        try:
+            # One shot, never streamed: a ticket for any number of readers
+            # keeps every piece until garbage_collect, so the pieces after
+            # the first pool-full would never be packed and readers would hang.
+            ticket = sender.put(tensors, readers=None, one_shot=True)
+        except PoolExhaustedError as exc:
+            raise PoolExhaustedError(
+                exc.requested_nbytes,
+                exc.free_nbytes,
+                exc.largest_free_nbytes,
+                exc.capacity_nbytes,
+                detail=(
+                    "this actor's tensorferry pool holds every RDT object it returned until its refs are freed; "
+                    "free refs you no longer need, or give the actor a larger pool: "
+                    "runtime_env={'env_vars': tensorferry.ray.env_vars(pool_nbytes=...)} (TENSORFERRY_RAY_POOL_BYTES)"
+                ),
+            ) from exc
         tickets = {ticket.transport: ticket.to_bytes()}
         for name in sender.servers:
             if name != ticket.transport:

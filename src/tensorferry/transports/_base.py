@@ -133,9 +133,17 @@ class ControlServer:
             welcome, fds = self._welcome(conn, hello)
             P.send_msg(sock, welcome, fds=fds)
             while not self._closed:
+                # Idle between requests: wait for a first byte without a
+                # timeout; once a frame starts, it must finish in time.
                 sock.settimeout(None)
-                msg = P.recv_msg(sock)
+                try:
+                    started = sock.recv(1, socket.MSG_PEEK)
+                except OSError as exc:
+                    raise PeerGoneError(f"receiver {conn.peer} went away ({exc})") from exc
+                if not started:
+                    raise PeerGoneError(f"receiver {conn.peer} closed the connection")
                 sock.settimeout(_FRAME_TIMEOUT_SECONDS)
+                msg = P.recv_msg(sock)
                 if isinstance(msg, P.Acquire):
                     P.send_msg(sock, self.ledger.acquire(conn, msg))
                 elif isinstance(msg, P.Release):

@@ -107,3 +107,13 @@ class ShmChannel(Channel):
         super().close()
         # Views handed out keep the mapping alive; it is unmapped after them.
         self.remote = None
+        # Unmap now if no view is alive: the mapping pins the sender's pool
+        # memory, and Python's mmap holds a dup of the memfd until closed.
+        # Zero-copy views export its buffer (BufferError): then the last of
+        # them drops the mmap object, which unmaps and closes the fd.
+        m, self._mmap = getattr(self, "_mmap", None), None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass

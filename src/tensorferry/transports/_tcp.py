@@ -82,7 +82,8 @@ class TcpServer(ControlServer):
         pool = self.ledger.pool
         host = pool.buffer.numpy()
         P.send_data_header(conn.sock, sum(n for _, n in blocks))
-        conn.sock.settimeout(None)
+        # The frame timeout stays on: a receiver that stops reading for that
+        # long (hung, stopped) must not pin the piece's blocks forever.
         P.send_all_views(conn.sock, [memoryview(host[off : off + n]) for off, n in blocks])
         return True
 

@@ -1,0 +1,93 @@
+"""The command line, run as a user runs it: real processes, real exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorferry", *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+
+
+def test_info_lists_versions_and_backends():
+    out = run("info")
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
+    import tensorferry
+
+    assert rows["tensorferry"].strip() == tensorferry.__version__
+    assert rows["python"].strip() == sys.version.split()[0]
+    assert rows["torch"].strip().startswith("2.")
+    backends = [b.strip() for b in rows["backends"].split(",")]
+    assert "pool" in backends and "tcp" in backends
+    assert "shm" in backends  # Linux
+    assert "cuda" in rows
+
+
+def test_console_script_runs():
+    script = Path(sys.executable).with_name("tensorferry")
+    if not script.exists():
+        pytest.skip("the tensorferry console script is not installed in this environment")
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("tensorferry ")
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_and_prints_the_table():
+    out = run("demo", "--size-mib", "32", "--tensors", "200", "--repeats", "1", "--no-progress", timeout=220)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "tensorferry demo" in text
+    for column in ("scenario", "tensors", "GB/s", "blocks", "copy runs", "verified"):
+        assert column in text, column
+    pool_rows = [line for line in text.splitlines() if "pool (pack+unpack)" in line]
+    assert len(pool_rows) == 1
+    assert "yes" in pool_rows[0] and " NO " not in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("demo", "--no-such-option"),
+        ("demo", "--size-mib", "lots"),
+        ("no-such-verb",),
+        (),
+    ],
+    ids=["unknown option", "bad value", "unknown verb", "no verb"],
+)
+def test_bad_usage_exits_2(args):
+    out = run(*args, timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "usage:" in out.stderr
+    assert out.stdout == ""
+
+
+def test_errors_print_type_and_message_and_exit_1(monkeypatch, capsys):
+    from tensorferry import cli
+    from tensorferry.errors import PoolExhaustedError
+
+    def fail(args):
+        raise PoolExhaustedError(100, 10, 10, 64)
+
+    monkeypatch.setattr(cli, "_cmd_info", fail)
+    assert cli.main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("PoolExhaustedError: pool cannot hold 100 bytes")
+
+
+def test_version_option():
+    out = run("--version", timeout=60)
+    assert out.returncode == 0
+    import tensorferry
+
+    assert out.stdout.strip() == f"tensorferry {tensorferry.__version__}"
