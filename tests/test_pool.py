@@ -866,3 +866,25 @@ def test_pack_and_unpack_on_cuda():
             assert b.data_ptr() % b.element_size() == 0
         packed.release()
         assert pool.stats().used_nbytes == 0
+
+
+def test_unpack_runs_of_equal_and_mixed_shapes_round_trip():
+    """Views are made in bulk per stretch of equal shapes; every mix of
+    stretches (lengths 1..5, 0-d, 1-D, 3-D, dtype changes) must come back exact."""
+    import random
+
+    rng = random.Random(7)
+    shapes = [(), (3,), (2, 3), (2, 2, 2), (5,), (1, 4)]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.int16, torch.float64]
+    objs = []
+    for _ in range(60):
+        shape, dtype = rng.choice(shapes), rng.choice(dtypes)
+        for _ in range(rng.randint(1, 5)):
+            objs.append((torch.randn(shape) * 100).to(dtype))
+    with MemoryPool(1 << 20) as pool:
+        packed = pool.pack(objs)
+        out = pool.unpack(packed)
+        assert len(out) == len(objs)
+        for a, b in zip(objs, out):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        packed.release()

@@ -144,7 +144,7 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
             counts.append(len(x))
             # Fast path: a flat sequence of plain tensors (model parameters).
             # Its leaves are checked in bulk by inspect_leaves.
-            if x and all(type(v) is torch.Tensor or type(v) is torch.nn.Parameter for v in x):
+            if x and set(map(type, x)) <= _PLAIN_TENSOR_TYPES:
                 leaves.extend(x)
                 ops.append(TreeOp.LEAVES)
                 counts.append(len(x))
@@ -174,14 +174,17 @@ class LeafInfo(NamedTuple):
 
     layout: Layout
     data_ptrs: np.ndarray  # int64 address of each view's first byte
-    storage_ptrs: np.ndarray  # int64 address of each view's storage
+    storage_ptrs: np.ndarray | None  # int64 address of each view's storage (device leaves only)
     raw: np.ndarray  # bool: dense and plain, so its bytes are its values
+    all_cpu: bool = True  # every leaf in host memory: copies may use addresses
 
 
 _get_dtype = attrgetter("dtype")
 _get_layout = attrgetter("layout")
 _get_shape = attrgetter("shape")
 _get_nested = attrgetter("is_nested")
+_get_is_cpu = attrgetter("is_cpu")
+_PLAIN_TENSOR_TYPES = {torch.Tensor, torch.nn.Parameter}
 
 
 @contextlib.contextmanager
@@ -224,7 +227,9 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     """Check every leaf in bulk and collect its metadata (sender side, no copies).
 
     One C-level pass per attribute (``map`` over the leaves), about 1 us per
-    tensor in all: the floor for 100k views.
+    tensor in all: the floor for 100k views. Sparse and nested tensors are
+    caught by the passes themselves (``data_ptr`` and ``shape`` raise on
+    them) rather than by passes of their own.
 
     Raises:
         UnsupportedTensorError: a leaf is sparse, quantized, nested, meta or
@@ -232,39 +237,48 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     """
     n = len(leaves)
     dtypes = list(map(_get_dtype, leaves))
-    bad = not set(dtypes) <= _CODE_BY_TORCH.keys()
-    bad = bad or set(map(_get_layout, leaves)) - {torch.strided} != set()
-    bad = bad or any(map(_get_nested, leaves))
+    kinds = set(dtypes)
+    bad = not kinds <= _CODE_BY_TORCH.keys()
     if not bad:
-        # Addresses and shapes only after the checks above: a nested tensor
-        # raises RuntimeError on .shape, a sparse one on .data_ptr().
-        ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
-        shapes = list(map(_get_shape, leaves))
-        ndims = np.fromiter(map(len, shapes), dtype=np.uint8, count=n)
-        dims = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(ndims.sum(dtype=np.int64)))
-        codes = np.fromiter(map(_CODE_BY_TORCH.get, dtypes), dtype=np.uint8, count=n)
+        try:
+            ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+            ndims = np.fromiter(map(torch.Tensor.dim, leaves), dtype=np.uint8, count=n)
+            # No list of shapes is kept: at 100k tensors it is most of the
+            # memory a pack allocates outside the pool.
+            dims = np.fromiter(
+                itertools.chain.from_iterable(map(_get_shape, leaves)), dtype=np.int64, count=int(ndims.sum(dtype=np.int64))
+            )
+        except (RuntimeError, TypeError, ValueError):
+            bad = True  # a sparse (no data_ptr) or nested (no shape) leaf
+    if not bad:
+        if len(kinds) == 1:
+            codes = np.full(n, _CODE_BY_TORCH[dtypes[0]], dtype=np.uint8)
+        else:
+            codes = np.fromiter(map(_CODE_BY_TORCH.__getitem__, dtypes), dtype=np.uint8, count=n)
         lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys))
-        # A meta tensor has no memory: address 0 with a non-zero size.
-        bad = bool(np.any((ptrs == 0) & (lay.nbytes > 0)))
-        # A zero-size meta tensor has address 0 like any empty tensor: ask the
-        # few address-0 leaves their device.
-        if not bad:
-            bad = any(leaves[i].is_meta for i in np.flatnonzero(ptrs == 0).tolist())
+        # A meta tensor has no memory: address 0. Ask the few address-0
+        # leaves (empty tensors have it too) whether they are meta, nested
+        # or not strided.
+        zero = np.flatnonzero(ptrs == 0).tolist()
+        bad = any(_leaf_problem(leaves[i]) for i in zero)
     if bad:
         problems = _find_problems(obj)
         raise UnsupportedTensorError(
             f"cannot pack {len(problems)} leaves: " + "; ".join(problems[:10])
             + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
         )
-    offsets = np.fromiter(map(torch.Tensor.storage_offset, leaves), dtype=np.int64, count=n)
-    storage_ptrs = ptrs - offsets * lay.alignments
     raw = np.fromiter(map(torch.Tensor.is_contiguous, leaves), dtype=bool, count=n)
     # The conjugate and negative bits make a tensor's bytes differ from its
     # values; such a tensor is copied value by value instead.
     raw &= ~np.fromiter(map(torch.Tensor.is_neg, leaves), dtype=bool, count=n)
-    if any(dt.is_complex for dt in set(dtypes)):
+    if any(dt.is_complex for dt in kinds):
         raw &= ~np.fromiter(map(torch.Tensor.is_conj, leaves), dtype=bool, count=n)
-    return LeafInfo(lay, ptrs, storage_ptrs, raw)
+    all_cpu = all(map(_get_is_cpu, leaves))
+    storage_ptrs = None
+    if not all_cpu:
+        offsets = np.fromiter(map(torch.Tensor.storage_offset, leaves), dtype=np.int64, count=n)
+        storage_ptrs = ptrs - offsets * lay.alignments
+    return LeafInfo(lay, ptrs, storage_ptrs, raw, all_cpu)
 
 
 def unflatten(layout: Layout, leaves: Sequence[torch.Tensor]) -> Any:

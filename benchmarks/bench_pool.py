@@ -1,0 +1,826 @@
+"""Pool benchmark: tensorferry's pack/unpack and layout math against Ray's pool.
+
+Measures, side by side in one run and on the same tensors:
+
+* ``MemoryPool.pack`` against Ray 2.60's own pool,
+  ``ray.experimental.rdt.nixl_memory_pool.MemoryPoolManager.allocate_group``
+  (constructed standalone: it is a torch tensor plus a free list, and NIXL
+  registration is a separate call Ray makes after construction, which
+  ``allocate_group`` never touches);
+* ``layout.packed_offsets`` + ``layout.group_by_block`` against Ray's
+  pure-Python ``packed_offsets`` + ``group_tensors_by_desc``;
+* one plain copy of the same bytes (``dst.copy_(src)``, contiguous uint8,
+  into already-touched anonymous memory), the limit a pack can approach, and
+  libc ``memcpy`` of the same bytes (``np.copyto``, which tensorferry itself
+  uses for large CPU runs), the floor below it;
+* ``MemoryPool.unpack`` (building the views) against that same plain copy;
+* the process's peak RSS growth during a pack, beyond the touched pool.
+
+Every pool and destination is touched before timing, so page faults are not
+measured. Releasing a pack (``Packed.release()``, Ray's ``free_object``) is
+timed separately, OUTSIDE the pack timing, for both. Peak RSS is measured in a
+fresh process per implementation and case (VmHWM after resetting it through
+/proc/self/clear_refs), so memory an earlier pack freed into malloc's free
+lists cannot hide an allocation. Results are checked after timing: the
+unpacked tensors are byte-for-byte the sources, Ray's returned regions decode
+(with Ray's own functions) to the sources, and both layout implementations
+give the same offsets and groups.
+
+torch runs with ONE intra-op thread by default (``--threads``). Every
+implementation copies with torch's ``copy_``, and on a small shared machine a
+parallel copy region stalls for a whole scheduler slice whenever the other
+core is busy (measured here: Ray's 1k-view ``allocate_group`` took 0.4-2.7 s
+with 2 threads under load, a steady 55 ms with 1); with 2 threads the ratios
+would measure the neighbours rather than the code.
+
+Run: ``.venv/bin/python benchmarks/bench_pool.py`` (``--profile`` adds a
+cProfile of tensorferry's pack and unpack of 100k views and pack of the mixed
+10k; ``--threads 2`` uses both cores for the copies). Writes
+``benchmarks/results/bench_pool.json`` and ``benchmarks/results/bench_pool.png``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Nothing here starts a NIXL agent, but importing Ray's RDT package may load
+# UCX-aware code; keep it on loopback like the rest of the project.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import platform
+import pstats
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import tensorferry
+from tensorferry import layout as tf_layout
+
+from ray.experimental.rdt import nixl_memory_pool as ray_pool
+
+MIB = 1 << 20
+# 256 MiB of float32: the storage every "views" case slices up.
+STORAGE_NBYTES = 256 * MIB
+VIEW_COUNTS = (1, 1_000, 10_000, 100_000)
+MIXED_COUNT = 10_000
+# 64 MiB keeps the mixed case copy-bound yet leaves its 10k per-tensor
+# overheads visible; a quarter of the views' storage.
+MIXED_NBYTES = 64 * MIB
+# Metadata-only case for the layout math: offsets with padding at 100k.
+MIXED_LAYOUT_COUNT = 100_000
+SUBSET_EVERY = 8
+# Views are cut on multiples of 16 elements, so half of them can be 2-D.
+VIEW_GRAIN = 16
+# Pools hold the largest case plus room for alignment padding.
+POOL_NBYTES = STORAGE_NBYTES + MIB
+REPEATS = 7
+MIN_REPEATS = 3
+# Sub-5 ms calls (the layout math, small unpacks) get more repeats: one
+# scheduler hiccup on a shared machine is several ms, so a median of 7 such
+# short calls is still noisy, and 25 cost nothing.
+FAST_SECONDS = 0.005
+FAST_REPEATS = 25
+# A measurement whose warm-up took long gets fewer repeats: about this many
+# seconds of timed calls each, never fewer than MIN_REPEATS.
+SLOW_BUDGET_SECONDS = 2.5
+MIXED_DTYPES = (
+    # (dtype, weight): mostly float32/bfloat16 as in a model, plus every
+    # element size from 1 to 8 so the layout needs padding.
+    (torch.float32, 40),
+    (torch.bfloat16, 20),
+    (torch.float16, 10),
+    (torch.int64, 8),
+    (torch.float64, 5),
+    (torch.int32, 5),
+    (torch.int8, 5),
+    (torch.uint8, 4),
+    (torch.bool, 3),
+)
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+TARGETS = (
+    # (key, description, required ratio, how the ratio reads)
+    ("pack_10k_vs_ray", "pack 10k views vs Ray allocate_group", 4.0, "Ray / tensorferry >= 4"),
+    ("pack_10k_vs_copy", "pack 10k views vs one plain copy", 2.5, "tensorferry / copy <= 2.5"),
+    ("pack_100k_vs_ray", "pack 100k views vs Ray allocate_group", 10.0, "Ray / tensorferry >= 10"),
+    ("layout_100k_vs_ray", "offsets + grouping, 100k tensors vs Ray pair", 20.0, "Ray / tensorferry >= 20"),
+    ("rss_256mib_1", "peak RSS growth, first pack of 256 MiB as 1 tensor", 5.0, "<= 5 % of packed bytes"),
+    ("rss_256mib_100k", "peak RSS growth, first pack of 256 MiB as 100k views", 5.0, "<= 5 % of packed bytes"),
+)
+
+
+# -- cases ---------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One set of source tensors, packed by every implementation."""
+
+    key: str
+    label: str
+    tensors: list[torch.Tensor]
+    # Contiguous uint8 with the same byte count, for the plain-copy reference.
+    copy_src: torch.Tensor
+    num_views: int | None = None  # x position in the plot (views cases only)
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.copy_src.numel())
+
+
+def make_storage() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(STORAGE_NBYTES // 4, generator=gen, dtype=torch.float32)
+
+
+def make_views(storage: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``count`` adjacent views that tile ``storage``, half 2-D, half 1-D."""
+    numel = storage.numel()
+    if count == 1:
+        side = int(round(numel**0.5))
+        return [storage.view(side, numel // side)] if side * (numel // side) == numel else [storage]
+    bounds = (np.linspace(0, numel // VIEW_GRAIN, count + 1).round().astype(np.int64) * VIEW_GRAIN).tolist()
+    views = []
+    for i in range(count):
+        v = storage[bounds[i] : bounds[i + 1]]
+        views.append(v.view(-1, VIEW_GRAIN) if i % 2 == 0 else v)
+    return views
+
+
+def mixed_sizes(count: int, total_nbytes: int, seed: int) -> tuple[list[torch.dtype], list[int]]:
+    """Dtypes and element counts of ``count`` tensors of about ``total_nbytes``."""
+    rng = np.random.default_rng(seed)
+    dts = [d for d, _ in MIXED_DTYPES]
+    w = np.array([w for _, w in MIXED_DTYPES], dtype=np.float64)
+    picks = rng.choice(len(dts), size=count, p=w / w.sum())
+    # Log-normal sizes: many small tensors (biases, norms), a few large ones.
+    raw = rng.lognormal(mean=0.0, sigma=1.5, size=count)
+    elem = np.array([torch.empty(0, dtype=dts[p]).element_size() for p in picks], dtype=np.float64)
+    numels = np.maximum(1, (raw / (raw * elem).sum() * total_nbytes)).astype(np.int64)
+    return [dts[p] for p in picks], numels.tolist()
+
+
+def make_mixed(count: int, total_nbytes: int) -> list[torch.Tensor]:
+    """``count`` separate tensors (own storages) of mixed dtypes, random bytes."""
+    dtypes, numels = mixed_sizes(count, total_nbytes, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for i, (dt, n) in enumerate(zip(dtypes, numels)):
+        es = torch.empty(0, dtype=dt).element_size()
+        if dt == torch.bool:
+            t = torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8).view(torch.bool)
+        else:
+            t = torch.randint(0, 256, (n * es,), generator=gen, dtype=torch.uint8).view(dt)
+        # Every third tensor 2-D when its size allows, as weight matrices are.
+        if i % 3 == 0 and n % 8 == 0 and n >= 64:
+            t = t.view(-1, 8)
+        out.append(t)
+    return out
+
+
+def touched_bytes(nbytes: int) -> torch.Tensor:
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    t.fill_(7)
+    return t
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def build_cases(storage: torch.Tensor) -> list[Case]:
+    cases = []
+    storage_bytes = storage.view(torch.uint8)
+    views_by_count = {}
+    for n in VIEW_COUNTS:
+        views = make_views(storage, n)
+        views_by_count[n] = views
+        label = f"{n:,} view{'s' if n > 1 else ''} of 256 MiB"
+        cases.append(Case(f"views_{n}", label, views, storage_bytes, num_views=n))
+    mixed = make_mixed(MIXED_COUNT, MIXED_NBYTES)
+    mixed_nbytes = sum(t.numel() * t.element_size() for t in mixed)
+    cases.append(Case("mixed_10000", f"{MIXED_COUNT:,} separate, mixed dtypes", mixed, touched_bytes(mixed_nbytes)))
+    for n in (10_000, 100_000):
+        sub = views_by_count[n][::SUBSET_EVERY]
+        sub_nbytes = sum(t.numel() * t.element_size() for t in sub)
+        cases.append(
+            Case(f"subset_{n}", f"1 in {SUBSET_EVERY} of {n:,} views", sub, touched_bytes(sub_nbytes))
+        )
+    return cases
+
+
+# -- timing --------------------------------------------------------------------
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds one call takes (after a GC pass outside the timing), and its result."""
+    gc.collect()
+    t0 = time.perf_counter_ns()
+    out = fn(*args)
+    return (time.perf_counter_ns() - t0) * 1e-9, out
+
+
+def repeats_for(warm_seconds: float) -> int:
+    if warm_seconds < FAST_SECONDS:
+        return FAST_REPEATS
+    return max(MIN_REPEATS, min(REPEATS, int(SLOW_BUDGET_SECONDS / max(warm_seconds, 1e-9))))
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "repeats": len(samples), "samples_s": samples}
+
+
+def measure_case(case: Case, pool: tensorferry.MemoryPool, ray_mgr: Any, copy_dst: torch.Tensor) -> None:
+    tensors = case.tensors
+    nbytes = case.nbytes
+    dst = copy_dst[:nbytes]
+    pool_dst = pool.buffer[:nbytes]
+    src = case.copy_src
+    dst_np, src_np = dst.numpy(), src.numpy()
+    res = case.results
+
+    # Metadata both layout implementations start from (built outside the timing,
+    # as each side has it before the math: Ray from tensor_meta, tf from Layout).
+    lay_nbytes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
+    lay_align = np.array([t.element_size() for t in tensors], dtype=np.int64)
+    ray_layouts = [ray_pool.TensorLayout(int(n), int(a)) for n, a in zip(lay_nbytes, lay_align)]
+
+    def tf_layout_math() -> tuple[np.ndarray, int, Any]:
+        offsets, total = tf_layout.packed_offsets(lay_nbytes, lay_align)
+        groups = tf_layout.group_by_block(lay_nbytes, lay_align, [total])
+        return offsets, total, groups
+
+    def ray_layout_math() -> tuple[list[int], int, list[list[int]]]:
+        offsets, total = ray_pool.packed_offsets(ray_layouts)
+        groups = ray_pool.group_tensors_by_desc(ray_layouts, [total])
+        return offsets, total, groups
+
+    # Warm-up (untimed): first-call costs, and how slow each one is.
+    warm: dict[str, float] = {}
+    warm["copy"], _ = timed(dst.copy_, src)
+    warm["copy_pool"], _ = timed(pool_dst.copy_, src)
+    warm["memcpy"], _ = timed(np.copyto, dst_np, src_np)
+    warm["tf_pack"], p = timed(pool.pack, tensors)
+    warm["tf_unpack"], u = timed(pool.unpack, p)
+    del u
+    p.release()
+    warm["ray_alloc"], r = timed(ray_mgr.allocate_group, "bench", tensors)
+    del r
+    ray_mgr.free_object("bench")
+    warm["tf_layout"], _ = timed(tf_layout_math)
+    warm["ray_layout"], _ = timed(ray_layout_math)
+    reps = {k: repeats_for(v) for k, v in warm.items()}
+
+    samples: dict[str, list[float]] = {k: [] for k in
+        ("copy", "copy_pool", "memcpy", "tf_pack", "tf_release", "ray_alloc", "ray_free", "tf_unpack", "tf_layout", "ray_layout")}
+    for i in range(max(reps.values())):
+        # Interleaved, so drift in the machine's speed hits all alike.
+        if i < reps["copy"]:
+            samples["copy"].append(timed(dst.copy_, src)[0])
+        if i < reps["copy_pool"]:
+            samples["copy_pool"].append(timed(pool_dst.copy_, src)[0])
+        if i < reps["memcpy"]:
+            samples["memcpy"].append(timed(np.copyto, dst_np, src_np)[0])
+        if i < reps["tf_pack"]:
+            t, p = timed(pool.pack, tensors)
+            samples["tf_pack"].append(t)
+            if i < reps["tf_unpack"]:
+                t, u = timed(pool.unpack, p)
+                samples["tf_unpack"].append(t)
+                del u
+            samples["tf_release"].append(timed(p.release)[0])
+            del p
+        if i < reps["ray_alloc"]:
+            t, r = timed(ray_mgr.allocate_group, "bench", tensors)
+            samples["ray_alloc"].append(t)
+            del r
+            samples["ray_free"].append(timed(ray_mgr.free_object, "bench")[0])
+        if i < reps["tf_layout"]:
+            samples["tf_layout"].append(timed(tf_layout_math)[0])
+        if i < reps["ray_layout"]:
+            samples["ray_layout"].append(timed(ray_layout_math)[0])
+    for k, v in samples.items():
+        res[k] = summary(v)
+
+    # -- checks, after timing ---------------------------------------------------
+    checks: dict[str, Any] = {}
+    dst.copy_(src)
+    checks["copy_equal"] = bool(torch.equal(dst, src))
+
+    p = pool.pack(tensors)
+    checks["tf_nbytes"] = p.nbytes == nbytes
+    checks["tf_num_tensors"] = p.num_tensors == len(tensors)
+    # View-only copy: the pool holds the views' bytes (plus alignment), never
+    # the storages behind them.
+    used = pool.stats().used_nbytes
+    _, packed_total, _ = tf_layout_math()
+    checks["tf_pool_used_nbytes"] = used
+    checks["tf_used_is_view_bytes"] = (
+        used == tf_layout.align_up(packed_total, 16) and packed_total - nbytes < 16 * len(tensors)
+    )
+    out = pool.unpack(p)
+    checks["tf_unpack_equal"] = len(out) == len(tensors) and all(
+        o.dtype == t.dtype and o.shape == t.shape and torch.equal(byte_view(o), byte_view(t))
+        for o, t in zip(out, tensors)
+    )
+    res["tf_copy_runs"] = p.copy_runs
+    res["tf_strided_copies"] = p.strided_copies
+    res["tf_blocks"] = len(p.blocks)
+    del out
+    p.release()
+
+    regions = ray_mgr.allocate_group("bench", tensors)
+    region_nbytes = [int(r.numel()) for r in regions]
+    desc_groups = ray_pool.group_tensors_by_desc(ray_layouts, region_nbytes)
+    ok = sum(region_nbytes) >= nbytes
+    for reg, grp in zip(regions, desc_groups):
+        offs, _ = ray_pool.packed_offsets([ray_layouts[j] for j in grp])
+        for off, j in zip(offs, grp):
+            t = tensors[j]
+            n = ray_layouts[j].nbytes
+            ok = ok and torch.equal(reg[off : off + n], byte_view(t))
+    checks["ray_regions_equal"] = bool(ok)
+    res["ray_blocks"] = len(regions)
+    del regions
+    ray_mgr.free_object("bench")
+
+    tf_off, tf_total, tf_groups = tf_layout_math()
+    ray_off, ray_total, ray_groups = ray_layout_math()
+    checks["layout_offsets_agree"] = bool(np.array_equal(tf_off, np.asarray(ray_off, dtype=np.int64)))
+    checks["layout_totals_agree"] = tf_total == ray_total
+    checks["layout_groups_agree"] = tf_groups.bounds.tolist() == [0] + [g[-1] + 1 for g in ray_groups]
+    res["checks"] = checks
+    res["ok"] = all(v for k, v in checks.items() if isinstance(v, bool))
+    res["nbytes"] = nbytes
+    res["num_tensors"] = len(tensors)
+
+
+def measure_layout_only(count: int) -> dict[str, Any]:
+    """Offsets + grouping from metadata alone (no tensors): 100k mixed dtypes."""
+    dtypes, numels = mixed_sizes(count, MIXED_NBYTES, seed=3)
+    es = {d: torch.empty(0, dtype=d).element_size() for d, _ in MIXED_DTYPES}
+    align = np.array([es[d] for d in dtypes], dtype=np.int64)
+    nb = np.array(numels, dtype=np.int64) * align
+    ray_layouts = [ray_pool.TensorLayout(int(n), int(a)) for n, a in zip(nb, align)]
+
+    def tf_math():
+        off, total = tf_layout.packed_offsets(nb, align)
+        return off, total, tf_layout.group_by_block(nb, align, [total])
+
+    def ray_math():
+        off, total = ray_pool.packed_offsets(ray_layouts)
+        return off, total, ray_pool.group_tensors_by_desc(ray_layouts, [total])
+
+    timed(tf_math)
+    w, _ = timed(ray_math)
+    tf_s = [timed(tf_math)[0] for _ in range(FAST_REPEATS)]
+    ray_s = [timed(ray_math)[0] for _ in range(repeats_for(w))]
+    a, b = tf_math(), ray_math()
+    padded = int(a[1]) - int(nb.sum())
+    ok = bool(np.array_equal(a[0], np.asarray(b[0]))) and a[1] == b[1]
+    return {"tf_layout": summary(tf_s), "ray_layout": summary(ray_s), "ok": ok,
+            "num_tensors": count, "padding_nbytes": padded}
+
+
+# -- memory --------------------------------------------------------------------
+
+
+def status_kib(name: str) -> int:
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(name.encode() + b":"):
+                return int(line.split()[1])
+    raise KeyError(name)
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def check_peak_reset_works() -> bool:
+    """Prove the VmHWM reset and read-out see a short-lived 64 MiB allocation."""
+    reset_peak_rss()
+    base = status_kib("VmRSS")
+    t = touched_bytes(64 * MIB)
+    del t
+    seen = status_kib("VmHWM") - base
+    reset_peak_rss()
+    after = status_kib("VmHWM") - status_kib("VmRSS")
+    return seen >= 60 * 1024 and after <= 1024
+
+
+class RssSampler(threading.Thread):
+    """Samples RSS from /proc/self/statm every ~0.2 ms: a cross-check of VmHWM.
+
+    torch's copy kernels release the GIL, so the sampler runs during copies;
+    it can miss a peak inside pure-Python stretches (VmHWM cannot).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.max_bytes = 0
+        self.samples = 0
+        self._stop_event = threading.Event()
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+
+    def rss_bytes(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self.page
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.max_bytes = max(self.max_bytes, self.rss_bytes())
+            self.samples += 1
+            time.sleep(0.0002)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        os.close(self._fd)
+
+
+def peak_rss_growth(fn: Callable[[], Any], nbytes: int) -> dict[str, Any]:
+    """RSS growth (peak and retained) during one call, beyond what was resident."""
+    gc.collect()
+    sampler = RssSampler()
+    sampler.start()
+    time.sleep(0.005)
+    reset_peak_rss()
+    rss0 = status_kib("VmRSS") * 1024
+    out = fn()
+    hwm = status_kib("VmHWM") * 1024
+    rss1 = status_kib("VmRSS") * 1024
+    sampler.stop()
+    peak = hwm - rss0
+    return {
+        "packed_nbytes": nbytes,
+        "peak_growth_nbytes": peak,
+        "peak_growth_pct": 100.0 * peak / nbytes,
+        "retained_growth_nbytes": rss1 - rss0,
+        "sampled_peak_growth_nbytes": sampler.max_bytes - rss0,
+        "sampler_samples": sampler.samples,
+        "_out": out,
+    }
+
+
+MEMORY_CASES = ("views_1", "views_100000", "mixed_10000")
+
+
+def memory_child(impl: str, case_key: str) -> dict[str, Any]:
+    """In a fresh process: RSS growth of the first ("cold") and second pack.
+
+    A fresh process per measurement, so memory freed by an earlier pack and
+    still resident in malloc's free lists cannot hide an allocation. The pool
+    and the sources are touched before either pack.
+    """
+    storage = make_storage()
+    if case_key.startswith("views_"):
+        tensors = make_views(storage, int(case_key.split("_")[1]))
+    else:
+        del storage
+        tensors = make_mixed(MIXED_COUNT, MIXED_NBYTES)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, Any] = {"hwm_reset_works": check_peak_reset_works()}
+    if impl == "tensorferry":
+        pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
+        for phase in ("cold", "warm"):
+            r = peak_rss_growth(lambda: pool.pack(tensors), nbytes)
+            r.pop("_out").release()
+            out[phase] = r
+    else:
+        mgr = ray_pool.MemoryPoolManager(POOL_NBYTES, torch.device("cpu"))
+        mgr.get_pool_tensor().fill_(0)
+        for phase in ("cold", "warm"):
+            r = peak_rss_growth(lambda: mgr.allocate_group("bench", tensors), nbytes)
+            r.pop("_out")
+            mgr.free_object("bench")
+            out[phase] = r
+    return out
+
+
+def measure_memory(threads: int) -> dict[str, Any]:
+    import subprocess
+
+    out: dict[str, Any] = {}
+    for key in MEMORY_CASES:
+        out[key] = {}
+        for impl in ("tensorferry", "ray"):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--threads", str(threads), "--memory-child", impl, key],
+                capture_output=True, text=True, check=False,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory child {impl} {key} failed:\n{proc.stderr[-2000:]}")
+            out[key][impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["hwm_reset_works"] = all(v[i]["hwm_reset_works"] for v in out.values() for i in v)
+    return out
+
+
+# -- profile -------------------------------------------------------------------
+
+
+def profile_tf(views: list[torch.Tensor], mixed: list[torch.Tensor], pool: tensorferry.MemoryPool) -> str:
+    """cProfile of tensorferry's pack and unpack of ``views``, and pack of ``mixed``."""
+    buf = io.StringIO()
+    for what, tensors in (("pack", views), ("unpack", views), ("pack", mixed)):
+        p = pool.pack(tensors)
+        prof = cProfile.Profile()
+        if what == "pack":
+            p.release()
+            prof.enable()
+            p = pool.pack(tensors)
+            prof.disable()
+        else:
+            prof.enable()
+            u = pool.unpack(p)
+            prof.disable()
+            del u
+        p.release()
+        buf.write(f"\n=== cProfile: tensorferry {what} of {len(tensors):,} tensors ===\n")
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    return buf.getvalue()
+
+
+# -- report --------------------------------------------------------------------
+
+
+def ms(s: float) -> str:
+    return f"{s * 1e3:,.2f}" if s < 10 else f"{s * 1e3:,.0f}"
+
+
+def med(case: Case, key: str) -> float:
+    return case.results[key]["median_s"]
+
+
+def compute_targets(cases: dict[str, Case], layout_only: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
+    c10k, c100k = cases["views_10000"], cases["views_100000"]
+
+    measured = {
+        "pack_10k_vs_ray": med(c10k, "ray_alloc") / med(c10k, "tf_pack"),
+        "pack_10k_vs_copy": med(c10k, "tf_pack") / med(c10k, "copy"),
+        "pack_100k_vs_ray": med(c100k, "ray_alloc") / med(c100k, "tf_pack"),
+        "layout_100k_vs_ray": med(c100k, "ray_layout") / med(c100k, "tf_layout"),
+        "rss_256mib_1": memory["views_1"]["tensorferry"]["cold"]["peak_growth_pct"],
+        "rss_256mib_100k": memory["views_100000"]["tensorferry"]["cold"]["peak_growth_pct"],
+    }
+    warm_100k = memory["views_100000"]["tensorferry"]["warm"]["peak_growth_pct"]
+    ray_100k = memory["views_100000"]["ray"]["cold"]["peak_growth_pct"]
+    extra = {
+        "pack_10k_vs_copy": f"vs memcpy (np.copyto): {med(c10k, 'tf_pack') / med(c10k, 'memcpy'):.2f}x",
+        "rss_256mib_100k": f"second pack {warm_100k:.2f} %; Ray's first {ray_100k:.2f} %",
+        "layout_100k_vs_ray": (
+            "mixed dtypes (with padding): "
+            f"{layout_only['ray_layout']['median_s'] / layout_only['tf_layout']['median_s']:.1f}x"
+        ),
+    }
+    out = []
+    for key, desc, need, reads in TARGETS:
+        value = measured[key]
+        met = value <= need if key == "pack_10k_vs_copy" or key.startswith("rss_") else value >= need
+        out.append({"key": key, "target": desc, "required": reads, "measured": value, "met": bool(met),
+                    "note": extra.get(key, "")})
+    return out
+
+
+def print_tables(cases: list[Case], layout_only: dict[str, Any], memory: dict[str, Any],
+                 targets: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=200)
+    con.print(f"[bold]tensorferry pool benchmark[/] — {env['date']} — {env['machine']} — "
+              f"commit {env['git_commit'][:7]}{' (pool sources modified)' if env['src_modified'] else ''}")
+    con.print(f"medians in ms; pack excludes release (timed separately); pools and destinations pre-touched; "
+              f"torch threads {env['torch_threads']}; load average {env['loadavg_1min_start_end']} (start, end)")
+
+    t = Table(title="pack: copy the views' bytes into a pool")
+    for col in ("case", "tensors", "MiB", "runs", "plain copy_", "memcpy", "tf pack", "Ray alloc_group",
+                "Ray/tf", "tf/copy_", "tf/memcpy", "tf GB/s", "tf release", "Ray free", "ok"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for c in cases:
+        r = c.results
+        t.add_row(
+            c.label, f"{r['num_tensors']:,}", f"{c.nbytes / MIB:,.1f}", f"{r['tf_copy_runs']:,}",
+            ms(med(c, "copy")), ms(med(c, "memcpy")), ms(med(c, "tf_pack")), ms(med(c, "ray_alloc")),
+            f"{med(c, 'ray_alloc') / med(c, 'tf_pack'):.2f}x", f"{med(c, 'tf_pack') / med(c, 'copy'):.2f}x",
+            f"{med(c, 'tf_pack') / med(c, 'memcpy'):.2f}x",
+            f"{c.nbytes / med(c, 'tf_pack') / 1e9:.2f}", ms(med(c, "tf_release")), ms(med(c, "ray_free")),
+            "yes" if r["ok"] else "[red]NO[/]",
+        )
+    con.print(t)
+
+    t = Table(title="receiver side: offsets + grouping (layout math), and unpack (views)")
+    for col in ("case", "tensors", "tf offsets+group", "Ray pair", "Ray/tf", "tf unpack", "unpack/copy"):
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for c in cases:
+        r = c.results
+        t.add_row(c.label, f"{r['num_tensors']:,}", ms(med(c, "tf_layout")), ms(med(c, "ray_layout")),
+                  f"{med(c, 'ray_layout') / med(c, 'tf_layout'):.1f}x", ms(med(c, "tf_unpack")),
+                  f"{med(c, 'tf_unpack') / med(c, 'copy'):.2f}x")
+    lo = layout_only
+    t.add_row(f"{lo['num_tensors']:,} mixed dtypes (metadata only)", f"{lo['num_tensors']:,}",
+              ms(lo["tf_layout"]["median_s"]), ms(lo["ray_layout"]["median_s"]),
+              f"{lo['ray_layout']['median_s'] / lo['tf_layout']['median_s']:.1f}x", "-", "-")
+    con.print(t)
+
+    t = Table(title="peak RSS growth during one pack beyond the touched pool and sources "
+              "(fresh process each; VmHWM after a clear_refs reset; KiB)")
+    for col in ("case", "MiB packed", "impl", "cold peak", "cold %", "cold sampled", "cold retained",
+                "warm peak", "warm %"):
+        t.add_column(col, justify="left" if col in ("case", "impl") else "right")
+    by_key = {c.key: c for c in cases}
+    for key in MEMORY_CASES:
+        for impl in ("tensorferry", "ray"):
+            cold, warm = memory[key][impl]["cold"], memory[key][impl]["warm"]
+            t.add_row(by_key[key].label, f"{cold['packed_nbytes'] / MIB:,.1f}", impl,
+                      f"{cold['peak_growth_nbytes'] / 1024:,.0f}", f"{cold['peak_growth_pct']:.2f}",
+                      f"{cold['sampled_peak_growth_nbytes'] / 1024:,.0f}",
+                      f"{cold['retained_growth_nbytes'] / 1024:,.0f}",
+                      f"{warm['peak_growth_nbytes'] / 1024:,.0f}", f"{warm['peak_growth_pct']:.2f}")
+    con.print(t)
+    if not memory["hwm_reset_works"]:
+        con.print("[red]warning: resetting VmHWM through /proc/self/clear_refs did not work here[/]")
+
+    t = Table(title="targets")
+    for col in ("target", "required", "measured", "met", "note"):
+        t.add_column(col)
+    for tg in targets:
+        unit = " %" if tg["key"].startswith("rss_") else "x"
+        t.add_row(tg["target"], tg["required"], f"{tg['measured']:.2f}{unit}",
+                  "[green]yes[/]" if tg["met"] else "[red]no[/]", tg["note"])
+    con.print(t)
+
+
+def plot(cases: list[Case], path: Path, env: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    views = [c for c in cases if c.num_views is not None]
+    x = [c.num_views for c in views]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.4))
+    ser = lambda key: [med(c, key) * 1e3 for c in views]  # noqa: E731
+    ax1.plot(x, ser("tf_pack"), "o-", color="tab:blue", lw=2, label="tensorferry pack")
+    ax1.plot(x, ser("ray_alloc"), "s-", color="tab:red", lw=2, label="Ray MemoryPoolManager.allocate_group")
+    ax1.plot(x, ser("copy"), "--", color="black", lw=1.5, label="one plain copy of the same 256 MiB")
+    ax1.plot(x, ser("memcpy"), ":", color="gray", lw=1.5, label="memcpy of the same 256 MiB (np.copyto)")
+    ax1.set_title("sender: pack 256 MiB split into N float32 views")
+    ax2.plot(x, ser("tf_layout"), "o-", color="tab:blue", lw=2, label="tensorferry packed_offsets + group_by_block")
+    ax2.plot(x, ser("ray_layout"), "s-", color="tab:red", lw=2, label="Ray packed_offsets + group_tensors_by_desc")
+    ax2.plot(x, ser("tf_unpack"), "^-", color="tab:green", lw=2, label="tensorferry unpack (build N views)")
+    ax2.plot(x, ser("copy"), "--", color="black", lw=1.5, label="one plain copy of the same 256 MiB")
+    ax2.set_title("receiver: layout math and views for N tensors")
+    # Ray / tensorferry ratio at each point, next to Ray's marker.
+    for ax, ray_key, tf_key in ((ax1, "ray_alloc", "tf_pack"), (ax2, "ray_layout", "tf_layout")):
+        for xi, r, t in zip(x, ser(ray_key), ser(tf_key)):
+            ax.annotate(f"{r / t:.1f}x", (xi, r), textcoords="offset points", xytext=(-6, 7), ha="right",
+                        fontsize=8, color="tab:red",
+                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("number of views N")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    ax1.set_ylabel("median time per call (ms, log)")
+    fig.text(0.5, 0.005, "red labels: Ray time / tensorferry time", ha="center", fontsize=8, color="tab:red")
+    fig.suptitle(f"tensorferry vs Ray 2.60 pool — {env['date']}, {env['machine']}, torch threads {env['torch_threads']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def environment() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    ncpu = len(os.sched_getaffinity(0))
+
+    def ver(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=False,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except OSError:
+            return "unknown"
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "git_commit": git("rev-parse", "HEAD"),
+        "src_modified": git("status", "--porcelain", "--", "../src/tensorferry/pool.py",
+                            "../src/tensorferry/layout.py", "../src/tensorferry/_tensors.py",
+                            "../src/tensorferry/_copy.py", "../src/tensorferry/spec.py") != "",
+        "machine": f"{cpu}, {ncpu} cores, {mem_gib:.0f} GiB, Linux {platform.release()}",
+        "cpus": ncpu,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "ray": ver("ray"),
+        "nixl": ver("nixl"),
+        "numpy": np.__version__,
+        "tensorferry": tensorferry.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", action="store_true", help="also cProfile tensorferry's pack/unpack of 100k views")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; see the module doc)")
+    ap.add_argument("--memory-child", nargs=2, metavar=("IMPL", "CASE"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for bench_pool.json and .png")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps(memory_child(*args.memory_child)))
+        return 0
+    env = environment()
+    load_start = os.getloadavg()
+    if load_start[0] > 0.5 * env["cpus"]:
+        print(f"note: load average {load_start[0]:.2f} on {env['cpus']} cores at the start; "
+              "other processes share this machine, expect noise", file=sys.stderr)
+
+    storage = make_storage()
+    cases = build_cases(storage)
+    pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
+    ray_mgr = ray_pool.MemoryPoolManager(POOL_NBYTES, torch.device("cpu"))
+    ray_mgr.get_pool_tensor().fill_(0)  # torch.zeros already wrote it; make sure
+    copy_dst = touched_bytes(STORAGE_NBYTES)
+
+    for c in cases:
+        t0 = time.perf_counter()
+        measure_case(c, pool, ray_mgr, copy_dst)
+        print(f"  measured {c.label} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    layout_only = measure_layout_only(MIXED_LAYOUT_COUNT)
+    memory = measure_memory(args.threads)
+    env["loadavg_1min_start_end"] = [round(load_start[0], 2), round(os.getloadavg()[0], 2)]
+    by_key = {c.key: c for c in cases}
+    targets = compute_targets(by_key, layout_only, memory)
+    print_tables(cases, layout_only, memory, targets, env)
+
+    profile_text = (
+        profile_tf(by_key["views_100000"].tensors, by_key["mixed_10000"].tensors, pool) if args.profile else None
+    )
+    if profile_text:
+        print(profile_text)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "environment": env,
+        "settings": {
+            "storage_nbytes": STORAGE_NBYTES, "view_counts": VIEW_COUNTS, "mixed_count": MIXED_COUNT,
+            "mixed_nbytes_target": MIXED_NBYTES, "subset_every": SUBSET_EVERY, "pool_nbytes": POOL_NBYTES,
+            "repeats": REPEATS, "min_repeats": MIN_REPEATS,
+            "release_timing": "outside the pack timing, measured separately (tf_release, ray_free)",
+            "pretouched": "tensorferry pool prefault=True (MAP_POPULATE); Ray pool torch.zeros; copy dst filled",
+            "ray_pool": "MemoryPoolManager(pool_size, cpu) standalone; allocate_group does not use NIXL",
+        },
+        "cases": {c.key: {"label": c.label, "num_views": c.num_views, **c.results} for c in cases},
+        "layout_only_mixed_100k": layout_only,
+        "memory": memory,
+        "targets": targets,
+        "all_checks_ok": all(c.results["ok"] for c in cases) and layout_only["ok"],
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    if profile_text:
+        doc["profile"] = profile_text
+    (args.out / "bench_pool.json").write_text(json.dumps(doc, indent=1, default=float))
+    plot(cases, args.out / "bench_pool.png", env)
+    print(f"wrote {args.out / 'bench_pool.json'} and {args.out / 'bench_pool.png'} "
+          f"({doc['wall_seconds']:.0f} s)")
+    if not doc["all_checks_ok"]:
+        print("FAILED: a result check did not pass (see 'checks' in the JSON)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
