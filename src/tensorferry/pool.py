@@ -546,15 +546,20 @@ def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.Block
                 leaves[idx_l[rs] : idx_l[rs] + (re_ - rs)] = parts
                 continue
             sub = np.flatnonzero(shape_brk[rs:re_]) + rs
-            for ss, se in zip(sub.tolist(), np.append(sub[1:], re_).tolist()):
+            sub_stops = np.append(sub[1:], re_)
+            split = None
+            if (sub_stops - sub == 1).any():
+                # Lone shapes (weight, bias, weight, ...) come from one split.
+                split = tv.narrow(0, first, sum(numels[rs:re_])).split_with_sizes(numels[rs:re_])
+            for ss, se in zip(sub.tolist(), sub_stops.tolist()):
                 k = se - ss
                 shape = shapes[idx_l[ss]]
-                numel = numels[ss]
-                start = first + (int(off[ss]) - int(off[rs])) // size
                 if k == 1:
-                    leaves[idx_l[ss]] = tv.narrow(0, start, numel).view(shape)
+                    part = split[ss - rs]
+                    leaves[idx_l[ss]] = part if ndims[idx_l[ss]] == 1 else part.view(shape)
                 else:
-                    parts = tv.narrow(0, start, k * numel).view(k, *shape).unbind(0)
+                    start = first + (int(off[ss]) - int(off[rs])) // size
+                    parts = tv.narrow(0, start, k * numels[ss]).view(k, *shape).unbind(0)
                     leaves[idx_l[ss] : idx_l[ss] + k] = parts
     for k in np.flatnonzero(nbytes == 0).tolist():
         leaves[k] = torch.empty(shapes[k], dtype=torch_dtype(int(codes[k])), device=device)
