@@ -511,6 +511,7 @@ def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.Block
     shapes = layout.shapes()
     ndims = layout.ndims
     same_shape = _same_shape_as_previous(layout, shapes)
+    ndims_l = ndims.tolist()
     device = blocks[0].device if blocks else torch.device("cpu")
     for b in range(len(blocks)):
         lo, hi = int(groups.bounds[b]), int(groups.bounds[b + 1])
@@ -556,7 +557,7 @@ def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.Block
                 shape = shapes[idx_l[ss]]
                 if k == 1:
                     part = split[ss - rs]
-                    leaves[idx_l[ss]] = part if ndims[idx_l[ss]] == 1 else part.view(shape)
+                    leaves[idx_l[ss]] = part if ndims_l[idx_l[ss]] == 1 else part.view(shape)
                 else:
                     start = first + (int(off[ss]) - int(off[rs])) // size
                     parts = tv.narrow(0, start, k * numels[ss]).view(k, *shape).unbind(0)
