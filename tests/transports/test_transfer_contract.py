@@ -1,0 +1,567 @@
+"""The transfer contract, run against every transport (shm, tcp, nixl).
+
+Real pools, real sockets, real processes; nothing is mocked. nixl is skipped
+only where the extra or tensorferry's nixl transport cannot be imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["UCX_NET_DEVICES"] = "lo"  # before anything imports nixl
+
+import gc
+import multiprocessing
+import time
+
+import msgspec
+import pytest
+import torch
+
+from _transfer_helpers import (
+    TRANSPORTS,
+    Worker,
+    assert_same,
+    big_object,
+    build,
+    leaves,
+    make_tensor,
+    pool_empty,
+    receiver_worker,
+    require,
+    sender_worker,
+    shm_tensorferry_entries,
+    state_dict,
+    wait_until,
+)
+from tensorferry import (
+    LayoutMismatchError,
+    MemoryPool,
+    PeerGoneError,
+    PoolExhaustedError,
+    Receiver,
+    Sender,
+    Ticket,
+    TicketError,
+    TransferError,
+    TransferTimeoutError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dev_shm_unchanged():
+    before = shm_tensorferry_entries()
+    yield
+    gc.collect()
+    assert shm_tensorferry_entries() - before == set(), "tensorferry left files in /dev/shm"
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture
+def sender(transport):
+    with Sender(transport, capacity_nbytes=32 * MiB) as s:
+        yield s
+
+
+@pytest.fixture
+def receiver(transport):
+    with Receiver(transport, timeout=20.0) as r:
+        yield r
+
+
+def round_trip(sender, receiver, obj, **get_kw):
+    ticket = sender.put(obj)
+    got = receiver.get(ticket, **get_kw)
+    sender.wait_released(ticket, timeout=10.0)
+    return got
+
+
+def assert_sender_idle(sender) -> None:
+    assert wait_until(lambda: pool_empty(sender.pool), 5.0), sender.pool.stats()
+    assert sender.stats()["live_tickets"] == 0
+
+
+# -- contents ---------------------------------------------------------------------------
+
+
+def test_round_trip_tensor(sender, receiver):
+    t = make_tensor(torch.Generator().manual_seed(1), torch.float32, (257, 31))
+    got = round_trip(sender, receiver, t)
+    assert_same(got, t)
+    assert got.data_ptr() != t.data_ptr()
+    assert_sender_idle(sender)
+
+
+def test_round_trip_nested_state_dict(sender, receiver):
+    sd = state_dict(2)
+    got = round_trip(sender, receiver, sd)
+    assert_same(got, sd)  # keys in order, int key 3, tuple stays a tuple, list a list
+    assert isinstance(got["buffers"], tuple) and isinstance(got["layers"], list)
+    assert list(got) == ["embed.weight", "layers", "buffers", 3, "head"]
+    assert_sender_idle(sender)
+
+
+def test_mixed_dtypes(sender, receiver):
+    g = torch.Generator().manual_seed(3)
+    # A 1-byte tensor first, then every wider alignment, then more 1-byte ones.
+    obj = [
+        make_tensor(g, torch.uint8, (3,)),
+        make_tensor(g, torch.float64, (5,)),
+        make_tensor(g, torch.bool, (7,)),
+        make_tensor(g, torch.complex128, (3,)),
+        make_tensor(g, torch.bfloat16, (9,)),
+        make_tensor(g, torch.float8_e4m3fn, (11,)),
+        make_tensor(g, torch.float8_e5m2, (2, 3)),
+        make_tensor(g, torch.int64, (4,)),
+        make_tensor(g, torch.complex64, (1,)),
+        make_tensor(g, torch.float16, (5,)),
+        make_tensor(g, torch.int8, (1,)),
+        make_tensor(g, torch.int32, (3,)),
+    ]
+    got = round_trip(sender, receiver, obj)
+    assert_same(got, obj)
+    for t in got:
+        assert t.data_ptr() % t.element_size() == 0, f"{t.dtype} is not aligned to its element size"
+    assert_sender_idle(sender)
+
+
+def test_views_of_one_storage(sender, receiver):
+    base = make_tensor(torch.Generator().manual_seed(4), torch.float32, (1 << 20,))  # 4 MiB storage
+    small = base[1000:1016]
+    obj = {
+        "a": base[:256].view(16, 16),
+        "b": base[256:512],
+        "overlap": base[128:384],  # overlaps both a and b
+        "same": small,
+        "same_again": small,  # the same tensor twice
+    }
+    ticket = sender.put(obj)
+    # Only the views' bytes travel, never the 4 MiB storage behind them.
+    assert ticket.total_nbytes < 8192, ticket.total_nbytes
+    got = receiver.get(ticket)
+    assert_same(got, obj)
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+def test_non_contiguous_tensors(sender, receiver):
+    g = torch.Generator().manual_seed(5)
+    m = make_tensor(g, torch.float64, (33, 17))
+    c = make_tensor(g, torch.complex128, (6, 5))
+    obj = [
+        m.t(),  # transposed
+        m[::3, 1::2],  # strided slice
+        make_tensor(g, torch.int16, (1, 9)).expand(5, 9),  # stride 0
+        c.conj(),  # conjugate bit
+        c[:, 1].imag,  # a strided view into complex memory
+        torch.neg(m).t(),
+        make_tensor(g, torch.bfloat16, (4, 6, 8)).permute(2, 0, 1),
+    ]
+    got = round_trip(sender, receiver, obj)
+    assert_same(got, obj)
+    assert all(t.is_contiguous() for t in got)
+    assert not got[3].is_conj()
+    assert_sender_idle(sender)
+
+
+def test_zero_size_and_zero_dim(sender, receiver):
+    g = torch.Generator().manual_seed(6)
+    obj = {
+        "scalar": make_tensor(g, torch.float64, ()),
+        "empty": torch.empty(0, dtype=torch.float32),
+        "empty2d": torch.empty(3, 0, dtype=torch.complex128),
+        "bool_scalar": torch.tensor(True),
+        "between": make_tensor(g, torch.int8, (5,)),
+        "scalar_c": make_tensor(g, torch.complex128, ()),
+    }
+    got = round_trip(sender, receiver, obj)
+    assert_same(got, obj)
+    assert got["scalar"].dim() == 0 and got["empty2d"].shape == (3, 0)
+    assert_sender_idle(sender)
+
+
+@pytest.mark.parametrize("obj", [{}, [], (), {"a": [], "b": ({},)}, [torch.empty(0), {"z": torch.empty(2, 0)}]], ids=["dict", "list", "tuple", "nested", "zero-size-only"])
+def test_empty_object(sender, receiver, obj):
+    ticket = sender.put(obj)
+    assert ticket.total_nbytes == 0
+    got = receiver.get(Ticket.from_bytes(ticket.to_bytes()))
+    assert_same(got, obj)
+    sender.wait_released(ticket, timeout=1.0)
+    assert_sender_idle(sender)
+
+
+# -- into= ------------------------------------------------------------------------------
+
+
+def test_into_updates_in_place(sender, receiver):
+    new = state_dict(7)
+    dest = state_dict(8)  # same layout, other values
+    dest_leaves = leaves(dest)
+    ptrs = [t.data_ptr() for t in dest_leaves]
+    ticket = sender.put(new)
+    out = receiver.get(ticket, into=dest)
+    assert out is dest
+    assert all(a is b for a, b in zip(leaves(out), dest_leaves)), "into= must return the same tensor objects"
+    assert [t.data_ptr() for t in dest_leaves] == ptrs, "into= must write in place"
+    assert_same(dest, new)
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+def test_into_a_flat_list_of_leaves(sender, receiver):
+    new = state_dict(9)
+    dest = [torch.zeros_like(t) for t in leaves(new)]
+    out = receiver.get(sender.put(new), into=dest)
+    assert out is dest
+    for a, b in zip(dest, leaves(new)):
+        assert torch.equal(a, b)
+
+
+def test_into_awkward_targets(sender, receiver):
+    """Parameters that require grad, non-contiguous and conjugated targets,
+    0-dim and zero-size ones, overlapping alignment gaps between dtypes."""
+    g = torch.Generator().manual_seed(27)
+    sent = [
+        make_tensor(g, torch.uint8, (3,)),
+        make_tensor(g, torch.float32, (5, 7)),
+        make_tensor(g, torch.complex128, (2, 3)),
+        make_tensor(g, torch.float64, ()),
+        torch.empty(0, 4, dtype=torch.bfloat16),
+        make_tensor(g, torch.bfloat16, (6, 4)),
+        make_tensor(g, torch.float32, (8,)),
+    ]
+    dest = [
+        torch.zeros(3, dtype=torch.uint8),
+        torch.nn.Parameter(torch.zeros(5, 7)),  # requires grad
+        torch.zeros(2, 3, dtype=torch.complex128).conj(),
+        torch.zeros((), dtype=torch.float64),
+        torch.empty(0, 4, dtype=torch.bfloat16),
+        torch.zeros(4, 6, dtype=torch.bfloat16).t(),  # non-contiguous
+        torch.nn.Parameter(torch.zeros(8, 2)[:, 0]),  # a strided parameter
+    ]
+    ptrs = [t.data_ptr() for t in dest]
+    out = receiver.get(sender.put(sent), into=dest)
+    assert out is dest
+    assert [t.data_ptr() for t in dest] == ptrs
+    for i, (a, b) in enumerate(zip(dest, sent)):
+        assert torch.equal(a.detach().resolve_conj(), b), f"target {i} was not updated"
+    assert dest[1].requires_grad and dest[6].requires_grad
+    assert_sender_idle(sender)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "count"])
+def test_into_mismatch_changes_nothing(sender, receiver, change):
+    g = torch.Generator().manual_seed(10)
+    sent = [make_tensor(g, torch.float32, (4, 4)), make_tensor(g, torch.int64, (3,))]
+    if change == "shape":
+        dest = [torch.zeros(4, 5), torch.zeros(3, dtype=torch.int64)]
+    elif change == "dtype":
+        dest = [torch.zeros(4, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.int64)]
+    else:
+        dest = [torch.zeros(4, 4)]
+    before = [t.clone() for t in dest]
+    ticket = sender.put(sent)
+    with pytest.raises(LayoutMismatchError):
+        receiver.get(ticket, into=dest)
+    for a, b in zip(dest, before):
+        assert torch.equal(a, b), "a rejected into= must leave the tensors untouched"
+    # The rejected get consumed nothing: the slot is still there.
+    assert_same(receiver.get(ticket), sent)
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+# -- readers, tickets, leases -------------------------------------------------------------
+
+
+def test_two_readers(sender, transport):
+    obj = state_dict(11)
+    ticket = sender.put(obj, readers=2)
+    with Receiver(transport, timeout=20.0) as r1, Receiver(transport, timeout=20.0) as r2:
+        assert_same(r1.get(ticket), obj)
+        assert sender.pool.stats().used_nbytes > 0, "freed after one of two readers"
+        with pytest.raises(TransferTimeoutError):
+            sender.wait_released(ticket, timeout=0.1)
+        assert_same(r2.get(ticket.to_bytes()), obj)
+        sender.wait_released(ticket, timeout=10.0)
+        assert_sender_idle(sender)
+        with pytest.raises(TransferError):
+            r1.get(ticket, timeout=5.0)  # a third reader: nothing left
+
+
+def test_ticket_bytes_round_trip(sender, receiver):
+    obj = state_dict(12)
+    ticket = sender.put(obj)
+    data = ticket.to_bytes()
+    assert isinstance(data, bytes) and len(data) < 4096
+    again = Ticket.from_bytes(data)
+    assert again == ticket
+    assert again.to_bytes() == data
+    assert_same(receiver.get(bytearray(data)), obj)
+    assert_sender_idle(sender)
+
+
+def test_wait_released_times_out_when_nobody_reads(sender, receiver):
+    ticket = sender.put(state_dict(13))
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError):
+        sender.wait_released(ticket, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 5.0
+    assert sender.pool.stats().used_nbytes > 0
+    receiver.get(ticket)
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+def test_lease_expiry_frees_unread_tickets(sender, receiver):
+    tickets = [sender.put(state_dict(14 + i), lease_seconds=0.5) for i in range(3)]
+    assert sender.pool.stats().used_nbytes > 0
+    for t in tickets:
+        sender.wait_released(t, timeout=5.0)
+    assert_sender_idle(sender)
+    with pytest.raises(TransferError):
+        receiver.get(tickets[0], timeout=5.0)
+
+
+def test_stale_ticket_raises(sender, receiver):
+    obj = state_dict(17)
+    ticket = sender.put(obj)
+    assert_same(receiver.get(ticket), obj)
+    sender.wait_released(ticket, timeout=10.0)
+    with pytest.raises(TransferError):
+        receiver.get(ticket, timeout=5.0)
+    # A ticket from an earlier pool at the same address is refused as a ticket.
+    ticket2 = sender.put(obj)
+    forged = msgspec.structs.replace(ticket2, pool_generation=ticket2.pool_generation ^ 1)
+    with pytest.raises(TicketError):
+        receiver.get(forged, timeout=5.0)
+    assert_same(receiver.get(ticket2), obj)  # the receiver is still usable
+    assert_sender_idle(sender)
+
+
+def test_ticket_of_a_closed_sender(transport, receiver):
+    with Sender(transport, capacity_nbytes=4 * MiB) as s:
+        ticket = s.put(state_dict(18))
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        receiver.get(ticket, timeout=5.0)
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_fifty_in_flight_reverse_order(sender, receiver):
+    objs = [state_dict(100 + i) for i in range(50)]
+    tickets = [sender.put(o) for o in objs]
+    assert sender.stats()["live_tickets"] == 50
+    for i in reversed(range(50)):
+        assert_same(receiver.get(tickets[i]), objs[i])
+    assert_sender_idle(sender)
+
+
+# -- larger than the pool -----------------------------------------------------------------
+
+
+def test_streamed_larger_than_pool(transport, receiver):
+    obj = big_object(19, 40 * MiB)
+    with Sender(transport, capacity_nbytes=16 * MiB) as s:
+        ticket = s.put(obj)
+        assert ticket.streamed and ticket.num_pieces > 2
+        assert ticket.total_nbytes >= 40 * MiB
+        assert s.pool.stats().used_nbytes <= 16 * MiB
+        got = receiver.get(Ticket.from_bytes(ticket.to_bytes()), timeout=30.0)
+        assert_same(got, obj)
+        s.wait_released(ticket, timeout=10.0)
+        assert_sender_idle(s)
+        # Streamed into existing tensors, in place.
+        dest = [torch.zeros_like(t) for t in obj]
+        ticket = s.put(obj)
+        assert receiver.get(ticket, into=dest, timeout=30.0) is dest
+        assert_same(dest, obj)
+        s.wait_released(ticket, timeout=10.0)
+        assert_sender_idle(s)
+
+
+def test_streamed_with_two_concurrent_readers(transport):
+    import threading
+
+    obj = big_object(20, 24 * MiB)
+    with Sender(transport, capacity_nbytes=8 * MiB) as s:
+        ticket = s.put(obj, readers=2)
+        results: dict[int, object] = {}
+
+        def read(i):
+            with Receiver(transport, timeout=30.0) as r:
+                try:
+                    results[i] = r.get(ticket)
+                except BaseException as exc:  # reported below
+                    results[i] = exc
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40.0)
+        for i in range(2):
+            assert not isinstance(results.get(i), BaseException), results.get(i)
+            assert_same(results[i], obj)
+        s.wait_released(ticket, timeout=10.0)
+        assert_sender_idle(s)
+
+
+def test_one_shot_too_large_raises_and_holds_nothing(transport):
+    obj = big_object(21, 40 * MiB)
+    with Sender(transport, capacity_nbytes=16 * MiB) as s:
+        with pytest.raises(PoolExhaustedError) as info:
+            s.put(obj, one_shot=True)
+        assert info.value.requested_nbytes >= 40 * MiB
+        assert_sender_idle(s)
+        # A fitting object still goes through one shot.
+        small = state_dict(22)
+        t = s.put(small, one_shot=True)
+        assert not t.streamed
+
+
+# -- receive pool and zero copy ------------------------------------------------------------
+
+
+def test_receive_pool_block_follows_last_view(sender, transport):
+    rpool = MemoryPool(8 * MiB)
+    try:
+        with Receiver(transport, pool=rpool, timeout=20.0) as r:
+            obj = state_dict(23)
+            got = r.get(sender.put(obj))
+            assert_same(got, obj)
+            used = rpool.stats().used_nbytes
+            assert used > 0, "the copy should have landed in the receive pool"
+            lo = rpool.buffer.data_ptr()
+            assert lo <= got["head"].data_ptr() < lo + rpool.capacity_nbytes
+            keep = got["layers"][0]["w"][3:5]  # a slice of one returned tensor
+            expect = keep.clone()
+            del got
+            gc.collect()
+            assert rpool.stats().used_nbytes == used, "freed while a slice of it is alive"
+            assert torch.equal(keep, expect)
+            del keep
+            gc.collect()
+            assert wait_until(lambda: rpool.stats().used_nbytes == 0, 2.0), rpool.stats()
+            assert_sender_idle(sender)
+    finally:
+        rpool.close()
+
+
+def test_zero_copy(sender, receiver, transport):
+    obj = state_dict(24)
+    ticket = sender.put(obj)
+    if transport != "shm":
+        with pytest.raises(TransferError):
+            receiver.get(ticket, zero_copy=True)
+        assert_same(receiver.get(ticket), obj)  # the refusal consumed nothing
+        assert_sender_idle(sender)
+        return
+    got = receiver.get(ticket, zero_copy=True)
+    assert_same(got, obj)
+    used = sender.pool.stats().used_nbytes
+    assert used > 0
+    # They are views of the sender's memory, not copies: a byte the sender
+    # writes into its pool (a page the receiver never wrote) shows through.
+    (off, _n), = ticket.blocks
+    head = got["embed.weight"]
+    probe = head.reshape(-1).view(torch.uint8)
+    old = sender.pool.buffer[off].item()
+    sender.pool.buffer[off] = (old + 1) % 256
+    assert probe[0].item() == (old + 1) % 256
+    sender.pool.buffer[off] = old
+    keep = got["head"][5:9]  # a derived slice outlives everything else
+    expect = obj["head"][5:9].clone()
+    del got, head, probe
+    gc.collect()
+    time.sleep(0.2)
+    assert sender.pool.stats().used_nbytes == used, "released while a derived slice is alive"
+    with pytest.raises(TransferTimeoutError):
+        sender.wait_released(ticket, timeout=0.1)
+    assert torch.equal(keep, expect)
+    del keep
+    gc.collect()
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+def test_zero_copy_refuses_streamed_and_into(transport):
+    require(transport)
+    with Sender(transport, capacity_nbytes=4 * MiB) as s, Receiver(transport, timeout=20.0) as r:
+        ticket = s.put(big_object(25, 10 * MiB))
+        with pytest.raises(TransferError):
+            r.get(ticket, zero_copy=True)
+        assert_same(r.get(ticket, timeout=30.0), big_object(25, 10 * MiB))
+        obj = state_dict(26)
+        t2 = s.put(obj)
+        with pytest.raises(TransferError):
+            r.get(t2, zero_copy=True, into=[torch.empty_like(t) for t in leaves(obj)])
+        assert_same(r.get(t2), obj)
+        assert_sender_idle(s)
+
+
+# -- separate processes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """One sender process and two receiver processes, shared by the transports."""
+    ctx = multiprocessing.get_context("spawn")
+    snd = Worker(ctx, sender_worker, 16 * MiB)
+    rcv = [Worker(ctx, receiver_worker) for _ in range(2)]
+    try:
+        for w in (snd, *rcv):
+            w.ready()
+        yield snd, rcv
+    finally:
+        for w in (*rcv, snd):
+            w.stop()
+    for w in (*rcv, snd):
+        assert w.proc.exitcode == 0, (w.pid, w.proc.exitcode)
+
+
+@pytest.mark.slow
+def test_cross_process(transport, workers):
+    """Sender and receivers in separate processes; tickets travel as bytes
+    over a queue; every receiver compares with the regenerated object."""
+    snd, rcv = workers
+    # One receiver process.
+    (_, tb) = snd.call("put", transport, "state", 30, 1, 4)
+    assert rcv[0].call("get", tb, "state", 30, 4, False, False) == ("got", True, "")
+    assert snd.call("wait", transport, tb, 10.0)[1:] == (True, 0)
+    # Two receiver processes read the same ticket.
+    (_, tb) = snd.call("put", transport, "state", 31, 2, 8)
+    for w in rcv:
+        w.send("get", tb, "state", 31, 8, False, False)
+    for w in rcv:
+        assert w.recv() == ("got", True, "")
+    assert snd.call("wait", transport, tb, 10.0)[1:] == (True, 0)
+    # Streamed through the sender's 16 MiB pool to both at once.
+    (_, tb) = snd.call("put", transport, "big", 32, 2, 40 * MiB)
+    assert Ticket.from_bytes(tb).streamed
+    for w in rcv:
+        w.send("get", tb, "big", 32, 40 * MiB, False, False)
+    for w in rcv:
+        assert w.recv(40.0) == ("got", True, "")
+    assert snd.call("wait", transport, tb, 10.0)[1:] == (True, 0)
+    if transport == "shm":
+        (_, tb) = snd.call("put", transport, "state", 33, 1, 1)
+        assert rcv[1].call("get", tb, "state", 33, 1, True, False) == ("got", True, "")
+        assert snd.call("wait", transport, tb, 10.0)[1:] == (True, 0)
+
+
+def test_build_is_deterministic():
+    """The cross-process checks compare against regenerated objects: make sure
+    regenerating gives the same bytes, and another seed does not."""
+    assert_same(build("state", 5, 2), build("state", 5, 2))
+    with pytest.raises(AssertionError):
+        assert_same(build("state", 5, 2), build("state", 6, 2))

@@ -1,0 +1,613 @@
+"""Faults and hostile input: dying peers, leaks under load, fuzzed tickets,
+hostile bytes on the TCP port, authentication.
+
+Real processes (``spawn``), real sockets on 127.0.0.1 only, nothing mocked.
+Processes are ended only by the pid of the process the test started.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["UCX_NET_DEVICES"] = "lo"  # before anything imports nixl
+
+import gc
+import multiprocessing
+import random
+import signal
+import socket
+import struct
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _transfer_helpers import (
+    TRANSPORTS,
+    Worker,
+    assert_same,
+    build,
+    leaves,
+    open_fds,
+    pool_empty,
+    random_object,
+    receiver_worker,
+    require,
+    rss_bytes,
+    sender_worker,
+    shm_tensorferry_entries,
+    state_dict,
+    wait_until,
+)
+from tensorferry import (
+    AuthenticationError,
+    MemoryPool,
+    PeerGoneError,
+    Receiver,
+    Sender,
+    TensorferryError,
+    Ticket,
+    TicketError,
+    TransferError,
+)
+from tensorferry import _protocol as P
+from tensorferry.ticket import MAX_TICKET_NBYTES
+from tensorferry.transports import _base
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+CTX = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dev_shm_unchanged():
+    before = shm_tensorferry_entries()
+    yield
+    gc.collect()
+    assert shm_tensorferry_entries() - before == set(), "tensorferry left files in /dev/shm"
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    require(request.param)
+    return request.param
+
+
+def _sender_idle(sender, timeout: float = 5.0) -> bool:
+    return wait_until(lambda: pool_empty(sender.pool) and sender.stats()["live_tickets"] == 0, timeout)
+
+
+# -- the sender dies ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sender_killed_before_during_and_after_a_get(transport):
+    snd = Worker(CTX, sender_worker, 4 * MiB)
+    receiver = Receiver(transport, timeout=20.0)
+    try:
+        snd.ready()
+        # After: a get that completed (copies; and zero-copy views on shm).
+        (_, ta) = snd.call("put", transport, "state", 40, 1, 1)
+        a = receiver.get(ta)
+        c = None
+        if transport == "shm":
+            (_, tc) = snd.call("put", transport, "state", 41, 1, 1)
+            c = receiver.get(tc, zero_copy=True)
+            c_slice = c["head"][10:20]
+        # Before: a ticket nobody fetched yet.
+        (_, tb) = snd.call("put", transport, "state", 42, 1, 1)
+        # During: a streamed object read by one of its two readers stalls
+        # mid-stream (the first pieces fill the 4 MiB pool until reader 2 reads).
+        (_, td) = snd.call("put", transport, "big", 43, 2, 24 * MiB)
+        assert Ticket.from_bytes(td).streamed
+        outcome: dict[str, object] = {}
+
+        def during():
+            t0 = time.monotonic()
+            try:
+                receiver.get(td, timeout=20.0)
+                outcome["result"] = "finished"
+            except BaseException as exc:
+                outcome["result"] = exc
+            outcome["t"] = time.monotonic()
+            outcome["t0"] = t0
+
+        th = threading.Thread(target=during)
+        th.start()
+        time.sleep(1.0)
+        assert th.is_alive(), f"the streamed get should be stuck mid-stream: {outcome}"
+        t_kill = time.monotonic()
+        snd.kill()
+        th.join(15.0)
+        assert not th.is_alive()
+        assert isinstance(outcome["result"], PeerGoneError), outcome["result"]
+        assert outcome["t"] - t_kill < 10.0, "the mid-stream get did not notice the dead sender in time"
+
+        # What was received before the kill stays valid.
+        assert_same(a, build("state", 40))
+        if c is not None:
+            assert_same(c, build("state", 41))  # zero-copy views of a dead sender's pool
+            assert torch.equal(c_slice, build("state", 41)["head"][10:20])
+
+        # A ticket never fetched: the warm receiver and a cold one both raise in time.
+        for r in (receiver, Receiver(transport, timeout=20.0)):
+            t0 = time.monotonic()
+            with pytest.raises(PeerGoneError):
+                r.get(tb, timeout=5.0)
+            assert time.monotonic() - t0 < 8.0
+            if r is not receiver:
+                r.close()
+
+        # The same Receiver works with a new sender.
+        with Sender(transport, capacity_nbytes=4 * MiB) as s2:
+            obj = state_dict(44)
+            assert_same(receiver.get(s2.put(obj)), obj)
+            assert _sender_idle(s2)
+    finally:
+        receiver.close()
+        snd.stop()
+
+
+def test_receiver_survives_many_dead_senders(transport):
+    """A long-lived receiver must not keep an fd (or a mapping) per dead sender."""
+    with Receiver(transport, timeout=10.0) as r:
+        for i in range(3):  # warm up lazy state (threads, imports)
+            with Sender(transport, capacity_nbytes=1 * MiB) as s:
+                assert_same(r.get(s.put(state_dict(i))), state_dict(i))
+        fds = open_fds()
+        for i in range(20):
+            with Sender(transport, capacity_nbytes=1 * MiB) as s:
+                assert_same(r.get(s.put(state_dict(i))), state_dict(i))
+        gc.collect()
+        assert open_fds() <= fds + 3, f"open fds grew from {fds} to {open_fds()} over 20 senders"
+        with open("/proc/self/maps") as f:
+            pools = sum("tensorferry" in line for line in f)
+        assert pools <= 3, f"{pools} mappings of closed senders' pools are still mapped"
+
+
+# -- the receiver dies -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_receiver_killed_mid_read(transport):
+    rcv = Worker(CTX, receiver_worker)
+    with Sender(transport, capacity_nbytes=32 * MiB, lease_seconds=60.0) as sender:
+        try:
+            rcv.ready()
+            held = None
+            if transport == "shm":
+                # Zero-copy views in the dead process held the slot.
+                held = sender.put(state_dict(50))
+                assert rcv.call("get", held.to_bytes(), "state", 50, 1, True, True) == ("got", True, "")
+            elif transport == "tcp":
+                # Acquired, asked for 24 MiB, read 64 KiB of them: the sender
+                # is blocked sending the rest when the receiver dies.
+                held = sender.put(build("big", 51, 24 * MiB))
+                assert rcv.call("raw_partial_fetch", held.to_bytes(), 64 << 10) == ("stalled",)
+            # A streamed get of one of two readers, stuck mid-stream; its
+            # other reader never comes: the lease must return those pieces.
+            streamed = sender.put(build("big", 52, 48 * MiB), readers=2, lease_seconds=1.5)
+            assert streamed.streamed
+            rcv.send("get", streamed.to_bytes(), "big", 52, 48 * MiB, False, False)
+            time.sleep(1.0)
+            assert sender.pool.stats().used_nbytes > 0
+            rcv.kill()
+            t0 = time.monotonic()
+            if held is not None:
+                sender.wait_released(held, timeout=5.0)  # by the connection drop, not a lease
+                assert time.monotonic() - t0 < 5.0
+            assert _sender_idle(sender, timeout=10.0), sender.pool.stats()
+            # The sender keeps serving.
+            with Receiver(transport, timeout=10.0) as r:
+                obj = state_dict(53)
+                assert_same(r.get(sender.put(obj)), obj)
+            assert _sender_idle(sender)
+        finally:
+            rcv.stop()
+
+
+@pytest.mark.slow
+def test_receiver_stalled_mid_read_tcp(monkeypatch):
+    """A receiver that stops reading (SIGSTOP) must not pin the sender's
+    blocks forever: the sender gives up after its frame timeout."""
+    monkeypatch.setattr(_base, "_FRAME_TIMEOUT_SECONDS", 1.0)
+    rcv = Worker(CTX, receiver_worker)
+    with Sender("tcp", capacity_nbytes=32 * MiB) as sender:
+        try:
+            rcv.ready()
+            ticket = sender.put(build("big", 54, 24 * MiB))
+            assert rcv.call("raw_partial_fetch", ticket.to_bytes(), 64 << 10) == ("stalled",)
+            os.kill(rcv.pid, signal.SIGSTOP)
+            try:
+                sender.wait_released(ticket, timeout=10.0)
+                assert _sender_idle(sender)
+            finally:
+                os.kill(rcv.pid, signal.SIGCONT)
+        finally:
+            rcv.kill()
+
+
+# -- load: cycles and concurrency -------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_put_get_cycles_no_leaks(transport):
+    with Sender(transport, capacity_nbytes=16 * MiB) as sender, Receiver(transport, timeout=20.0) as receiver:
+        for i in range(20):  # warm-up: lazy imports, threads, first page faults
+            assert_same(receiver.get(sender.put(random_object(i))), random_object(i))
+        gc.collect()
+        fds, rss = open_fds(), rss_bytes()
+        transfers = sender.stats()["transfers"]
+        nonempty = 0
+        for i in range(200):
+            obj = random_object(1000 + i)
+            nonempty += any(t.numel() for t in leaves(obj))  # empty ones need no transfer
+            kw = {"zero_copy": True} if transport == "shm" and i % 3 == 0 else {}
+            got = receiver.get(sender.put(obj), **kw)
+            assert_same(got, obj)
+            del got
+        gc.collect()
+        assert _sender_idle(sender), sender.pool.stats()
+        assert open_fds() <= fds + 2, f"open fds grew from {fds} to {open_fds()}"
+        grew = rss_bytes() - rss
+        assert grew < 48 * MiB, f"RSS grew by {grew / MiB:.1f} MiB over 200 cycles"
+        assert sender.stats()["transfers"] - transfers == nonempty > 150
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_eight_concurrent_receivers(transport):
+    """8 threads x 100 gets of random objects; 4 threads share one Receiver."""
+    with Sender(transport, capacity_nbytes=32 * MiB) as sender:
+        shared = Receiver(transport, timeout=30.0)
+        own = [Receiver(transport, timeout=30.0) for _ in range(4)]
+        # Warm up, then measure.
+        for r in (shared, *own):
+            r.get(sender.put(state_dict(0)))
+        gc.collect()
+        fds, rss = open_fds(), rss_bytes()
+        errors: list[str] = []
+
+        def work(k: int, r: Receiver) -> None:
+            try:
+                for i in range(100):
+                    seed = 10_000 * (k + 1) + i
+                    obj = random_object(seed)
+                    got = r.get(sender.put(obj))
+                    assert_same(got, random_object(seed))
+            except BaseException as exc:
+                errors.append(f"thread {k}: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=work, args=(k, shared if k < 4 else own[k - 4])) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50.0)
+        assert not any(t.is_alive() for t in threads), "a receiver thread hung"
+        assert not errors, errors[:3]
+        assert _sender_idle(sender), sender.pool.stats()
+        # At most one connection per thread: its socket, the server's end (in
+        # this process too), and for shm the pool mapping's fd.
+        per_conn = 3 if transport == "shm" else 2
+        busy_fds = open_fds()
+        assert busy_fds <= fds + 8 * per_conn, f"open fds grew from {fds} to {busy_fds}"
+        for r in (shared, *own):
+            r.close()
+        gc.collect()
+        assert wait_until(lambda: open_fds() <= fds, 5.0), f"closing the receivers left {open_fds()} fds (baseline {fds})"
+        grew = rss_bytes() - rss
+        assert grew < 64 * MiB, f"RSS grew by {grew / MiB:.1f} MiB"
+
+
+# -- fuzzed tickets --------------------------------------------------------------------------
+
+
+def _valid_ticket_bytes() -> list[bytes]:
+    with Sender("shm", capacity_nbytes=16 * MiB, piece_nbytes=1 * MiB) as s:
+        out = [s.put(o).to_bytes() for o in (state_dict(60), {}, torch.tensor(1.0))]
+        out.append(s.put([torch.zeros(5 * MiB // 4)] * 4).to_bytes())  # streamed
+        out.append(s.put([torch.ones(3)] * 20, readers=None).to_bytes())
+    return out
+
+
+VALID = _valid_ticket_bytes()
+
+
+def _decode_only_tensorferry_errors(data: bytes) -> None:
+    try:
+        t = Ticket.from_bytes(data)
+        t.layout  # decoded on access: must be as careful
+        t.streamed
+    except TensorferryError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_ticket_bytes(data):
+    with pytest.raises(TicketError):
+        Ticket.from_bytes(data)  # no magic: never a ticket
+    _decode_only_tensorferry_errors(b"TFTK\x01\x00" + data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(VALID), st.data())
+def test_fuzz_truncated_and_corrupted_tickets(valid, data):
+    cut = data.draw(st.integers(0, len(valid) - 1))
+    with pytest.raises(TicketError):
+        Ticket.from_bytes(valid[:cut])
+    buf = bytearray(valid)
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    _decode_only_tensorferry_errors(bytes(buf))
+
+
+def test_oversized_ticket_rejected_before_decoding():
+    data = VALID[0] + b"\0" * (MAX_TICKET_NBYTES + 1 - len(VALID[0]))
+    t0 = time.monotonic()
+    with pytest.raises(TicketError, match="exceeds"):
+        Ticket.from_bytes(data)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_fuzz_corrupted_tickets_against_a_live_sender():
+    """Corrupted tickets redeemed for real: a TensorferryError or a result,
+    never another exception, a hang, or a leak on the sender."""
+    with Sender("shm", capacity_nbytes=8 * MiB) as sender, Receiver("shm", timeout=2.0) as receiver:
+        obj = state_dict(61)
+        good = sender.put(obj, readers=None)
+        data = good.to_bytes()
+        rng = random.Random(61)
+        outcomes = {"ok": 0, "error": 0}
+        for _ in range(150):
+            buf = bytearray(data)
+            for _ in range(rng.randint(1, 4)):
+                buf[rng.randrange(len(buf))] = rng.randrange(256)
+            try:
+                t = Ticket.from_bytes(bytes(buf))
+                if t.transport != "shm":
+                    continue  # never follow a corrupted address off this host
+                receiver.get(t, timeout=2.0)
+                outcomes["ok"] += 1
+            except TensorferryError:
+                outcomes["error"] += 1
+        assert outcomes["error"] > 0
+        assert_same(receiver.get(good), obj)  # the receiver is still usable
+        sender.discard(good)
+        assert _sender_idle(sender), sender.pool.stats()
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["huge_streamed", "huge_pieces", "blocks_outside_pool", "misaligned_block", "many_blocks", "other_layout", "bad_address", "closed_port"],
+)
+def test_hostile_ticket_fields(field):
+    """Tickets that decode but lie: rejected with a TensorferryError before
+    any allocation sized by them; the receiver and sender stay usable."""
+    with Sender("shm", capacity_nbytes=8 * MiB) as sender, Receiver(timeout=3.0) as receiver:
+        obj = state_dict(62)
+        # Unlimited readers: a forged ticket that reuses the id and is
+        # refused after its acquire consumes no slot a test needs.
+        t = sender.put(obj, readers=None)
+        rep = msgspec.structs.replace
+        if field == "huge_streamed":
+            forged = rep(t, blocks=[], total_nbytes=1 << 60, piece_nbytes=1 << 59, num_pieces=2)
+        elif field == "huge_pieces":
+            forged = rep(t, blocks=[], total_nbytes=1 << 40, piece_nbytes=1, num_pieces=1 << 40)
+        elif field == "blocks_outside_pool":
+            forged = rep(t, blocks=[(1 << 40, 1 << 20)])
+        elif field == "misaligned_block":
+            forged = rep(t, blocks=[(t.blocks[0][0] + 8, t.blocks[0][1])])
+        elif field == "many_blocks":
+            forged = rep(t, blocks=[(16 * i, 16) for i in range(1 << 16)])
+        elif field == "other_layout":
+            with MemoryPool(8 * MiB) as p:
+                forged = rep(t, layout_bytes=p.pack([torch.zeros(1 << 20)]).layout.to_bytes())
+        elif field == "bad_address":
+            forged = rep(t, address="@no-such-tensorferry-sender")
+        else:
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+            probe.close()
+            forged = rep(t, transport="tcp", address=f"127.0.0.1:{port}")
+        rss = rss_bytes()
+        t0 = time.monotonic()
+        try:
+            receiver.get(Ticket.from_bytes(forged.to_bytes()), timeout=3.0)
+        except TensorferryError:
+            pass
+        else:
+            raise AssertionError(f"a forged ticket ({field}) was redeemed")
+        assert time.monotonic() - t0 < 8.0
+        assert rss_bytes() - rss < 32 * MiB, "the forged ticket made the receiver allocate"
+        assert_same(receiver.get(t), obj)  # both sides still usable
+        sender.discard(t)
+        assert _sender_idle(sender), sender.pool.stats()
+
+
+# -- hostile bytes on the TCP port ------------------------------------------------------------
+
+
+def _header(kind: int, length: int, magic: bytes = P.MAGIC, version: int = P.VERSION) -> bytes:
+    return struct.pack("<4sHHI", magic, version, kind, length)
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """True if the server closes the connection within ``timeout`` seconds
+    (reading and dropping whatever it sends first, e.g. a Failure)."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionError:
+            return True
+        if not chunk:
+            return True
+    return False
+
+
+class _LegitTraffic:
+    """A receiver that keeps getting verified objects while attacks run."""
+
+    def __init__(self, sender: Sender, token: bytes = b"") -> None:
+        self.sender = sender
+        self.token = token
+        self.count = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with Receiver("tcp", token=self.token, timeout=10.0) as r:
+            i = 0
+            while not self._stop.is_set():
+                try:
+                    obj = random_object(500 + i)
+                    assert_same(r.get(self.sender.put(obj)), obj)
+                    self.count += 1
+                except BaseException as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                i += 1
+
+    def __enter__(self) -> "_LegitTraffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(15.0)
+
+
+TOKEN = b"s3cret-token"
+
+
+def _hello(token: bytes) -> bytes:
+    payload = msgspec.msgpack.encode(P.Hello(token=token, transport="tcp"))
+    return _header(P.MsgType.HELLO, len(payload)) + payload
+
+
+ATTACKS = {
+    "random_bytes": lambda: random.Random(7).randbytes(4096),
+    "claims_4gib_frame": lambda: _header(P.MsgType.HELLO, 0xFFFFFFFF) + b"\0" * 64,
+    "claims_4gib_unknown_type": lambda: _header(200, 0xFFFFFFFF),
+    "bad_magic": lambda: _header(P.MsgType.HELLO, 4, magic=b"HTTP") + b"GET /",
+    "bad_version": lambda: _header(P.MsgType.HELLO, 0, version=99),
+    "wrong_token": lambda: _hello(b"not-the-token"),
+    "no_token": lambda: _hello(b""),
+    "data_frame_first": lambda: _header(P.MsgType.DATA, 0) + struct.pack("<Q", 1 << 40),
+    "malformed_hello": lambda: _header(P.MsgType.HELLO, 5) + b"\xff\xff\xff\xff\xff",
+}
+
+
+@pytest.mark.slow
+def test_hostile_bytes_on_the_tcp_port(monkeypatch):
+    monkeypatch.setattr(_base, "_FRAME_TIMEOUT_SECONDS", 1.0)
+    with Sender("tcp", capacity_nbytes=16 * MiB, token=TOKEN) as sender:
+        host, port = sender.address.rsplit(":", 1)
+        assert host == "127.0.0.1"
+        addr = (host, int(port))
+        with _LegitTraffic(sender, TOKEN) as legit:
+            for name, make in ATTACKS.items():
+                with socket.create_connection(addr, timeout=5.0) as s:
+                    s.sendall(make())
+                    assert _closed_by_server(s, 5.0), f"{name}: the server kept the connection open"
+            # A half frame, then close: the server must simply drop it.
+            for _ in range(5):
+                with socket.create_connection(addr, timeout=5.0) as s:
+                    s.sendall(_hello(TOKEN)[:7])
+            # Slowloris before the handshake: one byte, then nothing.
+            with socket.create_connection(addr, timeout=5.0) as s:
+                s.sendall(P.MAGIC[:1])
+                assert _closed_by_server(s, 5.0), "slowloris (1 byte before Hello) kept its connection"
+            # Slowloris after a good handshake: one byte of a request, then nothing.
+            with socket.create_connection(addr, timeout=5.0) as s:
+                s.sendall(_hello(TOKEN))
+                welcome = P.recv_msg(s)
+                assert isinstance(welcome, P.Welcome)
+                s.sendall(P.MAGIC[:1])
+                assert _closed_by_server(s, 5.0), "slowloris (1 byte of a request) kept its connection"
+            # An authenticated peer that sends garbage after the handshake.
+            with socket.create_connection(addr, timeout=5.0) as s:
+                s.sendall(_hello(TOKEN))
+                assert isinstance(P.recv_msg(s), P.Welcome)
+                s.sendall(_header(P.MsgType.ACQUIRE, 0xFFFFFFF0))
+                assert _closed_by_server(s, 5.0), "an oversized request kept its connection"
+            # Many connections that do nothing but open and close.
+            for _ in range(50):
+                socket.create_connection(addr, timeout=5.0).close()
+            time.sleep(0.3)
+        assert not legit.errors, legit.errors[:3]
+        assert legit.count > 0
+        # Every hostile connection is gone on the server.
+        assert wait_until(lambda: len(sender.server._conns) == 0, 5.0), len(sender.server._conns)
+        assert _sender_idle(sender)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(min_size=1, max_size=256))
+def test_fuzz_tcp_port_with_random_frames(tcp_sender, data):
+    sender, addr = tcp_sender
+    with socket.create_connection(addr, timeout=5.0) as s:
+        # A valid header in front half of the time, so the payload decoder is hit.
+        if data[0] & 1:
+            s.sendall(_header(P.MsgType.HELLO, len(data) - 1) + data[1:])
+        else:
+            s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        assert _closed_by_server(s, 5.0)
+    with Receiver("tcp", timeout=5.0) as r:
+        obj = state_dict(63)
+        assert_same(r.get(sender.put(obj)), obj)
+
+
+@pytest.fixture(scope="module")
+def tcp_sender():
+    with Sender("tcp", capacity_nbytes=4 * MiB) as s:
+        host, port = s.address.rsplit(":", 1)
+        yield s, (host, int(port))
+
+
+# -- authentication and binding ------------------------------------------------------------------
+
+
+def test_token_required(transport):
+    with Sender(transport, capacity_nbytes=1 * MiB, token="tok3n") as sender:
+        ticket = sender.put(state_dict(64))
+        for token in (None, "wrong"):
+            with Receiver(transport, token=token, timeout=5.0) as r:
+                with pytest.raises(AuthenticationError):
+                    r.get(ticket)
+        with Receiver(transport, token=b"tok3n", timeout=5.0) as r:
+            assert_same(r.get(ticket), state_dict(64))
+        assert _sender_idle(sender)
+
+
+def test_shm_trusts_the_same_user_without_a_token():
+    """Documented behaviour: the shm socket (abstract, checked with
+    SO_PEERCRED) accepts any process of the same user when the sender has no
+    token; another user's process is refused (not testable unprivileged)."""
+    with Sender("shm", capacity_nbytes=1 * MiB) as sender, Receiver("shm", timeout=5.0) as r:
+        assert sender.address.startswith("@")  # abstract: nothing on the file system
+        assert_same(r.get(sender.put(state_dict(65))), state_dict(65))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.1"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_non_loopback_bind_without_token_is_refused_before_binding(transport, host):
+    threads = threading.active_count()
+    fds = open_fds()
+    with pytest.raises(ValueError, match="token"):
+        Sender(transport, capacity_nbytes=1 * MiB, host=host)
+    gc.collect()
+    assert open_fds() <= fds, "a socket (or the pool) was left open"
+    assert wait_until(lambda: threading.active_count() <= threads, 3.0), "a server thread was left running"
