@@ -47,6 +47,7 @@ class PoolExhaustedError(TensorferryError, MemoryError):
         self.free_nbytes = free_nbytes
         self.largest_free_nbytes = largest_free_nbytes
         self.capacity_nbytes = capacity_nbytes
+        self.detail = detail
         parts = [
             f"pool cannot hold {requested_nbytes:,} bytes: "
             f"{free_nbytes:,} of {capacity_nbytes:,} bytes are free, "
@@ -59,6 +60,15 @@ class PoolExhaustedError(TensorferryError, MemoryError):
             "(Packed.release()), or create the pool with a larger capacity_nbytes"
         )
         super().__init__("; ".join(parts))
+
+    def __reduce__(self):
+        # Picklable with its fields (Ray ships task errors between processes).
+        args = (self.requested_nbytes, self.free_nbytes, self.largest_free_nbytes, self.capacity_nbytes)
+        return (_rebuild_pool_exhausted, (type(self), args, self.detail))
+
+
+def _rebuild_pool_exhausted(cls, args, detail):
+    return cls(*args, detail=detail)
 
 
 class LayoutMismatchError(TensorferryError, ValueError):
@@ -104,7 +114,11 @@ class MonitorError(TensorferryError):
         self.pid = pid
         self.name = name
         who = f"pid {pid}" + (f" ({name})" if name else "")
+        self._msg = msg
         super().__init__(msg or f"{who}: {self._what}")
+
+    def __reduce__(self):
+        return (type(self), (self.pid, self.name, self._msg))
 
     _what = "cannot be sampled"
 
