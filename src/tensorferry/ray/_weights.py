@@ -62,7 +62,11 @@ class _Publisher:
         from ._transport import settings
 
         s = settings()
-        self.sender = Sender("shm", capacity_nbytes=capacity_nbytes, host=s.host, token=s.token or None, extra_transports=("tcp",))
+        # Prefaulted: every version is written into this pool, and page faults
+        # on the first publishes would otherwise cost more than the copy.
+        self.sender = Sender(
+            "shm", capacity_nbytes=capacity_nbytes, host=s.host, token=s.token or None, extra_transports=("tcp",), prefault=True
+        )
         self.latest: Any = None
         self.latest_version: WeightVersion | None = None
         self.version = 0
