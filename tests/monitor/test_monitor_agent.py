@@ -49,6 +49,13 @@ def set_rss_kib(root: Path, pid: int, rss_kib: int) -> None:
     text = status.read_text()
     text = re.sub(r"VmRSS:\s+\d+ kB", f"VmRSS:\t{rss_kib} kB", text)
     status.write_text(text)
+    # The kernel moves stat's rss (field 24, in 4 KiB pages) with it; the
+    # agent reads status again only when stat shows the change.
+    stat = root / str(pid) / "stat"
+    head, _, tail = stat.read_text().rpartition(")")
+    fields = tail.split()
+    fields[21] = str(rss_kib // 4)
+    stat.write_text(head + ") " + " ".join(fields) + "\n")
 
 
 def many_process_tree(tmp_path: Path, n: int) -> Path:

@@ -59,6 +59,14 @@ def _parse_status_kb(status: bytes) -> dict[bytes, bytes]:
     return out
 
 
+def _is_kernel_proc(proc_root: str) -> bool:
+    """Whether ``proc_root`` is a procfs of this process's pid namespace."""
+    try:
+        return os.readlink(f"{proc_root}/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
 def _translate(exc: OSError, pid: int, name: str | None = None) -> Exception:
     # Where OS errors enter, they become the monitor's errors (psutil's way).
     if isinstance(exc, PermissionError):
@@ -85,11 +93,31 @@ class ProcfsBackend:
         proc_root: where /proc is mounted; tests point it at a fixture tree.
         count_fds: count open fds per sample: the kernel's count in the size of
             /proc/PID/fd (Linux 6.2+, ~2 µs), else a listdir (~6 µs).
+        keep_open: let :meth:`cheap_reusing` keep files open and ``pread``
+            them. None: only on a kernel /proc (its ``self`` is this process);
+            a fixture's files are plain files that may be replaced.
+        carry_status: let :meth:`cheap_reusing` skip status while stat is
+            unchanged. None: only on a kernel /proc, where stat's RSS and
+            VmSize are status's VmRSS and VmSize (the same counters); a
+            fixture tree need not keep that invariant.
     """
 
-    def __init__(self, proc_root: str = "/proc", *, count_fds: bool = True) -> None:
+    def __init__(
+        self,
+        proc_root: str = "/proc",
+        *,
+        count_fds: bool = True,
+        keep_open: bool | None = None,
+        carry_status: bool | None = None,
+    ) -> None:
         self.proc_root = proc_root
         self.count_fds = count_fds
+        if keep_open is None or carry_status is None:
+            kernel = _is_kernel_proc(proc_root)
+            keep_open = kernel if keep_open is None else keep_open
+            carry_status = kernel if carry_status is None else carry_status
+        self.keep_open = keep_open
+        self.carry_status = carry_status
         self._page_nbytes = os.sysconf("SC_PAGE_SIZE")
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
         self._boot_time: float | None = None
@@ -348,6 +376,8 @@ class ProcfsBackend:
         return self._cheap(pid, self.count_fds if count_fds is None else count_fds, max_status_age_seconds)
 
     def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
+        if not self.keep_open:
+            return self._read(pid, "stat"), None
         for _ in range(2):
             handle = self._handles.get(pid) or self._open_handle(pid)
             if handle is None:  # at the open-file limit
@@ -434,7 +464,7 @@ class ProcfsBackend:
         if last is not None and last[0] != start:
             last = None
         if (
-            last is not None and reuse_age and last[1] == f[20] and last[2] == f[21]
+            last is not None and reuse_age and self.carry_status and last[1] == f[20] and last[2] == f[21]
             and now - last[4] <= reuse_age
         ):
             # stat's RSS and VmSize are status's VmRSS and VmSize (the same
