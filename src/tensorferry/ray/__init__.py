@@ -67,6 +67,7 @@ def env_vars(
     token: str | None = None,
     zero_copy: bool | None = None,
     timeout_seconds: float | None = None,
+    recv_pool_nbytes: int | None = None,
 ) -> dict[str, str]:
     """The ``TENSORFERRY_*`` variables for a Ray ``runtime_env``."""
     out: dict[str, str] = {}
@@ -84,6 +85,8 @@ def env_vars(
         out["TENSORFERRY_RAY_ZERO_COPY"] = "1" if zero_copy else "0"
     if timeout_seconds is not None:
         out["TENSORFERRY_RAY_TIMEOUT"] = str(float(timeout_seconds))
+    if recv_pool_nbytes is not None:
+        out["TENSORFERRY_RAY_RECV_POOL_BYTES"] = str(int(recv_pool_nbytes))
     return out
 
 

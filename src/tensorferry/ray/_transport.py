@@ -50,6 +50,12 @@ class Settings(NamedTuple):
             of a copy (``TENSORFERRY_RAY_ZERO_COPY=1``); the source keeps the
             blocks until those views are collected.
         timeout_seconds: per-get timeout (``TENSORFERRY_RAY_TIMEOUT``).
+        recv_pool_nbytes: a prefaulted receive pool per destination actor
+            (``TENSORFERRY_RAY_RECV_POOL_BYTES``, default 0: none). Received
+            tensors are then views of it, and their block returns when the
+            last view is collected; a get that does not fit uses new memory.
+            It saves the page faults of new memory (0.3-0.4 s per GiB here)
+            at the price of that much resident memory per actor.
     """
 
     pool_nbytes: int
@@ -58,6 +64,7 @@ class Settings(NamedTuple):
     token: str
     zero_copy: bool
     timeout_seconds: float
+    recv_pool_nbytes: int = 0
 
 
 def settings() -> Settings:
@@ -69,6 +76,7 @@ def settings() -> Settings:
         token=env.get("TENSORFERRY_TOKEN", ""),
         zero_copy=env.get("TENSORFERRY_RAY_ZERO_COPY", "0") not in ("", "0", "false", "no"),
         timeout_seconds=float(env.get("TENSORFERRY_RAY_TIMEOUT", "60")),
+        recv_pool_nbytes=int(env.get("TENSORFERRY_RAY_RECV_POOL_BYTES", "0")),
     )
 
 
@@ -114,7 +122,12 @@ class _Process:
             if self.receiver is None:
                 from ..receiver import Receiver
 
-                self.receiver = Receiver(token=self.settings.token or None, timeout=self.settings.timeout_seconds)
+                pool = None
+                if self.settings.recv_pool_nbytes > 0:
+                    from ..pool import MemoryPool
+
+                    pool = MemoryPool(self.settings.recv_pool_nbytes, prefault=True)
+                self.receiver = Receiver(pool=pool, token=self.settings.token or None, timeout=self.settings.timeout_seconds)
             return self.receiver
 
 
