@@ -1,0 +1,1112 @@
+"""Transfer benchmark: 1 GiB of float32 between two processes, every transport,
+against the limits and the peers, measured in one run.
+
+Two long-lived worker processes (multiprocessing ``spawn``): a SENDER and a
+RECEIVER. Ticket bytes travel over a ``multiprocessing.Pipe`` (the control
+plane a user would bring). Every time is ``time.monotonic()``, one clock for all
+processes on the host, from the sender calling ``put`` (or the peer's first
+step) to the receiver holding the data (``get`` returned):
+
+* tensorferry, for each transport in ``tensorferry.transports.available()``:
+  the object is a list of 1, 10k or 100k float32 tensors totalling 1 GiB (10k
+  and 100k are views of one flat buffer, half of them 2-D; "10k separate" are
+  10k tensors with their own storage). Receiver modes:
+  ``pool`` (copy mode: a Receiver with a prefaulted receive ``MemoryPool``, the
+  fast path), ``new`` (copy mode into new memory: a Receiver without a pool),
+  ``into`` (``get(into=...)`` existing, touched tensors) and, for shm,
+  ``zero_copy`` (views of the sender's pool; not touched inside the timing).
+  The sender's pool is prefaulted (``Sender(prefault=True)``).
+* limits: one plain memcpy of 1 GiB into already-touched memory (torch
+  ``copy_`` of uint8, in the receiver process); raw loopback TCP between the
+  two processes with tensorferry's chunking (one ``sendmsg`` / ``recvmsg_into``
+  loop over the whole 1 GiB, TCP_NODELAY and the socket buffer size of
+  ``tensorferry.transports._tcp``); a raw NIXL READ of one 1 GiB descriptor
+  (``benchmarks/_raw_nixl.py`` when present, else measured here with
+  ``nixl._api``) when nixl is installed.
+* peers a user would otherwise use: a ``torch.multiprocessing`` queue of the
+  tensors (fresh, not yet shared tensors each time: the queue moves them to
+  shared memory, the receiver maps them), and ``torch.save`` of the state dict
+  into a buffer, sent over a loopback socket, ``torch.load`` on the other side.
+
+Each case runs one untimed warm-up transfer, then ``--repeats`` timed ones
+(median reported). The LAST timed transfer of every case is verified after its
+timing: the receiver compares every tensor's dtype, shape and bits with its
+own deterministically regenerated copy of the source (the sender's and the
+receiver's pools, and ``into`` targets, are zeroed before that transfer, so
+stale bytes cannot pass). Peak RSS growth is measured for real: VmHWM after
+resetting it by writing ``5`` to ``/proc/self/clear_refs`` (checked to work at
+start-up), in the receiver around each ``get`` and in the sender from ``put``
+until the release.
+
+torch runs with ONE intra-op thread in every process by default (``--threads``),
+as in bench_pool.py: on this shared 2-core machine a parallel copy stalls
+whenever the other core is busy, and the memcpy limit is measured with the same
+setting as the copies it bounds.
+
+Run: ``.venv/bin/python benchmarks/bench_transfer.py`` (``--quick`` for a
+64 MiB smoke run; ``--profile`` adds cProfile of the timed section of the
+tensorferry cases in both processes). Writes
+``benchmarks/results/bench_transfer.json`` and ``benchmarks/results/bench_transfer.png``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# NIXL/UCX stays on loopback on these machines (and in every child: spawn
+# copies the environment).
+os.environ["UCX_NET_DEVICES"] = "lo"
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import multiprocessing as mp
+import platform
+import pstats
+import socket
+import statistics
+import struct
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+MIB = 1 << 20
+GIB = 1 << 30
+SEED = 20_260_601
+COUNTS = (1, 10_000, 100_000)
+# The pools hold 1 GiB plus alignment padding (< 16 bytes a tensor, 100k
+# tensors: 1.6 MB) with room to spare.
+POOL_SLACK_NBYTES = 16 * MIB
+# What the issue asks for, as ratios measured in this run.
+TARGET_SHM_VS_MEMCPY = 0.7
+TARGET_TCP_VS_RAW = 0.7
+TARGET_NIXL_VS_RAW = 0.8
+TARGET_100K_VS_1 = 1.5
+TARGET_TICKET_NBYTES = 1_000_000
+TARGET_TICKET_SECONDS = 0.020
+TARGET_RX_RSS_NEW_NBYTES = int(1.1 * GIB)
+TARGET_RX_RSS_ZERO_COPY_NBYTES = 64 * MIB
+TARGET_TX_RSS_NBYTES = 64 * MIB
+
+
+# -- shared helpers (both workers) ------------------------------------------------------
+
+
+def _status_nbytes(field: str) -> int:
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(field.encode() + b":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int:
+    """Reset VmHWM to the current RSS; returns that baseline (bytes)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_nbytes("VmRSS")
+
+
+def peak_rss() -> int:
+    return _status_nbytes("VmHWM")
+
+
+def check_peak_reset() -> bool:
+    """Touch and free 256 MiB, reset: VmHWM must come back down."""
+    import torch
+
+    reset_peak_rss()
+    t = torch.ones(256 * MIB, dtype=torch.uint8)
+    high = peak_rss()
+    del t
+    base = reset_peak_rss()
+    after = peak_rss()
+    return high - base > 200 * MIB and after - base < 16 * MIB
+
+
+def numel_of(nbytes: int) -> int:
+    return nbytes // 4
+
+
+def source(nbytes: int):
+    """The 1 GiB of float32 every case sends, the same in every process."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randn(numel_of(nbytes), generator=g)
+
+
+def piece_sizes(numel: int, count: int) -> list[int]:
+    """Deterministic, uneven tensor sizes (in elements) that add up to ``numel``."""
+    import numpy as np
+
+    if count == 1:
+        return [numel]
+    rng = np.random.default_rng(SEED + count)
+    w = rng.uniform(0.25, 1.75, count)
+    sizes = np.maximum(np.floor(w / w.sum() * numel).astype(np.int64), 1)
+    sizes[-1] += numel - int(sizes.sum())
+    assert sizes[-1] > 0
+    return sizes.tolist()
+
+
+def views_of(flat, count: int) -> list:
+    """``count`` views of ``flat``; every other one 2-D when its size allows."""
+    if count == 1:
+        return [flat]
+    sizes = piece_sizes(flat.numel(), count)
+    out = []
+    for i, (part, n) in enumerate(zip(flat.split(sizes), sizes)):
+        out.append(part.view(4, n // 4) if i % 2 and n % 4 == 0 else part)
+    return out
+
+
+def verify(got: list, ref: list) -> str | None:
+    """Exact comparison (dtype, shape, every bit); None if equal."""
+    import torch
+
+    if not isinstance(got, list) or len(got) != len(ref):
+        return f"got {type(got).__name__} of {len(got) if hasattr(got, '__len__') else '?'} items, sent {len(ref)}"
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if g.dtype != r.dtype or g.shape != r.shape:
+            return f"tensor {i}: got {g.dtype}{tuple(g.shape)}, sent {r.dtype}{tuple(r.shape)}"
+        if not torch.equal(g.reshape(-1).view(torch.int32), r.reshape(-1).view(torch.int32)):
+            return f"tensor {i}: bytes differ"
+    return None
+
+
+def _setup_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _tune(sock: socket.socket) -> None:
+    """Exactly what tensorferry's tcp transport does to its sockets."""
+    from tensorferry.transports import _tcp
+
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, _tcp._SOCK_BUF)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("peer closed")
+        got += k
+    return bytes(buf)
+
+
+def _profile_text(prof: cProfile.Profile | None, top: int = 30) -> str | None:
+    if prof is None:
+        return None
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+# -- tensorferry cases ------------------------------------------------------------------
+
+
+class SenderSide:
+    """State and jobs of the sender worker."""
+
+    def __init__(self, nbytes: int, peer) -> None:
+        self.nbytes = nbytes
+        self.peer = peer
+        self.flat = source(nbytes)
+        self.sender = None
+
+    def tf_open(self, job: dict) -> dict:
+        from tensorferry import Sender
+
+        t = time.monotonic()
+        self.sender = Sender(job["transport"], capacity_nbytes=self.nbytes + POOL_SLACK_NBYTES, prefault=True)
+        return {"open_seconds": time.monotonic() - t}
+
+    def tf_close(self, job: dict) -> dict:
+        self.sender.close()
+        self.sender = None
+        return {}
+
+    def tf_case(self, job: dict) -> dict:
+        from tensorferry import Ticket
+
+        count, kind = job["count"], job["kind"]
+        separate = [v.clone() for v in views_of(self.flat, count)] if kind == "separate" else None
+        total = job["warmup"] + job["repeats"]
+        recs = []
+        prof = cProfile.Profile() if job.get("profile") else None
+        ticket = tb = None
+        for r in range(total):
+            verify_now = r == total - 1
+            msg = self.peer.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(f"receiver aborted: {msg[1]}")
+            obj = separate[:] if separate is not None else views_of(self.flat, count)
+            if verify_now:
+                self.sender.pool.buffer.zero_()
+            gc.collect()
+            base = reset_peak_rss()
+            if prof is not None and r >= job["warmup"]:
+                prof.enable()
+            t0 = time.monotonic()
+            ticket = self.sender.put(obj)
+            t_put = time.monotonic()
+            tb = ticket.to_bytes()
+            t_enc = time.monotonic()
+            if prof is not None:
+                prof.disable()
+            self.peer.send(("ticket", tb, t0, verify_now))
+            self.sender.wait_released(ticket, timeout=300)
+            t_rel = time.monotonic()
+            growth = peak_rss() - base
+            del obj
+            if r >= job["warmup"]:
+                recs.append({
+                    "t0": t0,
+                    "put_seconds": t_put - t0,
+                    "encode_seconds": t_enc - t_put,
+                    "released_after_seconds": t_rel - t0,
+                    "sender_rss_growth_nbytes": growth,
+                })
+        out: dict[str, Any] = {"records": recs, "ticket_nbytes": len(tb), "blocks": len(ticket.blocks),
+                               "profile_sender": _profile_text(prof)}
+        if job.get("ticket_timing"):
+            enc, dec = [], []
+            for _ in range(7):
+                t = time.perf_counter()
+                b = ticket.to_bytes()
+                enc.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                lay = Ticket.from_bytes(b).layout
+                dec.append(time.perf_counter() - t)
+                assert lay.num_tensors == count
+            out["ticket_encode_seconds"] = statistics.median(enc)
+            out["ticket_decode_seconds"] = statistics.median(dec)
+        return out
+
+    # -- limits and peers ------------------------------------------------------------
+
+    def rawtcp(self, job: dict) -> dict:
+        port = self.peer.recv()
+        sock = socket.create_connection(("127.0.0.1", port))
+        _tune(sock)
+        view = memoryview(self.flat.view(torch_uint8()).numpy())
+        for _ in range(job["warmup"] + job["repeats"]):
+            assert sock.recv(1) == b"G"
+            t0 = time.monotonic()
+            sent = 0
+            n = len(view)
+            while sent < n:
+                sent += sock.sendmsg([view[sent:]])
+            self.peer.send(t0)
+        sock.close()
+        return {}
+
+    def tmpq(self, job: dict, queue) -> dict:
+        count = job["count"]
+        for _ in range(job["warmup"] + job["repeats"]):
+            msg = self.peer.recv()
+            assert msg == "ready"
+            fresh = self.flat.clone()
+            obj = views_of(fresh, count)
+            gc.collect()
+            t0 = time.monotonic()
+            queue.put((t0, obj))
+            # Keep the tensors alive until the receiver is done with them.
+            assert self.peer.recv() == "done"
+            del obj, fresh
+        return {}
+
+    def tsave(self, job: dict) -> dict:
+        import torch
+
+        count = job["count"]
+        port = self.peer.recv()
+        sock = socket.create_connection(("127.0.0.1", port))
+        _tune(sock)
+        state = {f"layers.{i}.weight": v for i, v in enumerate(views_of(self.flat, count))}
+        for _ in range(job["warmup"] + job["repeats"]):
+            assert sock.recv(1) == b"G"
+            gc.collect()
+            t0 = time.monotonic()
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = buf.getbuffer()
+            sock.sendall(struct.pack("<dQ", t0, len(data)))
+            sock.sendall(data)
+            del data, buf
+        sock.close()
+        return {}
+
+    def rawnixl(self, job: dict) -> dict:
+        import threading
+
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        # As tensorferry's nixl transport runs its agents: NIXL's own progress
+        # thread off (it spins a core), the serving side polls every 1 ms.
+        agent = nixl_agent(f"bench-target-{job['ucx_mode']}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+        agent.create_backend("UCX", {"ucx_error_handling_mode": job["ucx_mode"]})
+        buf = self.flat.view(torch_uint8())
+        reg = agent.register_memory(buf)
+        descs = agent.get_xfer_descs(buf)
+        stop = threading.Event()
+
+        def progress() -> None:
+            while not stop.wait(0.001):
+                agent.get_new_notifs()
+
+        th = threading.Thread(target=progress, daemon=True)
+        th.start()
+        try:
+            self.peer.send((agent.get_agent_metadata(), agent.get_serialized_descs(descs)))
+            assert self.peer.recv() == "done"
+        finally:
+            stop.set()
+            th.join()
+        agent.deregister_memory(reg)
+        return {}
+
+
+class ReceiverSide:
+    """State and jobs of the receiver worker."""
+
+    def __init__(self, nbytes: int, peer) -> None:
+        self.nbytes = nbytes
+        self.peer = peer
+        self.ref = source(nbytes)
+        self.transport = None
+        self.rx_pool = None
+        self.rx_plain = None
+
+    def tf_open(self, job: dict) -> dict:
+        self.transport = job["transport"]
+        return {}
+
+    def tf_close(self, job: dict) -> dict:
+        for rx in (self.rx_pool, self.rx_plain):
+            if rx is not None:
+                rx.close()
+        self.rx_pool = self.rx_plain = None
+        gc.collect()
+        return {}
+
+    def _receiver(self, mode: str):
+        from tensorferry import MemoryPool, Receiver
+
+        if mode == "pool":
+            if self.rx_pool is None:
+                self.rx_pool = Receiver(self.transport, pool=MemoryPool(self.nbytes + POOL_SLACK_NBYTES, prefault=True))
+            return self.rx_pool
+        if self.rx_pool is not None:  # pool cases come first: free that GiB now
+            self.rx_pool.close()
+            self.rx_pool = None
+            gc.collect()
+        if self.rx_plain is None:
+            self.rx_plain = Receiver(self.transport)
+        return self.rx_plain
+
+    def tf_case(self, job: dict) -> dict:
+        import torch
+
+        mode, count = job["mode"], job["count"]
+        ref = views_of(self.ref, count)
+        rx = self._receiver(mode)
+        targets_flat = targets = None
+        if mode == "into":
+            targets_flat = torch.zeros(numel_of(self.nbytes))
+            targets = views_of(targets_flat, count)
+        total = job["warmup"] + job["repeats"]
+        recs = []
+        problem = "not verified"
+        prof = cProfile.Profile() if job.get("profile") else None
+        for r in range(total):
+            verify_now = r == total - 1
+            if verify_now:
+                if mode == "pool":
+                    rx.pool.buffer.zero_()
+                elif mode == "into":
+                    targets_flat.zero_()
+            gc.collect()
+            base = reset_peak_rss()
+            self.peer.send(("ready",))
+            msg = self.peer.recv()
+            _, tb, t0, sender_verifies = msg
+            t_got = time.monotonic()
+            if prof is not None and r >= job["warmup"]:
+                prof.enable()
+            if mode == "into":
+                res = rx.get(tb, into=targets)
+            else:
+                res = rx.get(tb, zero_copy=(mode == "zero_copy"))
+            t1 = time.monotonic()
+            if prof is not None:
+                prof.disable()
+            growth = peak_rss() - base
+            if verify_now:
+                assert sender_verifies
+                if mode == "into" and res is not targets:
+                    problem = "into= did not return the targets"
+                else:
+                    problem = verify(res, ref)
+            del res
+            if r >= job["warmup"]:
+                recs.append({
+                    "t0": t0,
+                    "end_to_end_seconds": t1 - t0,
+                    "ticket_transit_seconds": t_got - t0,  # includes the put
+                    "get_seconds": t1 - t_got,
+                    "receiver_rss_growth_nbytes": growth,
+                })
+        del targets, targets_flat
+        gc.collect()
+        return {"records": recs, "verified": problem is None, "problem": problem,
+                "profile_receiver": _profile_text(prof)}
+
+    # -- limits and peers ------------------------------------------------------------
+
+    def memcpy(self, job: dict) -> dict:
+        import torch
+
+        src = self.ref.view(torch.uint8)
+        dst = torch.empty(self.nbytes, dtype=torch.uint8)
+        dst.fill_(0)  # touched
+        times = []
+        for _ in range(job["warmup"] + job["repeats"]):
+            t = time.monotonic()
+            dst.copy_(src)
+            times.append(time.monotonic() - t)
+        ok = torch.equal(dst, src)
+        return {"seconds": times[job["warmup"]:], "verified": ok}
+
+    def rawtcp(self, job: dict) -> dict:
+        import torch
+
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        self.peer.send(lst.getsockname()[1])
+        sock, _ = lst.accept()
+        _tune(sock)
+        lst.close()
+        dst = torch.zeros(self.nbytes, dtype=torch.uint8)
+        view = memoryview(dst.numpy())
+        times = []
+        total = job["warmup"] + job["repeats"]
+        for r in range(total):
+            if r == total - 1:
+                dst.zero_()
+            sock.sendall(b"G")
+            got = 0
+            n = len(view)
+            while got < n:
+                got += sock.recvmsg_into([view[got:]])[0]
+            t1 = time.monotonic()
+            t0 = self.peer.recv()
+            times.append(t1 - t0)
+        sock.close()
+        ok = torch.equal(dst, self.ref.view(torch.uint8))
+        return {"seconds": times[job["warmup"]:], "verified": ok}
+
+    def tmpq(self, job: dict, queue) -> dict:
+        count = job["count"]
+        ref = views_of(self.ref, count)
+        times, growths = [], []
+        total = job["warmup"] + job["repeats"]
+        problem = "not verified"
+        for r in range(total):
+            gc.collect()
+            base = reset_peak_rss()
+            self.peer.send("ready")
+            t0, obj = queue.get(timeout=600)
+            t1 = time.monotonic()
+            growths.append(peak_rss() - base)
+            times.append(t1 - t0)
+            if r == total - 1:
+                problem = verify(obj, ref)
+            del obj
+            self.peer.send("done")
+        w = job["warmup"]
+        return {"seconds": times[w:], "receiver_rss_growth_nbytes": growths[w:], "verified": problem is None,
+                "problem": problem}
+
+    def tsave(self, job: dict) -> dict:
+        import torch
+
+        count = job["count"]
+        ref = views_of(self.ref, count)
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        self.peer.send(lst.getsockname()[1])
+        sock, _ = lst.accept()
+        _tune(sock)
+        lst.close()
+        times, growths = [], []
+        total = job["warmup"] + job["repeats"]
+        problem = "not verified"
+        for r in range(total):
+            gc.collect()
+            base = reset_peak_rss()
+            sock.sendall(b"G")
+            t0, n = struct.unpack("<dQ", _recv_exact(sock, 16))
+            data = bytearray(n)
+            view = memoryview(data)
+            got = 0
+            while got < n:
+                got += sock.recv_into(view[got:])
+            del view
+            state = torch.load(io.BytesIO(data), weights_only=True)
+            t1 = time.monotonic()
+            del data
+            growths.append(peak_rss() - base)
+            times.append(t1 - t0)
+            if r == total - 1:
+                problem = verify(list(state.values()), ref)
+            del state
+        sock.close()
+        w = job["warmup"]
+        return {"seconds": times[w:], "receiver_rss_growth_nbytes": growths[w:], "verified": problem is None,
+                "problem": problem}
+
+    def rawnixl(self, job: dict) -> dict:
+        import torch
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        agent = nixl_agent(f"bench-initiator-{job['ucx_mode']}", nixl_agent_config(enable_prog_thread=False, backends=[]))
+        agent.create_backend("UCX", {"ucx_error_handling_mode": job["ucx_mode"]})
+        dst = torch.zeros(self.nbytes, dtype=torch.uint8)
+        reg = agent.register_memory(dst)
+        meta, remote_ser = self.peer.recv()
+        remote_name = agent.add_remote_agent(meta)
+        remote = agent.deserialize_descs(remote_ser)
+        local = agent.get_xfer_descs(dst)
+        handle = agent.initialize_xfer("READ", local, remote, remote_name)
+        times = []
+        total = job["warmup"] + job["repeats"]
+        try:
+            for r in range(total):
+                if r == total - 1:
+                    dst.zero_()
+                t0 = time.monotonic()
+                state = agent.transfer(handle)
+                deadline = t0 + 120
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("raw NIXL READ did not finish in 120 s")
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL READ ended in state {state}")
+                times.append(time.monotonic() - t0)
+            ok = torch.equal(dst, self.ref.view(torch.uint8))
+        finally:
+            self.peer.send("done")
+            handle.release()
+            agent.remove_remote_agent(remote_name)
+            agent.deregister_memory(reg)
+        return {"seconds": times[job["warmup"]:], "verified": ok,
+                "via": f"this script (nixl._api, UCX error handling {job['ucx_mode']!r}, busy-poll)"}
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def worker(role: str, nbytes: int, threads: int, ctl, peer, queue) -> None:
+    """Entry point of both worker processes: run jobs from the main process."""
+    _setup_worker(threads)
+    try:
+        side = SenderSide(nbytes, peer) if role == "sender" else ReceiverSide(nbytes, peer)
+        ctl.send({"ready": True, "pid": os.getpid(), "peak_reset_works": check_peak_reset()})
+    except BaseException:
+        ctl.send({"ready": False, "error": traceback.format_exc()})
+        return
+    while True:
+        job = ctl.recv()
+        if job is None:
+            return
+        fn = getattr(side, job["job"], None)
+        if fn is None:  # a job only the other side runs (memcpy)
+            ctl.send({})
+            continue
+        try:
+            out = fn(job, queue) if job["job"] == "tmpq" else fn(job)
+        except BaseException as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            # Unblock the other side if it waits on us.
+            try:
+                peer.send(("abort", str(exc)))
+            except Exception:
+                pass
+        ctl.send(out)
+
+
+# -- orchestration (main process) -------------------------------------------------------
+
+
+class Workers:
+    def __init__(self, nbytes: int, threads: int) -> None:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        a, b = ctx.Pipe(duplex=True)
+        self.queue = ctx.Queue()
+        self.ctl = {}
+        self.procs = {}
+        for role, peer in (("sender", a), ("receiver", b)):
+            mine, theirs = ctx.Pipe(duplex=True)
+            p = ctx.Process(target=worker, args=(role, nbytes, threads, theirs, peer, self.queue), name=f"bench-{role}")
+            p.start()
+            self.ctl[role] = mine
+            self.procs[role] = p
+        self.info = {role: self.ctl[role].recv() for role in self.ctl}
+        for role, info in self.info.items():
+            if not info.get("ready"):
+                raise RuntimeError(f"{role} worker failed to start:\n{info.get('error')}")
+
+    def run(self, job: dict, timeout: float = 600.0) -> tuple[dict, dict]:
+        for c in self.ctl.values():
+            c.send(job)
+        out = {}
+        for role, c in self.ctl.items():
+            if not c.poll(timeout):
+                raise RuntimeError(f"{role} worker did not finish job {job} in {timeout} s")
+            out[role] = c.recv()
+        for role in out:
+            if "error" in out[role]:
+                other = "receiver" if role == "sender" else "sender"
+                # drain an abort the failing side may have sent to the other
+                raise RuntimeError(f"{role} failed in job {job}: {out[role]['traceback']}"
+                                   f"\n(other side: {out[other].get('error', 'ok')})")
+        return out["sender"], out["receiver"]
+
+    def close(self) -> None:
+        for c in self.ctl.values():
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self.procs.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()  # only our own children, by handle
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def tf_cases(transport: str, repeats: int) -> list[dict]:
+    """pool cases first (the receiver frees its pool before the others)."""
+    cases = [dict(mode="pool", count=c, kind="views") for c in COUNTS]
+    cases.append(dict(mode="pool", count=10_000, kind="separate"))
+    for mode in ("new", "into") + (("zero_copy",) if transport == "shm" else ()):
+        cases += [dict(mode=mode, count=1, kind="views"), dict(mode=mode, count=100_000, kind="views")]
+    for c in cases:
+        c.update(job="tf_case", transport=transport, warmup=1, repeats=repeats)
+    return cases
+
+
+def case_label(c: dict) -> str:
+    n = {1: "1", 10_000: "10k", 100_000: "100k"}[c["count"]]
+    return f"{n}{' separate' if c['kind'] == 'separate' else ''}"
+
+
+def raw_nixl_limit(w: Workers, nbytes: int, repeats: int) -> dict | None:
+    """One 1 GiB descriptor, READ: the helper if someone wrote it, else ours."""
+    helper = ROOT / "benchmarks" / "_raw_nixl.py"
+    if helper.exists():
+        sys.path.insert(0, str(helper.parent))
+        try:
+            import _raw_nixl  # type: ignore[import-not-found]
+
+            secs = _raw_nixl.raw_nixl_read_seconds(nbytes, 1, repeats)
+            out = {"seconds": list(secs) if not isinstance(secs, float) else [secs], "verified": None,
+                   "via": "benchmarks/_raw_nixl.py"}
+            try:
+                secs10k = _raw_nixl.raw_nixl_read_seconds(nbytes, 10_000, max(1, repeats // 2))
+                out["seconds_10k_descs"] = list(secs10k) if not isinstance(secs10k, float) else [secs10k]
+            except Exception as exc:  # the multi-descriptor figure is context only
+                out["seconds_10k_descs_error"] = repr(exc)
+            return out
+        except Exception as exc:
+            log(f"benchmarks/_raw_nixl.py failed ({exc!r}); measuring raw NIXL here instead")
+    # Both UCX error-handling modes ("peer" is what the transport uses); the
+    # faster is the limit, the other is kept for the record.
+    runs = {}
+    for mode in ("peer", "none"):
+        _, runs[mode] = w.run({"job": "rawnixl", "ucx_mode": mode, "warmup": 1, "repeats": repeats})
+    best = min(runs, key=lambda m: med(runs[m]["seconds"]))
+    out = dict(runs[best])
+    out["by_ucx_error_handling"] = {m: {"seconds": r["seconds"], "verified": r["verified"]} for m, r in runs.items()}
+    out["verified"] = all(r["verified"] for r in runs.values())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per tensorferry case (median)")
+    ap.add_argument("--peer-repeats", type=int, default=3, help="timed repeats per peer case")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker")
+    ap.add_argument("--transports", nargs="*", default=None, help="default: tensorferry.transports.available()")
+    ap.add_argument("--quick", action="store_true", help="64 MiB instead of 1 GiB, 2 repeats (smoke run)")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed sections (slows them)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+
+    from tensorferry.transports import available
+
+    nbytes = 64 * MIB if args.quick else GIB
+    repeats = 2 if args.quick else args.repeats
+    peer_repeats = 2 if args.quick else args.peer_repeats
+    transports = args.transports if args.transports is not None else available()
+    started = time.monotonic()
+    load_start = os.getloadavg()[0]
+    log(f"transports {transports}; {nbytes / MIB:.0f} MiB; repeats {repeats} (peers {peer_repeats}); "
+        f"torch threads {args.threads}; load {load_start:.2f}")
+
+    w = Workers(nbytes, args.threads)
+    doc: dict[str, Any] = {"limits": {}, "cases": [], "peers": [], "errors": []}
+    try:
+        log(f"workers up in {time.monotonic() - started:.1f} s: {w.info}")
+        limits = doc["limits"]
+        job = {"warmup": 1, "repeats": max(3, repeats)}
+        _, limits["memcpy"] = w.run({"job": "memcpy", **job})
+        _, limits["raw_tcp"] = w.run({"job": "rawtcp", **job})
+        log(f"limits: memcpy {nbytes / med(limits['memcpy']['seconds']) / 1e9:.2f} GB/s, raw tcp "
+            f"{nbytes / med(limits['raw_tcp']['seconds']) / 1e9:.2f} GB/s")
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("nixl") is not None:
+                limits["raw_nixl"] = raw_nixl_limit(w, nbytes, max(3, repeats))
+                log(f"limit: raw nixl {nbytes / med(limits['raw_nixl']['seconds']) / 1e9:.2f} GB/s")
+        except Exception as exc:
+            doc["errors"].append(f"raw nixl: {exc}")
+            log(f"raw nixl failed: {exc}")
+
+        for transport in transports:
+            try:
+                s_open, _ = w.run({"job": "tf_open", "transport": transport})
+            except Exception as exc:
+                doc["errors"].append(f"{transport}: open: {exc}")
+                log(f"{transport}: cannot open: {exc}")
+                continue
+            for case in tf_cases(transport, repeats):
+                case["profile"] = args.profile
+                case["ticket_timing"] = case["mode"] == "pool" and case["count"] == 100_000
+                label = f"{transport} {case['mode']} {case_label(case)}"
+                try:
+                    s, r = w.run(case)
+                except Exception as exc:
+                    doc["errors"].append(f"{label}: {exc}")
+                    log(f"{label}: FAILED {exc}")
+                    doc["cases"].append({**case, "error": str(exc)})
+                    # The sides may be out of step now: reopen this transport.
+                    w.run({"job": "tf_close"})
+                    w.run({"job": "tf_open", "transport": transport})
+                    continue
+                rec = {**case, "sender": s, "receiver": r}
+                e2e = med([x["end_to_end_seconds"] for x in r["records"]])
+                doc["cases"].append(rec)
+                log(f"{label}: {e2e:.3f} s ({nbytes / e2e / 1e9:.2f} GB/s) put {med([x['put_seconds'] for x in s['records']]):.3f} "
+                    f"get {med([x['get_seconds'] for x in r['records']]):.3f} verified {r['verified']}")
+            w.run({"job": "tf_close"})
+
+        if not args.no_peers:
+            for count in (1, 10_000):
+                _, r = w.run({"job": "tmpq", "count": count, "warmup": 1, "repeats": peer_repeats})
+                doc["peers"].append({"peer": "torch.multiprocessing queue", "count": count, "kind": "views", **r})
+                log(f"torch mp queue {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
+            for count in COUNTS:
+                # 100k entries cost torch.save/load ~1 min a round trip here:
+                # one timed run, no warm-up (said in the table).
+                slow = count == 100_000
+                _, r = w.run({"job": "tsave", "count": count, "warmup": 0 if slow else 1,
+                              "repeats": 1 if slow else peer_repeats}, timeout=900)
+                doc["peers"].append({"peer": "torch.save/socket/torch.load", "count": count, "kind": "views", **r})
+                log(f"torch.save {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
+
+        # The limits again at the end: the machine is shared, so pool both runs.
+        for key, name in (("memcpy", "memcpy"), ("raw_tcp", "rawtcp")):
+            _, again = w.run({"job": name, **job})
+            limits[key]["seconds_start"] = limits[key]["seconds"]
+            limits[key]["seconds_end"] = again["seconds"]
+            limits[key]["seconds"] = limits[key]["seconds"] + again["seconds"]
+            limits[key]["verified"] = limits[key]["verified"] and again["verified"]
+    finally:
+        w.close()
+
+    doc["env"] = env_info(args, nbytes, repeats, peer_repeats, transports, w.info, load_start, started)
+    summarize(doc, nbytes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    (args.out / f"bench_transfer{suffix}.json").write_text(json.dumps(doc, indent=1, default=float))
+    print_tables(doc, nbytes)
+    plot(doc, nbytes, args.out / f"bench_transfer{suffix}.png")
+    log(f"done in {time.monotonic() - started:.0f} s; wrote {args.out / f'bench_transfer{suffix}.json'} and .png")
+    return 0
+
+
+def env_info(args, nbytes, repeats, peer_repeats, transports, info, load_start, started) -> dict:
+    import torch
+
+    def ver(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "tensorferry": ver("tensorferry"),
+        "nixl": ver("nixl"),
+        "nbytes": nbytes,
+        "repeats": repeats,
+        "peer_repeats": peer_repeats,
+        "warmup": 1,
+        "torch_threads": args.threads,
+        "transports": transports,
+        "peak_reset_works": {role: i["peak_reset_works"] for role, i in info.items()},
+        "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "wall_seconds": round(time.monotonic() - started, 1),
+        "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"),
+    }
+
+
+# -- summary, tables, plot --------------------------------------------------------------
+
+
+def summarize(doc: dict, nbytes: int) -> None:
+    lim = doc["limits"]
+    limit_s = {k: med(v["seconds"]) for k, v in lim.items() if v and v.get("seconds")}
+    limit_for = {"shm": "memcpy", "tcp": "raw_tcp", "nixl": "raw_nixl"}
+    target_for = {"shm": TARGET_SHM_VS_MEMCPY, "tcp": TARGET_TCP_VS_RAW, "nixl": TARGET_NIXL_VS_RAW}
+    rows = []
+    for c in doc["cases"]:
+        if "error" in c:
+            continue
+        s, r = c["sender"]["records"], c["receiver"]["records"]
+        e2e = med([x["end_to_end_seconds"] for x in r])
+        row = {
+            "transport": c["transport"], "mode": c["mode"], "count": c["count"], "kind": c["kind"],
+            "label": case_label(c),
+            "end_to_end_seconds": e2e,
+            "end_to_end_all_seconds": [x["end_to_end_seconds"] for x in r],
+            "put_seconds": med([x["put_seconds"] for x in s]),
+            "get_seconds": med([x["get_seconds"] for x in r]),
+            "ticket_transit_minus_put_seconds": med([x["ticket_transit_seconds"] - y["put_seconds"] for x, y in zip(r, s)]),
+            "gbps": nbytes / e2e / 1e9,
+            "get_gbps": nbytes / med([x["get_seconds"] for x in r]) / 1e9,
+            "receiver_rss_growth_nbytes": max(x["receiver_rss_growth_nbytes"] for x in r),
+            "sender_rss_growth_nbytes": max(x["sender_rss_growth_nbytes"] for x in s),
+            "ticket_nbytes": c["sender"]["ticket_nbytes"],
+            "blocks": c["sender"]["blocks"],
+            "verified": c["receiver"]["verified"],
+            "problem": c["receiver"]["problem"],
+        }
+        lk = limit_for.get(c["transport"])
+        if lk in limit_s:
+            row["vs_limit"] = limit_s[lk] / e2e
+            row["get_vs_limit"] = limit_s[lk] / row["get_seconds"]
+        rows.append(row)
+    doc["rows"] = rows
+    idx = {(r["transport"], r["mode"], r["count"], r["kind"]): r for r in rows}
+    targets = []
+
+    def add(name: str, required: str, measured: float | None, met: bool | None, note: str = "", unit: str = "x") -> None:
+        targets.append({"target": name, "required": required, "measured": measured, "unit": unit, "met": met, "note": note})
+
+    for t in sorted({r["transport"] for r in rows}):
+        lk = limit_for[t]
+        one = idx.get((t, "pool", 1, "views"))
+        if one is not None and lk in limit_s:
+            add(f"{t} copy (pool, 1 tensor) vs {lk}, put→held", f">= {target_for[t]}x", one["vs_limit"],
+                one["vs_limit"] >= target_for[t],
+                f"get alone: {one['get_vs_limit']:.2f}x; put (pack copy) {one['put_seconds'] * 1e3:.0f} ms, "
+                f"get {one['get_seconds'] * 1e3:.0f} ms, limit {limit_s[lk] * 1e3:.0f} ms")
+        elif lk not in limit_s:
+            add(f"{t} copy vs {lk}", f">= {target_for[t]}x", None, None, f"{lk} not measured")
+        for mode in ("pool", "new", "into", "zero_copy"):
+            a, b = idx.get((t, mode, 1, "views")), idx.get((t, mode, 100_000, "views"))
+            if a and b:
+                ratio = b["end_to_end_seconds"] / a["end_to_end_seconds"]
+                add(f"{t} {mode}: time(100k) / time(1)", f"<= {TARGET_100K_VS_1}x", ratio, ratio <= TARGET_100K_VS_1,
+                    f"{b['end_to_end_seconds'] * 1e3:.0f} ms vs {a['end_to_end_seconds'] * 1e3:.0f} ms")
+        new = idx.get((t, "new", 1, "views"))
+        new100k = idx.get((t, "new", 100_000, "views"))
+        for rr in (new, new100k):
+            if rr:
+                g = rr["receiver_rss_growth_nbytes"]
+                add(f"{t} receiver peak RSS growth, new memory, {rr['label']}", "<= 1.1 GiB", g / GIB,
+                    g <= TARGET_RX_RSS_NEW_NBYTES, "", " GiB")
+        for cnt in (1, 100_000):
+            zc = idx.get((t, "zero_copy", cnt, "views"))
+            if zc:
+                g = zc["receiver_rss_growth_nbytes"]
+                add(f"{t} receiver peak RSS growth, zero_copy, {zc['label']}", "<= 64 MiB", g / MIB,
+                    g <= TARGET_RX_RSS_ZERO_COPY_NBYTES, "during get (views not touched)", " MiB")
+        t_rows = [r for r in rows if r["transport"] == t]
+        worst = max(t_rows, key=lambda r: r["sender_rss_growth_nbytes"])
+        add(f"{t} sender peak RSS growth beyond its pool (worst case)", "<= 64 MiB",
+            worst["sender_rss_growth_nbytes"] / MIB, worst["sender_rss_growth_nbytes"] <= TARGET_TX_RSS_NBYTES,
+            f"worst: {worst['mode']} {worst['label']}", " MiB")
+    tk = next((c["sender"] for c in doc["cases"] if c.get("ticket_timing") and "error" not in c), None)
+    if tk is not None:
+        add("ticket bytes, list of 100k tensors", "< 1 MB", tk["ticket_nbytes"] / 1e6, tk["ticket_nbytes"] < TARGET_TICKET_NBYTES,
+            f"{tk['ticket_nbytes']:,} bytes", " MB")
+        enc_dec = tk["ticket_encode_seconds"] + tk["ticket_decode_seconds"]
+        add("ticket to_bytes + from_bytes + .layout, 100k", "< 20 ms", enc_dec * 1e3, enc_dec < TARGET_TICKET_SECONDS,
+            f"encode {tk['ticket_encode_seconds'] * 1e3:.1f} ms, decode+layout {tk['ticket_decode_seconds'] * 1e3:.1f} ms", " ms")
+    unverified = [f"{r['transport']} {r['mode']} {r['label']}: {r['problem']}" for r in rows if not r["verified"]]
+    unverified += [f"{p['peer']} {p['count']}: {p['problem']}" for p in doc["peers"] if not p.get("verified")]
+    unverified += [f"limit {k}" for k, v in lim.items() if v and v.get("verified") is False]
+    add("every case verified bit-exact after timing", "all", None, not unverified, "; ".join(unverified) or "all equal", "")
+    doc["targets"] = targets
+    doc["limits_summary"] = {k: {"median_seconds": v, "gbps": nbytes / v / 1e9} for k, v in limit_s.items()}
+    for p in doc["peers"]:
+        p["median_seconds"] = med(p["seconds"])
+        p["gbps"] = nbytes / p["median_seconds"] / 1e9
+        if "memcpy" in limit_s:
+            p["vs_memcpy"] = limit_s["memcpy"] / p["median_seconds"]
+
+
+def print_tables(doc: dict, nbytes: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    env = doc["env"]
+    con = Console(width=220)
+    con.print(f"[bold]tensorferry transfer benchmark[/] — {env['date']} — {env['machine']} — "
+              f"{nbytes / MIB:,.0f} MiB float32; medians of {env['repeats']} (peers {env['peer_repeats']}) after "
+              f"{env['warmup']} warm-up; torch threads {env['torch_threads']}; load {env['loadavg_1min_start_end']} (start, end)")
+
+    t = Table(title="limits (same run: start and end pooled)")
+    for col in ("limit", "median ms", "GB/s", "runs", "verified", "via"):
+        t.add_column(col, justify="left" if col in ("limit", "via") else "right")
+    for k, v in doc["limits"].items():
+        if not v or not v.get("seconds"):
+            continue
+        s = med(v["seconds"])
+        t.add_row(k, f"{s * 1e3:,.0f}", f"{nbytes / s / 1e9:.2f}", str(len(v["seconds"])), str(v.get("verified")),
+                  v.get("via", "this script"))
+    con.print(t)
+
+    t = Table(title="tensorferry: put→held end to end (sender's put … receiver's get returned), separate processes")
+    cols = ("transport", "mode", "tensors", "e2e ms", "GB/s", "vs limit", "put ms", "get ms", "get vs limit",
+            "blocks", "ticket B", "rx RSS +MiB", "tx RSS +MiB", "verified")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("transport", "mode", "tensors") else "right")
+    for r in doc["rows"]:
+        t.add_row(r["transport"], r["mode"], r["label"], f"{r['end_to_end_seconds'] * 1e3:,.0f}", f"{r['gbps']:.2f}",
+                  f"{r['vs_limit']:.2f}x" if "vs_limit" in r else "-", f"{r['put_seconds'] * 1e3:,.0f}",
+                  f"{r['get_seconds'] * 1e3:,.0f}", f"{r['get_vs_limit']:.2f}x" if "get_vs_limit" in r else "-",
+                  str(r["blocks"]), f"{r['ticket_nbytes']:,}", f"{r['receiver_rss_growth_nbytes'] / MIB:,.1f}",
+                  f"{r['sender_rss_growth_nbytes'] / MIB:,.1f}", "yes" if r["verified"] else f"[red]NO {r['problem']}[/]")
+    con.print(t)
+
+    if doc["peers"]:
+        t = Table(title="peers (what a user would otherwise do), same 1 GiB, separate processes")
+        for col in ("peer", "tensors", "median ms", "GB/s", "vs memcpy", "rx RSS +MiB", "runs", "verified"):
+            t.add_column(col, justify="left" if col == "peer" else "right")
+        for p in doc["peers"]:
+            t.add_row(p["peer"], f"{p['count']:,}", f"{p['median_seconds'] * 1e3:,.0f}", f"{p['gbps']:.2f}",
+                      f"{p.get('vs_memcpy', float('nan')):.2f}x", f"{max(p['receiver_rss_growth_nbytes']) / MIB:,.1f}",
+                      str(len(p["seconds"])), "yes" if p["verified"] else f"[red]NO {p['problem']}[/]")
+        con.print(t)
+
+    t = Table(title="targets")
+    for col in ("target", "required", "measured", "met", "note"):
+        t.add_column(col)
+    for tg in doc["targets"]:
+        m = "-" if tg["measured"] is None else f"{tg['measured']:.2f}{tg['unit']}"
+        met = "[yellow]n/a[/]" if tg["met"] is None else ("[green]yes[/]" if tg["met"] else "[red]no[/]")
+        t.add_row(tg["target"], tg["required"], m, met, tg["note"])
+    con.print(t)
+    if not all(env["peak_reset_works"].values()):
+        con.print("[red]warning: resetting VmHWM through /proc/self/clear_refs did not work in "
+                  f"{env['peak_reset_works']}: RSS figures are peaks since process start[/]")
+    for e in doc["errors"]:
+        con.print(f"[red]error:[/] {e}")
+
+
+def plot(doc: dict, nbytes: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env = doc["env"]
+    fig, ax = plt.subplots(figsize=(11, 6.2))
+    colors = {"shm": "tab:blue", "tcp": "tab:orange", "nixl": "tab:green"}
+    rows = doc["rows"]
+    for t in [t for t in ("shm", "tcp", "nixl") if any(r["transport"] == t for r in rows)]:
+        pts = sorted((r["count"], r["gbps"]) for r in rows if r["transport"] == t and r["mode"] == "pool" and r["kind"] == "views")
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=colors[t], lw=2.2, ms=7, label=f"tensorferry {t}, copy into receive pool")
+        for mode, style in (("new", "s:"), ("into", "^:"), ("zero_copy", "D--")):
+            pts = sorted((r["count"], r["gbps"]) for r in rows if r["transport"] == t and r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), style, color=colors[t], lw=1.2, ms=5, alpha=0.75,
+                        label=f"tensorferry {t}, {mode.replace('_', '-')}" + (" (views untouched)" if mode == "zero_copy" else ""))
+        sep = [r for r in rows if r["transport"] == t and r["mode"] == "pool" and r["kind"] == "separate"]
+        for r in sep:
+            ax.plot([r["count"]], [r["gbps"]], "o", mfc="white", mec=colors[t], mew=2, ms=9,
+                    label=f"tensorferry {t}, pool, 10k separate tensors")
+    peer_style = {"torch.multiprocessing queue": ("v-.", "tab:purple"), "torch.save/socket/torch.load": ("x-.", "tab:red")}
+    for name, (style, color) in peer_style.items():
+        pts = sorted((p["count"], p["gbps"]) for p in doc["peers"] if p["peer"] == name)
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, lw=1.4, ms=7, label=f"peer: {name}")
+    lim_style = {"memcpy": ("black", "limit: one memcpy (shm's bound)"),
+                 "raw_tcp": ("tab:orange", "limit: raw loopback TCP (tcp's bound)"),
+                 "raw_nixl": ("tab:green", "limit: raw NIXL READ, 1 descriptor (nixl's bound)")}
+    for k, s in doc["limits_summary"].items():
+        color, label = lim_style[k]
+        ax.axhline(s["gbps"], ls="--", color=color, lw=1.3, alpha=0.9, label=f"{label}: {s['gbps']:.1f} GB/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([1, 10, 100, 1000, 10_000, 100_000])
+    ax.set_xticklabels(["1", "10", "100", "1k", "10k", "100k"])
+    ax.set_xlim(0.6, 1.7e5)
+    ax.set_xlabel("number of tensors (1 GiB in total; views of one flat buffer unless marked)")
+    ax.set_ylabel("GB/s, put → receiver holds the data (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7.5, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title(f"tensorferry, 1 GiB float32 between two processes — {env['date']}, {env['machine']}, "
+                 f"torch threads {env['torch_threads']}, medians", fontsize=9.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
