@@ -37,7 +37,9 @@ def local_ray():
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=worker_runtime_env())
+    # address="local": always a new cluster of our own, never one that some
+    # other process on this machine happens to be running.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=worker_runtime_env())
     try:
         yield ray
     finally:
