@@ -46,6 +46,15 @@ _VM_BLOCK_RE = re.compile(
 _CAP_SYS_PTRACE = 19
 
 
+def _status_block_figures(status: bytes) -> tuple[int, ...] | None:
+    """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, if status has the standard layout."""
+    m = _VM_BLOCK_RE.search(status)
+    if m is None:
+        return None
+    vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
+    return (rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10)
+
+
 def _parse_status_kb(status: bytes) -> dict[bytes, bytes]:
     """The ``Name: N kB`` lines of status, ``{b"VmRSS:": b"1234"}`` (kB, unconverted)."""
     start = status.find(b"\nVm")
@@ -395,10 +404,9 @@ class ProcfsBackend:
 
     def _status_figures(self, pid: int, status: bytes, kthread: bool) -> tuple[int, ...]:
         """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, from status."""
-        m = _VM_BLOCK_RE.search(status)
-        if m is not None:
-            vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
-            return (rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10)
+        fast = _status_block_figures(status)
+        if fast is not None:
+            return fast
         kb = _parse_status_kb(status)
         page = self._page_nbytes
         shmem = int(kb.get(b"RssShmem:", 0)) << 10
@@ -485,14 +493,7 @@ class ProcfsBackend:
                         os.close(fd)
                 except OSError as exc:
                     raise _translate(exc, pid) from exc
-            m = _VM_BLOCK_RE.search(status)
-            if m is not None:
-                vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
-                figures = (
-                    rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10
-                )
-            else:
-                figures = self._status_figures(pid, status, kthread)
+            figures = _status_block_figures(status) or self._status_figures(pid, status, kthread)
             read_at = now
         if count_fds:
             num_fds = self._count_fds(pid)
