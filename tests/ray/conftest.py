@@ -31,6 +31,22 @@ def worker_runtime_env() -> dict:
     return {"env_vars": {"PYTHONPATH": path}}
 
 
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, and a fresh RDT manager for the next cluster.
+
+    Ray 2.60 keeps the driver's RDT manager across ``ray.shutdown()``: the
+    transfers it queued for failure monitoring after its monitor thread last
+    looked are handed to the next session's monitor thread, whose
+    ``ray.wait`` on those dead refs raises ("owner is unknown") and kills it,
+    so that session's failed transfers are no longer aborted.
+    """
+    import ray
+    from ray._private import worker
+
+    ray.shutdown()
+    worker.global_worker._rdt_manager = None
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """One single-node Ray cluster per test module, shut down after it."""
@@ -43,4 +59,4 @@ def local_ray():
     try:
         yield ray
     finally:
-        ray.shutdown()
+        shutdown_ray()

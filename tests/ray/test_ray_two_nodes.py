@@ -8,9 +8,9 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
 import tensorferry.ray as tfr  # noqa: E402
-from conftest import worker_runtime_env  # noqa: E402
+from conftest import shutdown_ray, worker_runtime_env  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
 # Before the classes below: Ray checks the transport name at class definition.
 tfr.register()
@@ -22,14 +22,16 @@ def two_nodes():
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 8}})
-    cluster.add_node(num_cpus=2, resources={"node_b": 8})
+    # An actor pinned by a custom resource also holds one CPU for its whole
+    # life: logical CPUs, enough for every actor of this module at once.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "resources": {"node_a": 8}})
+    cluster.add_node(num_cpus=8, resources={"node_b": 8})
     try:
         ray.init(address=cluster.address, runtime_env=worker_runtime_env(), log_to_driver=False)
         tfr.register()
         yield cluster
     finally:
-        ray.shutdown()
+        shutdown_ray()
         cluster.shutdown()
 
 
@@ -84,3 +86,50 @@ def test_actors_on_two_nodes_move_tensors_over_tcp(two_nodes):
         assert ray.get(near.check.remote(ref, seed))
     assert ray.get(far.paths.remote()) == {"tcp": 3}
     assert ray.get(near.paths.remote()) == {"shm": 3}
+    for actor in (src, far, near):
+        ray.kill(actor)
+
+
+@ray.remote
+class Trainer:
+    def __init__(self) -> None:
+        self.model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+
+    def step(self, version: int) -> list:
+        g = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        return [t.clone() for t in self.model.state_dict().values()]
+
+
+@ray.remote
+class Worker:
+    def __init__(self) -> None:
+        self.model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+
+    def weights(self) -> list:
+        return [t.clone() for t in self.model.state_dict().values()]
+
+    def paths(self) -> list:
+        # Which transports this worker's weight receiver has connections for.
+        from tensorferry.ray import _weights
+
+        return sorted({transport for transport, _ in _weights._RECEIVER._idle})
+
+
+def test_weight_sync_reaches_a_worker_on_the_other_node_over_tcp(two_nodes):
+    trainer = Trainer.options(resources={"node_a": 1}).remote()
+    far = Worker.options(resources={"node_b": 1}).remote()
+    near = Worker.options(resources={"node_a": 1}).remote()
+    sync = tfr.WeightSync(trainer, [far, near])
+    for version in (1, 2, 3):
+        want = ray.get(trainer.step.remote(version))
+        assert sync.sync().version == version
+        for w in (far, near):
+            got = ray.get(w.weights.remote())
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ray.get(far.paths.remote()) == ["tcp"]
+    assert ray.get(near.paths.remote()) == ["shm"]
+    for actor in (trainer, far, near):
+        ray.kill(actor)

@@ -1,6 +1,13 @@
-"""WeightSync on a real local Ray cluster: one trainer, workers updated in place."""
+"""WeightSync on a real single-node Ray cluster: one trainer, several workers.
+
+Every actor digests its own state dict (sha256 over every tensor's bytes, in
+order) and the driver compares the digests, so a single flipped bit in any
+worker fails the test. The trainer's pool is read inside the trainer.
+"""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 
@@ -8,128 +15,174 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
 import tensorferry.ray as tfr  # noqa: E402
+from tensorferry.errors import PoolExhaustedError  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.ray
+
+NUM_WORKERS = 3
+NUM_VERSIONS = 5
 
 
 class Net(torch.nn.Module):
+    """About 1 MiB of float32 in six tensors, a bfloat16 parameter and two
+    int64 buffers (one 0-dim)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(64, 48)
-        self.b = torch.nn.Linear(48, 8)
-        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
-        self.norm = torch.nn.Parameter(torch.zeros(33, dtype=torch.bfloat16))
+        self.inp = torch.nn.Linear(256, 512)
+        self.norm = torch.nn.LayerNorm(512)
+        self.out = torch.nn.Linear(512, 256)
+        self.scale = torch.nn.Parameter(torch.zeros(33, dtype=torch.bfloat16))
+        self.register_buffer("steps", torch.zeros(4, dtype=torch.int64))
+        self.register_buffer("epoch", torch.zeros((), dtype=torch.int64))
+
+
+def _state_nbytes() -> int:
+    return sum(t.numel() * t.element_size() for t in Net().state_dict().values())
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @ray.remote
 class Trainer:
     def __init__(self) -> None:
-        torch.manual_seed(0)
         self.model = Net()
 
-    def step(self, version: int) -> None:
-        # Deterministic per version, so workers are checked against exact values.
+    def step(self, version: int) -> str:
+        """New weights for ``version``, all of them, from its seed."""
         g = torch.Generator().manual_seed(version)
         with torch.no_grad():
-            for p in self.model.state_dict().values():
-                if p.dtype.is_floating_point:
-                    p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
-                else:
-                    p.fill_(version)
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+            self.model.steps.fill_(version)
+            self.model.epoch.fill_(-version)
+        return _digest(self.model)
 
-    def weights(self) -> dict:
-        return {k: v.clone() for k, v in self.model.state_dict().items()}
-
-    def pool_stats(self) -> dict:
-        from tensorferry.ray._weights import _PUBLISHER
-
-        return _PUBLISHER.sender.stats()
+    def digest(self) -> str:
+        return _digest(self.model)
 
 
 @ray.remote
 class Worker:
     def __init__(self) -> None:
-        torch.manual_seed(123)  # different initial weights from the trainer
         self.model = Net()
-        # Keep the parameter objects: the update must be in place.
-        self.ids = {k: v.data_ptr() for k, v in self.model.state_dict().items()}
 
-    def weights(self) -> dict:
-        return {k: v.clone() for k, v in self.model.state_dict().items()}
+    def digest(self) -> str:
+        return _digest(self.model)
 
-    def same_storage(self) -> bool:
-        return self.ids == {k: v.data_ptr() for k, v in self.model.state_dict().items()}
+    def data_ptrs(self) -> list[int]:
+        return [t.data_ptr() for t in self.model.state_dict().values()]
 
-    def version(self) -> int:
-        return getattr(self, "_tensorferry_weight_version", 0)
+    def version(self):
+        return getattr(self, "_tensorferry_weight_version", None)
 
 
-def _equal(a: dict, b: dict) -> bool:
-    return list(a) == list(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+def _publisher_stats(actor_self):
+    from tensorferry.ray import _weights
+
+    return None if _weights._PUBLISHER is None else _weights._PUBLISHER.sender.stats()
 
 
 @pytest.fixture(scope="module")
-def cluster(local_ray):
-    tfr.register()
-    yield local_ray
+def workers(local_ray):
+    ws = [Worker.remote() for _ in range(NUM_WORKERS)]
+    ray.get([w.digest.remote() for w in ws])
+    return ws
 
 
-def test_weight_sync_to_three_workers_across_five_versions(cluster):
+def _assert_all_equal(trainer, workers, expected_digest):
+    assert ray.get(trainer.digest.remote()) == expected_digest
+    assert ray.get([w.digest.remote() for w in workers]) == [expected_digest] * len(workers)
+
+
+@pytest.mark.timeout(120)
+def test_sync_three_workers_across_five_versions_and_a_late_joiner(workers):
     trainer = Trainer.remote()
-    workers = [Worker.remote() for _ in range(3)]
+    nbytes = _state_nbytes()
+    num_tensors = len(Net().state_dict())
+    ptrs = ray.get([w.data_ptrs.remote() for w in workers])
     sync = tfr.WeightSync(trainer, workers)
-    nbytes = None
-    for version in range(1, 6):
-        ray.get(trainer.step.remote(version))
+    digests = []
+    for version in range(1, NUM_VERSIONS + 1):
+        expected = ray.get(trainer.step.remote(version))
+        assert expected not in digests  # every version really changes the weights
+        digests.append(expected)
         report = sync.sync()
-        assert report.version == version
-        assert report.num_workers == 3 and len(report.worker_seconds) == 3
-        assert report.seconds > 0 and all(s > 0 for s in report.worker_seconds)
-        want = ray.get(trainer.weights.remote())
-        nbytes = sum(t.numel() * t.element_size() for t in want.values())
-        assert report.nbytes == 3 * nbytes
-        for w in workers:
-            assert _equal(ray.get(w.weights.remote()), want)
-            assert ray.get(w.same_storage.remote()), "the update must be in place"
-            assert ray.get(w.version.remote()) == version
-    # Only the latest version stays packed in the trainer's pool.
-    stats = ray.get(trainer.pool_stats.remote())
-    assert stats["live_tickets"] == 1
-    assert 0 < stats["used_nbytes"] < 2 * nbytes + 16 * 64
+        assert report.version == version == sync.version
+        assert report.num_workers == NUM_WORKERS and len(report.worker_seconds) == NUM_WORKERS
+        assert report.nbytes == nbytes * NUM_WORKERS
+        assert report.seconds >= max(report.worker_seconds) > 0
+        _assert_all_equal(trainer, workers, expected)
+        assert ray.get([w.version.remote() for w in workers]) == [version] * NUM_WORKERS
+    # In place: the workers' parameters are the same memory they started with.
+    assert ray.get([w.data_ptrs.remote() for w in workers]) == ptrs
 
     late = Worker.remote()
+    assert ray.get(late.digest.remote()) != digests[-1]
     seconds = sync.add_worker(late)
-    assert seconds is not None and seconds > 0
-    assert _equal(ray.get(late.weights.remote()), ray.get(trainer.weights.remote()))
-    assert ray.get(late.version.remote()) == 5
-    for actor in [trainer, late, *workers]:
-        ray.kill(actor)
+    assert isinstance(seconds, float) and seconds > 0
+    assert ray.get(late.digest.remote()) == digests[-1]
+    assert ray.get(late.version.remote()) == NUM_VERSIONS
+    assert len(sync.workers) == NUM_WORKERS + 1
+
+    # Only the latest version is held: the four before it were retired and
+    # freed once their readers finished.
+    stats = ray.get(trainer.__ray_call__.remote(_publisher_stats))
+    assert stats["live_tickets"] == 1, stats
+    assert nbytes <= stats["used_nbytes"] <= nbytes + 16 * num_tensors, stats
+
+    # The next version reaches the late joiner too.
+    expected = ray.get(trainer.step.remote(NUM_VERSIONS + 1))
+    report = sync.sync()
+    assert report.version == NUM_VERSIONS + 1 and report.num_workers == NUM_WORKERS + 1
+    _assert_all_equal(trainer, [*workers, late], expected)
+    ray.kill(late)
+    ray.kill(trainer)
 
 
-def test_late_worker_before_any_version_gets_nothing(cluster):
+@pytest.mark.timeout(120)
+def test_add_worker_before_any_version_returns_none(workers):
     trainer = Trainer.remote()
     sync = tfr.WeightSync(trainer, [])
-    w = Worker.remote()
-    assert sync.add_worker(w) is None
-    assert ray.get(w.version.remote()) == 0
+    assert sync.add_worker(workers[0]) is None
+    assert sync.workers == [workers[0]]
+    expected = ray.get(trainer.step.remote(40))
+    assert sync.sync().version == 1
+    assert ray.get(workers[0].digest.remote()) == expected
     ray.kill(trainer)
-    ray.kill(w)
 
 
-def test_pool_with_room_for_one_version_retires_the_old_one(cluster):
-    """Backpressure: the next version waits for the last one's readers."""
-    probe = Net()
-    nbytes = sum(t.numel() * t.element_size() for t in probe.state_dict().values())
+@pytest.mark.timeout(120)
+def test_pool_that_fits_one_version_retires_the_old_one(workers):
+    nbytes = _state_nbytes()
     trainer = Trainer.remote()
-    workers = [Worker.remote() for _ in range(2)]
     sync = tfr.WeightSync(trainer, workers, capacity_nbytes=nbytes + 4096)
-    for version in range(1, 4):
-        ray.get(trainer.step.remote(version))
-        assert sync.sync().version == version
-        want = ray.get(trainer.weights.remote())
-        for w in workers:
-            assert _equal(ray.get(w.weights.remote()), want)
-    stats = ray.get(trainer.pool_stats.remote())
-    assert stats["capacity_nbytes"] < 2 * nbytes  # really only room for one
-    for actor in [trainer, *workers]:
-        ray.kill(actor)
+    for version in range(1, 5):
+        expected = ray.get(trainer.step.remote(100 + version))
+        report = sync.sync()
+        assert report.version == version
+        _assert_all_equal(trainer, workers, expected)
+        stats = ray.get(trainer.__ray_call__.remote(_publisher_stats))
+        # Room for one version only, so each publish had to retire the last.
+        assert stats["capacity_nbytes"] < 2 * nbytes, stats
+        assert stats["live_tickets"] == 1 and stats["used_nbytes"] >= nbytes, stats
+    ray.kill(trainer)
+
+
+@pytest.mark.timeout(120)
+def test_pool_smaller_than_one_version_fails_with_the_numbers(workers):
+    nbytes = _state_nbytes()
+    trainer = Trainer.remote()
+    sync = tfr.WeightSync(trainer, workers, capacity_nbytes=nbytes // 2)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        sync.sync()
+    assert isinstance(info.value, PoolExhaustedError), repr(info.value)
+    assert "pool cannot hold" in str(info.value) and "capacity_nbytes" in str(info.value)
+    assert sync.version == 0
+    ray.kill(trainer)
