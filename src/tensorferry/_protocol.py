@@ -247,6 +247,19 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -
 _IOV_MAX = 1024
 
 
+def _advance(pending: collections.deque, nbytes: int) -> None:
+    """Drop ``nbytes`` from the front of a queue of buffers (a partial
+    scatter-gather send or receive), trimming the first one left."""
+    while nbytes:
+        first = pending[0]
+        if nbytes >= len(first):
+            nbytes -= len(first)
+            pending.popleft()
+        else:
+            pending[0] = first[nbytes:]
+            nbytes = 0
+
+
 def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline: float) -> None:
     """Fill ``views`` in order from the socket, scatter-gather (recvmsg_into),
     straight into their memory: many small tensors cost few system calls."""
@@ -268,14 +281,7 @@ def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline:
         if k == 0:
             raise PeerGoneError(f"the sender closed the connection after {got:,} of {total:,} bytes")
         got += k
-        while k:
-            first = pending[0]
-            if k >= len(first):
-                k -= len(first)
-                pending.popleft()
-            else:
-                pending[0] = first[k:]
-                k = 0
+        _advance(pending, k)
 
 
 def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -286,15 +292,7 @@ def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
     try:
         while pending:
             batch = [pending[i] for i in range(min(_IOV_MAX, len(pending)))]
-            sent = sock.sendmsg(batch)
-            while sent:
-                first = pending[0]
-                if sent >= len(first):
-                    sent -= len(first)
-                    pending.popleft()
-                else:
-                    pending[0] = first[sent:]
-                    sent = 0
+            _advance(pending, sock.sendmsg(batch))
     except socket.timeout as exc:
         raise TransferTimeoutError("timed out sending block bytes to the receiver") from exc
     except OSError as exc:
