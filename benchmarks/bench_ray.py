@@ -110,6 +110,10 @@ SYNC_WARMUPS = 2
 SLOW_SECONDS = 12.0
 CALL_TIMEOUT_SECONDS = 300.0
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The consumer's prefaulted receive pool for "tensorferry + receive pool" (the
+# counterpart of Ray's NIXL memory pool on the producer): room for one 1 GiB
+# object plus alignment.
+RECV_POOL_NBYTES = TOTAL_NBYTES + (64 << 20)
 LO_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -129,6 +133,8 @@ class Transport:
 
 TRANSPORTS = (
     Transport("tf", "tensorferry", "make_tf", ours=True),
+    Transport("tf_pool", "tensorferry + receive pool", "make_tf",
+              env={"TENSORFERRY_RAY_RECV_POOL_BYTES": str(RECV_POOL_NBYTES)}, ours=True),
     Transport("tf_zc", "tensorferry zero-copy", "make_tf", env={"TENSORFERRY_RAY_ZERO_COPY": "1"}, ours=True),
     Transport("objstore", "Ray object store", "make_plain", views_as_separate=True),
     Transport("objstore_zc", "Ray object store zero-copy", "make_plain",
@@ -646,7 +652,7 @@ def compute_ratios(results: dict, sync: dict) -> tuple[list, dict]:
 
     ratios: dict = {}
     for case, _ in CASES:
-        for mine in ("tf", "tf_zc"):
+        for mine in ("tf", "tf_pool", "tf_zc"):
             ours = e2e(mine, case)
             for tr in TRANSPORTS:
                 if tr.ours:
@@ -663,7 +669,10 @@ def compute_ratios(results: dict, sync: dict) -> tuple[list, dict]:
         value = ratios.get(f"{case}:tf/{peer}")
         alt = ratios.get(f"{case}:tf/nixl")
         zc = ratios.get(f"{case}:tf_zc/{peer}")
+        pooled = ratios.get(f"{case}:tf_pool/{peer}")
         note = []
+        if pooled is not None:
+            note.append(f"with a receive pool {pooled:.2f}x")
         if alt is not None:
             note.append(f"vs plain nixl {alt:.2f}x")
         if zc is not None:
@@ -779,7 +788,7 @@ def plot(results: dict, sync: dict, path: Path, env: dict) -> None:
         m = sync.get("methods", {}).get(skey, {}) if skey else {}
         vals.append(m.get("seconds") if m.get("ok") else None)
         series.append((tr, vals))
-    colors = {"tf": "tab:blue", "tf_zc": "tab:cyan", "objstore": "tab:gray", "objstore_zc": "tab:olive",
+    colors = {"tf": "tab:blue", "tf_pool": "tab:purple", "tf_zc": "tab:cyan", "objstore": "tab:gray", "objstore_zc": "tab:olive",
               "gloo": "tab:green", "nixl": "tab:orange", "nixl_pool": "tab:red"}
     fig, ax = plt.subplots(figsize=(13, 5.8))
     width = 0.8 / len(series)
