@@ -245,6 +245,18 @@ def test_grouping_by_ray_title_and_bounded_groups(proc_tree: Path) -> None:
         group_samples(exact, max_groups=0)
 
 
+def test_snapshot_groups_follow_the_configured_bound_and_are_computed_once(proc_tree: Path) -> None:
+    agent = Agent(Selection(pids=(100, 400, 500)), AgentConfig(max_groups=2),
+                  backend=ProcfsBackend(str(proc_tree)))
+    snap = agent.tick()
+    assert len(snap.samples) == 3
+    groups = snap.groups
+    assert groups == tuple(group_samples(snap.samples, max_groups=2))
+    assert len(groups) == 2 and groups[-1].name == "other"
+    assert sum(g.count for g in groups) == 3
+    assert snap.groups is groups  # kept, not regrouped on every read
+
+
 def test_cgroup_v1_and_v2_figures_from_fixtures(proc_tree: Path) -> None:
     reader = CgroupReader(str(proc_tree), str(FIXTURES / "sys_cgroup"))
     assert reader.locate(100) == (2, "/workers/a")

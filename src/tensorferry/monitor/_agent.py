@@ -21,6 +21,7 @@ from __future__ import annotations
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "Selection", "Snapshot"]
 
+import math
 import os
 import random
 import re
@@ -166,15 +167,20 @@ class AgentStats(NamedTuple):
     """Exact-read budget left in the bucket (may be negative after an expensive read)."""
 
 
-class Snapshot(NamedTuple):
-    """One tick's view of the selected processes."""
+class Snapshot:
+    """One tick's view of the selected processes (read-only).
+
+    ``groups`` is computed on first use and kept: a tick nobody reads (most of
+    them, at a 15 s scrape interval and 1 Hz ticks) never pays for grouping.
+    """
+
+    __slots__ = ("timestamp", "samples", "cgroups", "errors", "stall_skipped_pids", "stats",
+                 "_max_groups", "_groups")
 
     timestamp: float
     """When the tick ran, seconds since the epoch."""
     samples: tuple[ProcessMemory, ...]
     """One per selected process that could be read, largest RSS first."""
-    groups: tuple[GroupMemory, ...]
-    """The samples grouped by name (``ray::Actor`` style)."""
     cgroups: tuple[CgroupMemory, ...]
     """Memory cgroups of the samples (empty unless AgentConfig.cgroups)."""
     errors: dict[str, int]
@@ -183,6 +189,41 @@ class Snapshot(NamedTuple):
     """Processes whose exact read the stall limit forbids."""
     stats: AgentStats
     """The agent's own cost so far."""
+
+    def __init__(
+        self,
+        *,
+        timestamp: float,
+        samples: tuple[ProcessMemory, ...],
+        cgroups: tuple[CgroupMemory, ...] = (),
+        errors: dict[str, int],
+        stall_skipped_pids: frozenset[int] = frozenset(),
+        stats: AgentStats,
+        max_groups: int = 50,
+    ) -> None:
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be at least 1, got {max_groups}")
+        self.timestamp = timestamp
+        self.samples = samples
+        self.cgroups = cgroups
+        self.errors = errors
+        self.stall_skipped_pids = stall_skipped_pids
+        self.stats = stats
+        self._max_groups = max_groups
+        self._groups: tuple[GroupMemory, ...] | None = None
+
+    @property
+    def groups(self) -> tuple[GroupMemory, ...]:
+        """The samples grouped by name (``ray::Actor`` style), at most ``max_groups``."""
+        groups = self._groups
+        if groups is None:
+            # Two threads may both compute it; they get equal tuples.
+            groups = self._groups = tuple(group_samples(self.samples, max_groups=self._max_groups))
+        return groups
+
+    def __repr__(self) -> str:
+        return (f"Snapshot(timestamp={self.timestamp!r}, samples=<{len(self.samples)}>, "
+                f"errors={self.errors!r}, stall_skipped_pids=<{len(self.stall_skipped_pids)}>)")
 
 
 @dataclass
@@ -345,7 +386,9 @@ class Agent:
         base + per-page cost x resident 4 KiB pages, where the page count is
         bounded by the page table (huge pages need no PTE and walk fast).
         """
-        state = self._exact.get((sample.pid, sample.create_time))
+        return self._estimate(sample, self._exact.get((sample.pid, sample.create_time)))
+
+    def _estimate(self, sample: ProcessMemory, state: _ExactState | None) -> float:
         if state is not None and state.exact is not None:
             growth = sample.rss_bytes / state.rss_at_read if state.rss_at_read else 1.0
             return state.exact.cost_seconds * max(growth, 1.0)
@@ -359,11 +402,10 @@ class Agent:
         self._last_refill = now
         self._tokens = min(self._bucket_cap, self._tokens + elapsed * self.config.cpu_budget_fraction)
 
-    def _due(self, sample: ProcessMemory, now: float) -> tuple[int, float] | None:
+    def _due(self, sample: ProcessMemory, state: _ExactState | None, now: float, est: float) -> tuple[int, float] | None:
         """``(priority, order)`` if the process should be read now, else None."""
-        state = self._exact.get((sample.pid, sample.create_time))
         if state is None:
-            return (0, self.estimate_walk_seconds(sample))
+            return (0, est)
         if state.denied:
             return None
         age = now - state.read_at
@@ -380,15 +422,18 @@ class Agent:
         cfg = self.config
         stall_skipped: set[int] = set()
         due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
+        states, estimate, is_due = self._exact, self._estimate, self._due
+        max_stall = math.inf if cfg.force_exact else cfg.max_stall_seconds
         for s in samples:
             if s.kernel_thread or s.uss_source == "exact":
                 continue
-            est = self.estimate_walk_seconds(s)
-            if est > cfg.max_stall_seconds and not cfg.force_exact:
+            state = states.get((s.pid, s.create_time))
+            est = estimate(s, state)
+            if est > max_stall:
                 stall_skipped.add(s.pid)
                 self._counters.exact_skipped_stall += 1
                 continue
-            when = self._due(s, now)
+            when = is_due(s, state, now, est)
             if when is not None:
                 due.append((when, s, est))
         due.sort(key=lambda d: d[0])
@@ -493,7 +538,7 @@ class Agent:
         snap = Snapshot(
             timestamp=time.time(),
             samples=tuple(out),
-            groups=tuple(group_samples(out, max_groups=self.config.max_groups)),
+            max_groups=self.config.max_groups,
             cgroups=cgroups,
             errors=errors,
             stall_skipped_pids=frozenset(stall_skipped),
