@@ -155,6 +155,7 @@ def test_all_is_exactly_the_public_api():
         "AuthenticationError",
         "ProtocolError",
         "BackendUnavailableError",
+        "ConfigurationError",
         "MonitorError",
         "NoSuchProcess",
         "ZombieProcess",

@@ -20,6 +20,7 @@ __all__ = [
     "AuthenticationError",
     "ProtocolError",
     "BackendUnavailableError",
+    "ConfigurationError",
     "MonitorError",
     "NoSuchProcess",
     "ZombieProcess",
@@ -105,6 +106,10 @@ class ProtocolError(TransferError):
 
 class BackendUnavailableError(TensorferryError, ImportError):
     """An optional backend (nixl, ray, CUDA) is not installed or not usable."""
+
+
+class ConfigurationError(TensorferryError, ValueError):
+    """A setting (argument or ``TENSORFERRY_*`` variable) has a value that cannot work."""
 
 
 class MonitorError(TensorferryError):

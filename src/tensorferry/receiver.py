@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from . import layout as _layout
-from ._copy import copy_tensor
+from ._copy import copy_tensors
 from ._tensors import flatten, gc_paused
 from .errors import LayoutMismatchError, PeerGoneError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
@@ -498,10 +498,7 @@ def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def _copy_leaves(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for s, d in zip(src, dst):
-            if d.numel():
-                copy_tensor(d, s)
+    copy_tensors(dst, src)
 
 
 def _rebuild(layout: Layout, leaves: list[torch.Tensor]) -> Any:
