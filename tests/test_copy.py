@@ -67,29 +67,73 @@ def test_parts_cover_each_byte_once_in_balanced_page_aligned_parts():
         assert all(int(x) % _copy._PART_ALIGNMENT == 0 for x in starts)
 
 
-def test_copy_tensors_mixes_raw_strided_and_converted_pairs(monkeypatch):
+def _packed(specs, seed=3):
+    """Two blocks holding tensors of ``specs`` (dtype, shape) back to back, 16-aligned."""
+    g = torch.Generator().manual_seed(seed)
+    half = (len(specs) + 1) // 2
+    blocks, offsets, nbytes, bounds, views = [], [], [], [0], []
+    for part in (specs[:half], specs[half:]):
+        sizes = [torch.empty(shape, dtype=dt).nbytes for dt, shape in part]
+        offs = np.concatenate([[0], np.cumsum([-(-n // 16) * 16 for n in sizes])]).astype(np.int64)
+        blk = torch.zeros(int(offs[-1]) or 16, dtype=torch.uint8)
+        blocks.append(blk)
+        for (dt, shape), o, n in zip(part, offs.tolist(), sizes):
+            v = blk[o : o + n].view(dt).view(shape)
+            # Values, not random bytes: no NaN to compare unequal to itself.
+            if dt.is_floating_point or dt.is_complex:
+                v.copy_(torch.randn(shape, generator=g, dtype=torch.float32 if not dt.is_complex else dt).to(dt))
+            else:
+                v.copy_(torch.randint(-(2**40), 2**40, shape, generator=g, dtype=dt))
+            views.append(v)
+        offsets.extend(offs[:-1].tolist())
+        nbytes.extend(sizes)
+        bounds.append(bounds[-1] + len(part))
+    return blocks, np.array(bounds), np.array(offsets, dtype=np.int64), np.array(nbytes, dtype=np.int64), views
+
+
+def test_copy_from_blocks_fills_dense_strided_conjugated_and_empty_targets(monkeypatch):
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "2")
-    g = torch.Generator().manual_seed(3)
-    block = torch.randn(6_000_000, generator=g)  # 24 MB: one storage, views in a row
-    srcs = [block[:2_000_000].view(1000, 2000), block[2_000_000:5_000_000], block[5_000_000:5_000_010]]
-    srcs.append(torch.randn(300, 400, generator=g).t())  # strided
-    srcs.append(torch.randn(1000, generator=g, dtype=torch.float64))  # another dtype than its target
-    srcs.append(torch.empty(0))
-    dsts = [torch.empty(1000, 2000), torch.empty(3_000_000), torch.empty(10), torch.empty(400, 300), torch.empty(1000), torch.empty(0)]
-    want = [s.to(d.dtype).clone() for s, d in zip(srcs, dsts)]
-    _copy.copy_tensors(dsts, srcs)
-    for d, w in zip(dsts, want):
-        assert torch.equal(d, w)
+    specs = [
+        (torch.float32, (1000, 2000)), (torch.float32, (3_000_000,)), (torch.int64, (5,)),
+        (torch.float32, (400, 300)), (torch.complex64, (64, 64)), (torch.float64, (0, 3)),
+        (torch.float32, (2_000_000,)), (torch.bfloat16, (7, 11)),
+    ]
+    blocks, bounds, offsets, nbytes, views = _packed(specs)
+    assert int(nbytes.sum()) >= _copy._PARALLEL_MIN_NBYTES
+    targets = [
+        torch.nn.Parameter(torch.zeros(1000, 2000)),
+        torch.zeros(3_000_000),
+        torch.zeros(5, dtype=torch.int64),
+        torch.zeros(300, 400).t(),  # strided: copied value by value
+        torch.zeros(64, 64, dtype=torch.complex64).conj(),  # conjugate bit: bytes are not values
+        torch.zeros(0, 3, dtype=torch.float64),
+        torch.zeros(2_000_000)._neg_view(),  # negative bit
+        torch.zeros(7, 11, dtype=torch.bfloat16),
+    ]
+    want = [v.clone() for v in views]
+    _copy.copy_from_blocks(blocks, bounds, offsets, nbytes, targets)
+    for i, (t, w) in enumerate(zip(targets, want)):
+        assert torch.equal(t.detach().resolve_conj().resolve_neg(), w), i
+    assert targets[0].grad is None and targets[0].requires_grad
 
 
-def test_copy_tensors_merges_neighbours_and_keeps_parameters_grad_free():
-    src = torch.arange(1 << 22, dtype=torch.float32)
-    dst = torch.nn.Parameter(torch.zeros(1 << 22))
-    halves_src = [src[: 1 << 21], src[1 << 21 :]]
-    halves_dst = [dst[: 1 << 21], dst[1 << 21 :]]
-    _copy.copy_tensors(halves_dst, halves_src)
-    assert torch.equal(dst.detach(), src)
-    assert dst.grad is None and dst.requires_grad
+def test_copy_from_blocks_writes_a_target_given_twice_in_order(monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "2")
+    blocks, bounds, offsets, nbytes, views = _packed([(torch.float32, (3_000_000,))] * 4, seed=5)
+    same = torch.zeros(3_000_000)
+    targets = [torch.zeros(3_000_000), same, torch.zeros(3_000_000), same]
+    _copy.copy_from_blocks(blocks, bounds, offsets, nbytes, targets)
+    # The later copy wins, as with a loop of copy_ (no race between threads).
+    assert torch.equal(same, views[3]) and torch.equal(targets[0], views[0]) and torch.equal(targets[2], views[2])
+
+
+def test_merge_adjacent_joins_runs_that_continue_on_both_sides():
+    dst = np.array([100, 110, 200, 230], dtype=np.int64)
+    src = np.array([0, 10, 20, 40], dtype=np.int64)
+    n = np.array([10, 5, 20, 3], dtype=np.int64)
+    d, s, k = _copy._merge_adjacent(dst, src, n)
+    # 0 and 1 continue each other on both sides; 2 continues 1 only at the source.
+    assert d.tolist() == [100, 200, 230] and s.tolist() == [0, 20, 40] and k.tolist() == [15, 20, 3]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "many", "1000"])

@@ -8,9 +8,9 @@ small module-wide thread pool; each part is a list of ``memmove`` calls
 no tensor objects per run).
 
 torch's ``copy_`` of a large CPU uint8 tensor runs about 1.5x slower than
-libc ``memcpy`` here (0.25 s against 0.16 s for 1 GiB), so raw-copyable CPU
-tensors are copied by address; small copies, anything strided, conjugated
-or negated, and anything on a device go through torch.
+libc ``memcpy`` here (0.25 s against 0.16 s for 1 GiB), so dense host
+tensors are copied by address; anything strided, conjugated or negated, and
+anything on a device, goes through torch.
 
 ``TENSORFERRY_COPY_THREADS`` sets how many threads one copy uses (default:
 the CPUs this process may run on, at most 4; ``1`` turns the split off).
@@ -23,16 +23,16 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["copy_bytes", "copy_tensor", "copy_tensors", "copy_threads", "memmove_runs"]
+__all__ = ["copy_bytes", "copy_from_blocks", "copy_threads", "memmove_runs"]
 
-# Below this, per-call overhead (tensor views, checks) outweighs the faster
-# copy loop: such copies go through torch's copy_.
+# Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
 _RAW_MIN_NBYTES = 1 << 16
 
 # A copy is split across threads only when it is big enough for the split
@@ -123,6 +123,12 @@ def _parts(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, k: int) -> lis
     return out
 
 
+def _destinations_overlap(dst: np.ndarray, lengths: np.ndarray) -> bool:
+    order = np.argsort(dst, kind="stable")
+    d, n = dst[order], lengths[order]
+    return bool((d[1:] < d[:-1] + n[:-1]).any())
+
+
 def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
     """``memmove(dst[i], src[i], lengths[i])`` for every i, on several threads when it pays.
 
@@ -135,7 +141,15 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
         return
     total = int(lengths.sum())
     threads = copy_threads() if total >= _PARALLEL_MIN_NBYTES else 1
-    if threads == 1 or total < _PARALLEL_MIN_MEAN_RUN * count or getattr(_worker, "active", False):
+    if (
+        threads == 1
+        or total < _PARALLEL_MIN_MEAN_RUN * count
+        or getattr(_worker, "active", False)
+        or (count > 1 and _destinations_overlap(dst, lengths))
+    ):
+        # In order, on this thread: where two runs write the same bytes
+        # (one tensor given twice as a target), the later one wins, as with
+        # a loop of copy_.
         _memmove_serial(dst.tolist(), src.tolist(), lengths.tolist())
         return
     parts = _parts(dst.astype(np.int64, copy=False), src.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False), threads)
@@ -151,18 +165,6 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
             raise error
 
 
-def _raw_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (
-        dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.shape == src.shape
-        and dst.is_contiguous()
-        and src.is_contiguous()
-        and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg())
-    )
-
-
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy 1-D uint8 ``src`` into 1-D uint8 ``dst`` of the same size."""
     n = dst.numel()
@@ -175,45 +177,57 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, as raw bytes when both are dense and alike."""
-    copy_tensors([dst], [src])
+def _merge_adjacent(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge each run that continues the previous one on both sides into it."""
+    if lengths.size < 2:
+        return dst, src, lengths
+    joins = np.zeros(lengths.size, dtype=bool)
+    joins[1:] = (dst[1:] == dst[:-1] + lengths[:-1]) & (src[1:] == src[:-1] + lengths[:-1])
+    if not joins.any():
+        return dst, src, lengths
+    heads = np.flatnonzero(~joins)
+    ends = np.cumsum(lengths)
+    stops = np.append(heads[1:], lengths.size) - 1
+    return dst[heads], src[heads], ends[stops] - (ends[heads] - lengths[heads])
 
 
-def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair; raw-copyable CPU pairs as one parallel byte copy.
+_get_is_cpu = attrgetter("is_cpu")
 
-    Pairs whose tensors are dense, alike and on the host are copied by
-    address, adjacent ones merged into one run; the rest (strided,
-    conjugated, other dtype or device, tiny) go through torch.
+
+def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
+    """Copy packed tensors out of their blocks into ``targets``, making no views of the blocks.
+
+    Tensor ``i`` lies in block ``b`` (``bounds[b] <= i < bounds[b + 1]``) at
+    byte ``offsets[i]``, ``nbytes[i]`` long; ``targets[i]`` has its dtype and
+    shape (the caller checked). Dense host targets are written by address,
+    neighbours merged, as one (parallel) copy; any other target (strided,
+    conjugated or negated, on a device) gets a typed view of its bytes and
+    torch's ``copy_``.
     """
-    raw_dst: list[int] = []
-    raw_src: list[int] = []
-    raw_len: list[int] = []
-    with torch.no_grad():
-        for d, s in zip(dsts, srcs):
-            n = d.numel() * d.element_size()
-            if n == 0:
-                continue
-            if n >= _RAW_MIN_NBYTES and _raw_ok(d, s):
-                raw_dst.append(d.data_ptr())
-                raw_src.append(s.data_ptr())
-                raw_len.append(n)
-            else:
-                d.copy_(s)
-    if not raw_len:
+    count = len(targets)
+    if count == 0:
         return
-    dst = np.array(raw_dst, dtype=np.int64)
-    src = np.array(raw_src, dtype=np.int64)
-    lengths = np.array(raw_len, dtype=np.int64)
-    if lengths.size > 1:
-        # Merge pairs that continue the previous one on both sides.
-        joins = np.zeros(lengths.size, dtype=bool)
-        joins[1:] = (dst[1:] == dst[:-1] + lengths[:-1]) & (src[1:] == src[:-1] + lengths[:-1])
-        if joins.any():
-            heads = np.flatnonzero(~joins)
-            ends = np.cumsum(lengths)
-            stops = np.append(heads[1:], lengths.size) - 1
-            lengths = ends[stops] - (ends[heads] - lengths[heads])
-            dst, src = dst[heads], src[heads]
-    memmove_runs(dst, src, lengths)
+    src = np.empty(count, dtype=np.int64)
+    for b, blk in enumerate(blocks):
+        lo, hi = int(bounds[b]), int(bounds[b + 1])
+        src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
+    live = nbytes > 0
+    ok = np.fromiter(map(torch.Tensor.is_contiguous, targets), dtype=bool, count=count)
+    ok &= ~np.fromiter(map(torch.Tensor.is_neg, targets), dtype=bool, count=count)
+    if any(map(torch.Tensor.is_complex, targets)):
+        ok &= ~np.fromiter(map(torch.Tensor.is_conj, targets), dtype=bool, count=count)
+    if not (all(map(_get_is_cpu, targets)) and all(blk.device.type == "cpu" for blk in blocks)):
+        ok[:] = False
+    raw = np.flatnonzero(ok & live)
+    if raw.size:
+        dst = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[raw]
+        memmove_runs(*_merge_adjacent(dst, src[raw], nbytes[raw].astype(np.int64, copy=False)))
+    rest = np.flatnonzero(~ok & live)
+    if rest.size:
+        block_of = np.searchsorted(bounds, rest, side="right") - 1
+        with torch.no_grad():
+            for i, b in zip(rest.tolist(), block_of.tolist()):
+                t = targets[i]
+                off = int(offsets[i])
+                view = blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape)
+                t.copy_(view)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from . import layout as _layout
-from ._copy import copy_tensors
+from ._copy import copy_from_blocks
 from ._tensors import flatten, gc_paused
 from .errors import LayoutMismatchError, PeerGoneError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
@@ -267,8 +267,7 @@ class Receiver:
         try:
             if targets is not None and ch.supports_zero_copy:
                 # shm: one copy, from the sender's pool into the caller's tensors.
-                src = self._views(ch.remote_views(blocks), layout)
-                _copy_leaves(src, targets)
+                _copy_out(ch.remote_views(blocks), layout, targets)
                 return None
             if targets is not None and ch.supports_scatter:
                 # tcp: the bytes land straight in the caller's tensors.
@@ -279,11 +278,16 @@ class Receiver:
                         target.copy_(staged.view(target.dtype).view(target.shape))
                 return None
             dests, _ = self._destination([n for _, n in blocks])
-            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
+            if targets is not None:
+                # Staged (NIXL reads into the registered receive pool), then
+                # one copy into the caller's tensors; no views are made.
+                ch.read_into(ticket.id, 0, blocks, dests, deadline=deadline)
+            else:
+                obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
         finally:
             ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
         if targets is not None:
-            _copy_leaves(obj_leaves, targets)
+            _copy_out(dests, layout, targets)
             return None
         return _rebuild(layout, obj_leaves)
 
@@ -324,11 +328,10 @@ class Receiver:
                 ch.read_into(ticket.id, piece, blocks, [whole[voff : voff + want]], deadline=deadline)
             finally:
                 ch.release(ticket.id, piece, timeout=max(self._left_or_zero(deadline), 5.0))
-        leaves = self._views([whole], layout)
         if targets is not None:
-            _copy_leaves(leaves, targets)
+            _copy_out([whole], layout, targets)
             return None
-        return _rebuild(layout, leaves)
+        return _rebuild(layout, self._views([whole], layout))
 
     def _get_zero_copy(self, ch, ticket: Ticket, layout: Layout, deadline: float) -> Any:
         if not ch.supports_zero_copy:
@@ -497,8 +500,10 @@ def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def _copy_leaves(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
-    copy_tensors(dst, src)
+def _copy_out(blocks: list[torch.Tensor], layout: Layout, targets: list[torch.Tensor]) -> None:
+    """Copy a received object from its blocks into ``into=`` targets (checked by ``_check_into``)."""
+    groups = _layout.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
+    copy_from_blocks(blocks, groups.bounds, groups.offsets, layout.nbytes, targets)
 
 
 def _rebuild(layout: Layout, leaves: list[torch.Tensor]) -> Any:
