@@ -871,11 +871,13 @@ def main() -> int:
         log(f"workers up in {time.monotonic() - started:.1f} s: {w.info}")
         limits = doc["limits"]
         job = {"warmup": 1, "repeats": max(3, repeats)}
-        _, limits["memcpy"] = w.run({"job": "memcpy", **job})
-        _, limits["memcpy_libc"] = w.run({"job": "memcpy", "libc": True, **job})
+        # (key, job, options): measured here and again at the end.
+        limit_jobs = [("memcpy", "memcpy", {}), ("memcpy_libc", "memcpy", {"libc": True})]
         if COPY_THREADS > 1:
-            _, limits["memcpy_parallel"] = w.run({"job": "memcpy", "libc": True, "threads": COPY_THREADS, **job})
-        _, limits["raw_tcp"] = w.run({"job": "rawtcp", **job})
+            limit_jobs.append(("memcpy_parallel", "memcpy", {"libc": True, "threads": COPY_THREADS}))
+        limit_jobs.append(("raw_tcp", "rawtcp", {}))
+        for key, name, extra in limit_jobs:
+            _, limits[key] = w.run({"job": name, **extra, **job})
         log(f"limits: memcpy (torch copy_) {nbytes / med(limits['memcpy']['seconds']) / 1e9:.2f} GB/s, libc memcpy "
             f"{nbytes / med(limits['memcpy_libc']['seconds']) / 1e9:.2f} GB/s"
             + (f", libc memcpy on {COPY_THREADS} threads {nbytes / med(limits['memcpy_parallel']['seconds']) / 1e9:.2f} GB/s"
@@ -936,10 +938,7 @@ def main() -> int:
                 log(f"torch.save {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
 
         # The limits again at the end: the machine is shared, so pool both runs.
-        again_jobs = [("memcpy", "memcpy", {}), ("memcpy_libc", "memcpy", {"libc": True}), ("raw_tcp", "rawtcp", {})]
-        if "memcpy_parallel" in limits:
-            again_jobs.append(("memcpy_parallel", "memcpy", {"libc": True, "threads": COPY_THREADS}))
-        for key, name, extra in again_jobs:
+        for key, name, extra in limit_jobs:
             _, again = w.run({"job": name, **extra, **job})
             limits[key]["seconds_start"] = limits[key]["seconds"]
             limits[key]["seconds_end"] = again["seconds"]

@@ -171,8 +171,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     if n >= _RAW_MIN_NBYTES and dst.device.type == "cpu" and src.device.type == "cpu":
         if src.numel() != n:
             raise ValueError(f"copy of {src.numel():,} bytes into {n:,}")
-        one = np.ones(1, dtype=np.int64)
-        memmove_runs(one * dst.data_ptr(), one * src.data_ptr(), one * n)
+        memmove_runs(np.array([dst.data_ptr()], dtype=np.int64), np.array([src.data_ptr()], dtype=np.int64), np.array([n], dtype=np.int64))
     else:
         dst.copy_(src)
 
@@ -216,7 +215,9 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
     ok &= ~np.fromiter(map(torch.Tensor.is_neg, targets), dtype=bool, count=count)
     if any(map(torch.Tensor.is_complex, targets)):
         ok &= ~np.fromiter(map(torch.Tensor.is_conj, targets), dtype=bool, count=count)
-    if not (all(map(_get_is_cpu, targets)) and all(blk.device.type == "cpu" for blk in blocks)):
+    if all(blk.device.type == "cpu" for blk in blocks):
+        ok &= np.fromiter(map(_get_is_cpu, targets), dtype=bool, count=count)
+    else:
         ok[:] = False
     raw = np.flatnonzero(ok & live)
     if raw.size:
