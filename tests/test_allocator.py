@@ -352,3 +352,20 @@ def test_allocator_imports_without_torch():
     code = "import sys, tensorferry._allocator; assert 'torch' not in sys.modules; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_free_soon_defers_only_on_the_thread_inside():
+    """free_soon is for finalizers: on the thread holding the lock it waits
+    for that thread to leave (no self-deadlock); elsewhere it frees now."""
+    a = Allocator(1024)
+    x, y = a.allocate(64), a.allocate(64)
+    with a._locked():
+        a.free_soon(x.offset)  # free() here would wait for this thread forever
+        assert a._allocated.get(x.offset) == 64, "freed in the middle of a locked section"
+    assert a.allocated_extents() == [y]
+    t = threading.Thread(target=a.free_soon, args=(y.offset,))
+    t.start()
+    t.join(timeout=5.0)
+    assert a.allocated_extents() == []
+    a.free_soon(y.offset)  # already free: ignored
+    assert a.stats().free_nbytes == 1024 and a.stats().free_blocks == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Sequence
 
 from .errors import PoolExhaustedError
@@ -55,6 +56,10 @@ class Allocator:
         self.alignment = alignment
         self.capacity_nbytes = capacity_nbytes - capacity_nbytes % alignment
         self._lock = threading.Lock()
+        # The thread inside _locked() (0: none), and the frees that garbage
+        # collection ran on that thread while it was inside (see free_soon).
+        self._owner = 0
+        self._deferred: list[int] = []
         self._by_size: list[tuple[int, int]] = []  # (nbytes, offset), sorted
         self._by_start: dict[int, int] = {}  # offset -> nbytes
         self._by_end: dict[int, int] = {}  # offset + nbytes -> offset
@@ -80,6 +85,19 @@ class Allocator:
 
     def _round(self, nbytes: int) -> int:
         return -(-nbytes // self.alignment) * self.alignment
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                # Frees deferred by finalizers that ran inside this section;
+                # the bookkeeping is whole again here.
+                while self._deferred:
+                    self._release_quiet(self._deferred.pop())
+                self._owner = 0
 
     # -- public contract ---------------------------------------------------
 
@@ -108,7 +126,7 @@ class Allocator:
         for s in sizes:
             if s <= 0:
                 raise ValueError(f"every size must be positive, got {s}")
-        with self._lock:
+        with self._locked():
             order = sorted(range(len(rounded)), key=lambda i: -rounded[i])
             taken: list[tuple[int, Extent]] = []
             for i in order:
@@ -136,7 +154,7 @@ class Allocator:
             ValueError: an extent is misaligned, or not entirely free; nothing
                 changed.
         """
-        with self._lock:
+        with self._locked():
             done: list[int] = []
             try:
                 for ext in extents:
@@ -156,26 +174,41 @@ class Allocator:
         Raises:
             KeyError: no extent was allocated at ``offset``.
         """
-        with self._lock:
+        with self._locked():
             return self._release(offset)
+
+    def free_soon(self, offset: int) -> None:
+        """:meth:`free` for finalizers and ``__del__``: never blocks on itself.
+
+        The garbage collector runs finalizers on whatever thread allocates,
+        including one that is inside this allocator with its lock held;
+        :meth:`free` would wait there for itself forever. On that thread the
+        free is deferred to the moment the thread leaves the lock; on any
+        other thread it happens now. An offset not allocated is ignored.
+        """
+        if self._owner == threading.get_ident():
+            self._deferred.append(offset)
+            return
+        with self._locked():
+            self._release_quiet(offset)
 
     def free_extents(self, *, largest_first: bool = True) -> Iterator[Extent]:
         """The free extents, largest first (a snapshot; safe to iterate)."""
-        with self._lock:
+        with self._locked():
             snap = list(reversed(self._by_size)) if largest_first else sorted(self._by_size, key=lambda t: t[1])
         return iter([Extent(off, size) for size, off in snap])
 
     def allocated_extents(self) -> list[Extent]:
         """The allocated extents, by offset."""
-        with self._lock:
+        with self._locked():
             return [Extent(o, n) for o, n in sorted(self._allocated.items())]
 
     def largest_free_nbytes(self) -> int:
-        with self._lock:
+        with self._locked():
             return self._largest_locked()
 
     def stats(self) -> AllocatorStats:
-        with self._lock:
+        with self._locked():
             return AllocatorStats(
                 capacity_nbytes=self.capacity_nbytes,
                 used_nbytes=self.capacity_nbytes - self._free_nbytes,
@@ -224,6 +257,10 @@ class Allocator:
         if tail:
             self._insert_free(off + nbytes, tail)
         self._allocated[off] = nbytes
+
+    def _release_quiet(self, offset: int) -> None:
+        if offset in self._allocated:
+            self._release(offset)
 
     def _release(self, offset: int) -> int:
         nbytes = self._allocated.pop(offset)

@@ -232,6 +232,12 @@ class Receiver:
         ch = self._checkout(ticket, timeout)
         key = (ticket.transport, ticket.address)
         try:
+            if targets is not None:
+                # The bytes land by address (memcpy, recv_into, NIXL), which
+                # autograd cannot see: mark every target modified in place,
+                # so a backward that saved one of them raises instead of
+                # using the new values. A failed get may have written too.
+                torch.autograd.graph.increment_version(targets)
             with ch.lock:
                 if zero_copy:
                     result = self._get_zero_copy(ch, ticket, layout, deadline)
@@ -442,10 +448,8 @@ class _PoolLease:
         self.pool, self.offset = pool, offset
 
     def __call__(self) -> None:
-        try:
-            self.pool._allocator.free(self.offset)
-        except KeyError:
-            pass
+        # A finalizer: it may run on a thread that is inside the allocator.
+        self.pool._allocator.free_soon(self.offset)
 
 
 def _finalize_storage(view: torch.Tensor, callback: Any) -> None:

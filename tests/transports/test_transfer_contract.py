@@ -11,7 +11,10 @@ import os
 os.environ["UCX_NET_DEVICES"] = "lo"  # before anything imports nixl
 
 import gc
+import json
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -455,6 +458,77 @@ def test_receive_pool_block_follows_last_view(sender, transport):
             assert_sender_idle(sender)
     finally:
         rpool.close()
+
+
+_GC_INSIDE_ALLOCATOR = """
+import gc, json, sys, threading, time
+import torch
+from tensorferry import MemoryPool, Receiver, Sender
+
+transport = sys.argv[1]
+rpool = MemoryPool(8 << 20)
+stop = time.monotonic() + 3.0
+done, errors = [], []
+
+def worker(r, s):
+    try:
+        n = 0
+        while time.monotonic() < stop:
+            got = r.get(s.put([torch.full((64,), float(n))], lease_seconds=30))
+            assert got[0][0].item() == float(n)
+            got.append(got)  # a cycle: only the collector frees it
+            del got
+            n += 1
+        done.append(n)
+    except BaseException as exc:
+        errors.append(repr(exc))
+
+with Sender(transport, capacity_nbytes=4 << 20) as s, Receiver(transport, pool=rpool, timeout=20.0) as r:
+    gc.set_threshold(1)  # collect on almost every allocation
+    threads = [threading.Thread(target=worker, args=(r, s)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.set_threshold(700)
+    gc.collect()
+    print(json.dumps({"gets": done, "errors": errors, "used": rpool.stats().used_nbytes}), flush=True)
+"""
+
+
+def test_receive_pool_survives_gc_inside_its_allocator(transport):
+    """The garbage collector runs a dropped result's finalizer on whatever
+    thread allocates next, also one inside the receive pool's allocator with
+    its lock held. That free must not wait for the lock its own thread holds
+    (it did: a deadlock). Two threads get into one receive pool and drop the
+    results inside reference cycles, so only the collector frees them, while
+    it runs on almost every allocation. In a child process: a deadlock there
+    is a failed test, not a hung suite."""
+    require(transport)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _GC_INSIDE_ALLOCATOR, transport], capture_output=True, text=True, timeout=45)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the gets hung: deadlocked on the receive pool's allocator")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [], out
+    assert len(out["gets"]) == 2 and min(out["gets"]) > 10, out
+    assert out["used"] == 0, f"receive pool not empty after the results were collected: {out}"
+
+
+def test_into_is_seen_by_autograd(sender, receiver):
+    """into= writes by address (memcpy, recv_into, NIXL), which autograd
+    cannot see: without a version bump, a backward that saved the old
+    weights would silently use the new ones."""
+    x = torch.randn(6, requires_grad=True)
+    w = torch.randn(6)
+    loss = (x * w).sum()  # saves w for the gradient of x
+    before = w._version
+    receiver.get(sender.put([torch.randn(6)]), into=[w])
+    assert w._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert_sender_idle(sender)
 
 
 def test_zero_copy(sender, receiver, transport):
