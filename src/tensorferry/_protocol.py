@@ -164,11 +164,18 @@ def send_data_header(sock: socket.socket, nbytes: int) -> None:
         raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
 
 
-def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            # One deadline for the whole frame, not a timeout per recv: a
+            # peer dripping a byte at a time must not hold us for ever.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"the peer sent {got} of {n} bytes of a frame by its deadline")
+            sock.settimeout(left)
         try:
             if fds is not None and got == 0:
                 nbytes, ancdata, _flags, _addr = sock.recvmsg_into([view], socket.CMSG_SPACE(4 * 4))
@@ -188,8 +195,11 @@ def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None) ->
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None) -> Any:
+def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None, deadline: float | None = None) -> Any:
     """Receive one control frame and decode it into its typed struct.
+
+    ``deadline`` (``time.monotonic()``) bounds the whole frame; without it,
+    the socket's own timeout bounds each receive.
 
     Raises:
         ProtocolError: bad magic, version, type or length, or a malformed
@@ -197,21 +207,21 @@ def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds
         PeerGoneError: the peer closed the connection.
         TransferTimeoutError: the socket's timeout passed.
     """
-    header = _recv_exact(sock, _HEADER.size, fds=fds)
+    header = _recv_exact(sock, _HEADER.size, fds=fds, deadline=deadline)
     magic, version, kind, length = _HEADER.unpack(header)
     if magic != MAGIC:
         raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol")
     if version != VERSION:
         raise ProtocolError(f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry on both sides")
     if kind == MsgType.DATA:
-        (nbytes,) = struct.unpack("<Q", _recv_exact(sock, 8))
+        (nbytes,) = struct.unpack("<Q", _recv_exact(sock, 8, deadline=deadline))
         return ("DATA", nbytes)
     decoder = _DECODERS.get(kind)
     if decoder is None:
         raise ProtocolError(f"peer sent unknown message type {kind}")
     if length > MAX_FRAME_NBYTES:
         raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {MAX_FRAME_NBYTES:,}")
-    payload = _recv_exact(sock, length) if length else b""
+    payload = _recv_exact(sock, length, deadline=deadline) if length else b""
     try:
         msg = decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -467,6 +467,22 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
     return False
 
 
+def _drip_closed(sock: socket.socket, data: bytes, seconds: float) -> bool:
+    """Drip ``data`` one byte every 0.2 s (each byte well inside any
+    per-receive timeout) for up to ``seconds``; True once the server closes."""
+    deadline = time.monotonic() + seconds
+    for b in data:
+        if time.monotonic() > deadline:
+            return False
+        try:
+            sock.sendall(bytes([b]))
+        except OSError:
+            return True
+        if _closed_by_server(sock, 0.2):
+            return True
+    return _closed_by_server(sock, max(0.0, deadline - time.monotonic()))
+
+
 class _LegitTraffic:
     """A receiver that keeps getting verified objects while attacks run."""
 
@@ -547,6 +563,16 @@ def test_hostile_bytes_on_the_tcp_port(monkeypatch):
                 assert isinstance(welcome, P.Welcome)
                 s.sendall(P.MAGIC[:1])
                 assert _closed_by_server(s, 5.0), "slowloris (1 byte of a request) kept its connection"
+            # Drip-feed: a byte every 0.2 s never trips a per-receive
+            # timeout; the frame's own deadline (1 s here) must.
+            with socket.create_connection(addr, timeout=5.0) as s:
+                assert _drip_closed(s, _hello(TOKEN), 4.0), "a Hello dripped a byte at a time kept its connection"
+            with socket.create_connection(addr, timeout=5.0) as s:
+                s.sendall(_hello(TOKEN))
+                assert isinstance(P.recv_msg(s), P.Welcome)
+                acquire = msgspec.msgpack.encode(P.Acquire(ticket_id=1, piece=0, timeout_seconds=1.0))
+                request = _header(P.MsgType.ACQUIRE, len(acquire)) + acquire
+                assert _drip_closed(s, request, 4.0), "a request dripped a byte at a time kept its connection"
             # An authenticated peer that sends garbage after the handshake.
             with socket.create_connection(addr, timeout=5.0) as s:
                 s.sendall(_hello(TOKEN))
@@ -561,6 +587,38 @@ def test_hostile_bytes_on_the_tcp_port(monkeypatch):
         assert legit.count > 0
         # Every hostile connection is gone on the server.
         assert wait_until(lambda: len(sender.server._conns) == 0, 5.0), len(sender.server._conns)
+        assert _sender_idle(sender)
+
+
+@pytest.mark.slow
+def test_a_flood_of_silent_connections_is_bounded(monkeypatch):
+    """Connections that never finish a handshake hold a thread each for up
+    to a frame timeout; beyond a bound, new ones are closed at once. Receivers
+    already connected keep working, and new ones get in once the flood's
+    frame deadlines pass."""
+    monkeypatch.setattr(_base, "_FRAME_TIMEOUT_SECONDS", 1.5)
+    monkeypatch.setattr(_base, "_MAX_HANDSHAKING", 8)
+    with Sender("tcp", capacity_nbytes=16 * MiB, token=TOKEN) as sender:
+        host, port = sender.address.rsplit(":", 1)
+        addr = (host, int(port))
+        with _LegitTraffic(sender, TOKEN) as legit:
+            assert wait_until(lambda: legit.count > 0, 10.0)
+            silent = [socket.create_connection(addr, timeout=5.0) for _ in range(20)]
+            try:
+                assert wait_until(lambda: sender.server.refused >= 12, 5.0), sender.server.refused
+                assert sender.server._handshaking <= 8
+                before = legit.count
+                assert wait_until(lambda: legit.count > before + 3, 5.0), "the connected receiver stalled during the flood"
+                # The flood's deadlines pass: the server closed every one.
+                assert all(_closed_by_server(c, 5.0) for c in silent)
+            finally:
+                for c in silent:
+                    c.close()
+            assert wait_until(lambda: sender.server._handshaking == 0, 5.0), sender.server._handshaking
+            with Receiver("tcp", token=TOKEN, timeout=10.0) as r:
+                obj = state_dict(64)
+                assert_same(r.get(sender.put(obj)), obj)
+        assert not legit.errors, legit.errors[:3]
         assert _sender_idle(sender)
 
 

@@ -49,6 +49,10 @@ log = logging.getLogger("tensorferry.transports")
 # A peer that starts a frame must finish it this fast; an idle connection
 # may wait forever (a receiver between gets).
 _FRAME_TIMEOUT_SECONDS = 30.0
+# Connections still before their handshake (unauthenticated, each a thread
+# for up to one frame timeout): beyond this many, new ones are closed at
+# once, so a flood of silent or dripping connections cannot pile up threads.
+_MAX_HANDSHAKING = 128
 
 
 class Connection:
@@ -77,6 +81,8 @@ class ControlServer:
         self.listener = self._listen()
         self._closed = False
         self._conns: set[Connection] = set()
+        self._handshaking = 0
+        self.refused = 0  # connections closed at once: too many handshaking
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name=f"tensorferry-{self.transport}-accept", daemon=True)
         self._thread.start()
@@ -114,15 +120,21 @@ class ControlServer:
                 continue
             conn = Connection(sock, str(addr))
             with self._lock:
+                if self._handshaking >= _MAX_HANDSHAKING:
+                    self.refused += 1
+                    sock.close()
+                    continue
+                self._handshaking += 1
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="tensorferry-conn", daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
         sock = conn.sock
+        shaking = True
         try:
             self._authorize(sock)
             sock.settimeout(_FRAME_TIMEOUT_SECONDS)
-            hello = P.recv_msg(sock, expect=(P.Hello,))
+            hello = P.recv_msg(sock, expect=(P.Hello,), deadline=time.monotonic() + _FRAME_TIMEOUT_SECONDS)
             if not isinstance(hello, P.Hello):
                 raise ProtocolError("expected Hello")
             if hello.transport != self.transport:
@@ -132,6 +144,9 @@ class ControlServer:
                 raise AuthenticationError(f"peer {conn.peer} presented a wrong token")
             welcome, fds = self._welcome(conn, hello)
             P.send_msg(sock, welcome, fds=fds)
+            with self._lock:
+                self._handshaking -= 1
+                shaking = False
             while not self._closed:
                 # Idle between requests: wait for a first byte without a
                 # timeout; once a frame starts, it must finish in time.
@@ -143,7 +158,7 @@ class ControlServer:
                 if not started:
                     raise PeerGoneError(f"receiver {conn.peer} closed the connection")
                 sock.settimeout(_FRAME_TIMEOUT_SECONDS)
-                msg = P.recv_msg(sock)
+                msg = P.recv_msg(sock, deadline=time.monotonic() + _FRAME_TIMEOUT_SECONDS)
                 if isinstance(msg, P.Acquire):
                     P.send_msg(sock, self.ledger.acquire(conn, msg))
                 elif isinstance(msg, P.Release):
@@ -160,6 +175,8 @@ class ControlServer:
             self.ledger.drop_connection(conn)
             with self._lock:
                 self._conns.discard(conn)
+                if shaking:
+                    self._handshaking -= 1
             try:
                 sock.close()
             except OSError:
