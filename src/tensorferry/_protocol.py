@@ -18,7 +18,7 @@ import collections
 import socket
 import struct
 import time
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
 import msgspec
 
@@ -90,6 +90,9 @@ class Acquire(msgspec.Struct, frozen=True):
     ticket_id: int
     piece: int = 0
     timeout_seconds: float = 60.0
+    # Ticket.digest of the ticket being redeemed: the sender checks it
+    # before it takes a slot, so an altered ticket consumes nothing.
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Located(msgspec.Struct, frozen=True):

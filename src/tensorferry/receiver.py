@@ -265,7 +265,7 @@ class Receiver:
         return left
 
     def _get_resident(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
-        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline))
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
         blocks = [tuple(b) for b in located.blocks]
         if blocks != [tuple(b) for b in ticket.blocks]:
             ch.release(ticket.id, 0, timeout=self._left(deadline))
@@ -318,8 +318,9 @@ class Receiver:
 
     def _get_streamed(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
         whole = None
+        digest = ticket.digest
         for piece in range(ticket.num_pieces):
-            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline))
+            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=digest)
             blocks = [tuple(b) for b in located.blocks]
             voff = located.virtual_offset
             want = min(ticket.piece_nbytes, ticket.total_nbytes - piece * ticket.piece_nbytes)
@@ -342,7 +343,7 @@ class Receiver:
     def _get_zero_copy(self, ch, ticket: Ticket, layout: Layout, deadline: float) -> Any:
         if not ch.supports_zero_copy:
             raise TransferError(f"zero_copy needs the shm transport; this ticket is {ticket.transport}")
-        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline))
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
         blocks = [tuple(b) for b in located.blocks]
         views = ch.remote_views(blocks)
         # The hold is released when the last block view's storage dies: every

@@ -14,6 +14,7 @@ space frees up and freed once every reader has read it (backpressure).
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import threading
 import time
@@ -69,6 +70,7 @@ class _Entry:
     leaves: list[torch.Tensor] | None = None
     info: LeafInfo | None = None
     offsets: np.ndarray | None = None
+    digest: bytes = b""  # Ticket.digest of the ticket put() returned
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -144,6 +146,12 @@ class Ledger:
                 return P.Failure(kind="unknown", message=f"ticket {msg.ticket_id} is unknown here: already released by all its readers, expired, or from another sender")
             if not 0 <= msg.piece < len(entry.pieces):
                 return P.Failure(kind="bad-piece", message=f"ticket {msg.ticket_id} has {len(entry.pieces)} pieces, not piece {msg.piece}")
+            if not hmac.compare_digest(msg.digest, entry.digest):
+                # Checked before a slot is taken: an altered ticket (or one
+                # rebuilt by hand) costs the real readers nothing.
+                return P.Failure(kind="altered", message=(
+                    f"this ticket {msg.ticket_id} does not match what the sender put (its layout, blocks or sizes "
+                    "were altered on the way); nothing was taken: redeem the ticket's original bytes"))
             piece = entry.pieces[msg.piece]
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
@@ -423,6 +431,7 @@ class Sender:
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
         )
+        entry.digest = ticket.digest
         if not packed.blocks:
             piece.finished = readers  # nothing to read: done already
             packed.release()  # no ledger entry will: drop it from the pool's live set
@@ -455,6 +464,7 @@ class Sender:
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
         )
+        entry.digest = ticket.digest
         self.ledger.add(entry)
         return ticket
 

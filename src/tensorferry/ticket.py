@@ -9,6 +9,7 @@ Encoded with msgspec's msgpack, typed and bounded on decode; no pickle.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Literal
 
 import msgspec
@@ -64,6 +65,17 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         return self.num_pieces > 1 or not self.blocks and self.total_nbytes > 0
 
     @property
+    def digest(self) -> bytes:
+        """16 bytes that pin what the sender put: the id, the layout, the
+        blocks and the sizes (not the address or transport, which
+        ``Sender.ticket_for`` changes). A receiver presents it when it takes a
+        reader slot; a sender refuses an altered ticket before taking one."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(_DIGEST_HEAD.encode((self.id, self.total_nbytes, self.piece_nbytes, self.num_pieces, self.blocks)))
+        h.update(self.layout_bytes)
+        return h.digest()
+
+    @property
     def layout(self) -> Layout:
         """The decoded, validated layout (decoded on every access)."""
         return Layout.from_bytes(self.layout_bytes)
@@ -104,4 +116,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
+_DIGEST_HEAD = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)

@@ -322,7 +322,7 @@ def _raw_partial_fetch(ticket: Any, nbytes: int, held: list[Any]) -> None:
     from tensorferry.transports._tcp import TcpChannel
 
     ch = TcpChannel(ticket.address, timeout=10.0)
-    ch.acquire(ticket.id, 0, timeout=10.0)
+    ch.acquire(ticket.id, 0, timeout=10.0, digest=ticket.digest)
     P.send_msg(ch.sock, P.Fetch(ticket_id=ticket.id, piece=0))
     reply = P.recv_msg(ch.sock)
     assert reply[0] == "DATA", reply

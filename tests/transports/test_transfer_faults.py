@@ -385,16 +385,16 @@ def test_fuzz_corrupted_tickets_against_a_live_sender():
 
 @pytest.mark.parametrize(
     "field",
-    ["huge_streamed", "huge_pieces", "blocks_outside_pool", "misaligned_block", "many_blocks", "other_layout", "bad_address", "closed_port"],
+    ["huge_streamed", "huge_pieces", "blocks_outside_pool", "misaligned_block", "many_blocks", "other_layout", "reshaped_layout", "bad_address", "closed_port"],
 )
 def test_hostile_ticket_fields(field):
     """Tickets that decode but lie: rejected with a TensorferryError before
     any allocation sized by them; the receiver and sender stay usable."""
     with Sender("shm", capacity_nbytes=8 * MiB) as sender, Receiver(timeout=3.0) as receiver:
         obj = state_dict(62)
-        # Unlimited readers: a forged ticket that reuses the id and is
-        # refused after its acquire consumes no slot a test needs.
-        t = sender.put(obj, readers=None)
+        # One reader: a forged ticket that reuses the id must be refused
+        # before it takes that one slot (the sender checks the digest).
+        t = sender.put(obj, readers=1)
         rep = msgspec.structs.replace
         if field == "huge_streamed":
             forged = rep(t, blocks=[], total_nbytes=1 << 60, piece_nbytes=1 << 59, num_pieces=2)
@@ -409,6 +409,13 @@ def test_hostile_ticket_fields(field):
         elif field == "other_layout":
             with MemoryPool(8 * MiB) as p:
                 forged = rep(t, layout_bytes=p.pack([torch.zeros(1 << 20)]).layout.to_bytes())
+        elif field == "reshaped_layout":
+            # The same dtypes and bytes in the same order, other shapes: the
+            # sizes all agree, only the sender's digest tells it apart.
+            with MemoryPool(8 * MiB) as p:
+                flat = p.pack([x.reshape(-1) for x in leaves(obj)])
+                assert flat.blocks[0].nbytes == t.blocks[0][1]
+                forged = rep(t, layout_bytes=flat.layout.to_bytes())
         elif field == "bad_address":
             forged = rep(t, address="@no-such-tensorferry-sender")
         else:
@@ -427,8 +434,8 @@ def test_hostile_ticket_fields(field):
             raise AssertionError(f"a forged ticket ({field}) was redeemed")
         assert time.monotonic() - t0 < 8.0
         assert rss_bytes() - rss < 32 * MiB, "the forged ticket made the receiver allocate"
-        assert_same(receiver.get(t), obj)  # both sides still usable
-        sender.discard(t)
+        assert_same(receiver.get(t), obj)  # the one slot is still there
+        sender.wait_released(t, timeout=10.0)
         assert _sender_idle(sender), sender.pool.stats()
 
 

@@ -35,6 +35,7 @@ from ..errors import (
     PeerGoneError,
     ProtocolError,
     TensorferryError,
+    TicketError,
     TransferError,
     TransferTimeoutError,
 )
@@ -262,13 +263,16 @@ class Channel:
         if isinstance(reply, P.Failure):
             if reply.kind == "timeout":
                 raise TransferTimeoutError(f"sender at {self.address}: {reply.message}")
+            if reply.kind == "altered":
+                raise TicketError(f"sender at {self.address}: {reply.message}")
             raise TransferError(f"sender at {self.address}: {reply.message}")
         return reply
 
-    def acquire(self, ticket_id: int, piece: int, *, timeout: float) -> P.Located:
+    def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes) -> P.Located:
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
-        located = self.request(P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout), P.Located, timeout=timeout + 5.0)
+        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest)
+        located = self.request(msg, P.Located, timeout=timeout + 5.0)
         pool_n = self.welcome.pool_nbytes
         for off, n in located.blocks:
             if off < 0 or n <= 0 or off + n > pool_n:
