@@ -30,7 +30,7 @@ import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["copy_bytes", "copy_from_blocks", "copy_threads", "memmove_runs"]
+__all__ = ["StagedCopy", "copy_bytes", "copy_from_blocks", "copy_threads", "dense_host_mask", "memmove_runs"]
 
 # Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
 _RAW_MIN_NBYTES = 1 << 16
@@ -193,6 +193,72 @@ def _merge_adjacent(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> tu
 _get_is_cpu = attrgetter("is_cpu")
 
 
+def dense_host_mask(targets: Sequence[torch.Tensor]) -> np.ndarray:
+    """Which targets can be written by address: contiguous host tensors
+    that are neither conjugated nor negated views (one pass per attribute)."""
+    count = len(targets)
+    ok = np.fromiter(map(torch.Tensor.is_contiguous, targets), dtype=bool, count=count)
+    ok &= ~np.fromiter(map(torch.Tensor.is_neg, targets), dtype=bool, count=count)
+    if any(map(torch.Tensor.is_complex, targets)):
+        ok &= ~np.fromiter(map(torch.Tensor.is_conj, targets), dtype=bool, count=count)
+    ok &= np.fromiter(map(_get_is_cpu, targets), dtype=bool, count=count)
+    return ok
+
+
+class StagedCopy:
+    """Copies a byte stream that arrives a chunk at a time into its targets.
+
+    The stream is the concatenation of an object's blocks (``block_nbytes``,
+    tensor ``i`` at byte ``offsets[i]`` of block ``b`` for ``bounds[b] <= i
+    < bounds[b + 1]``). Each call ``(pos, k, base)`` says that the ``k``
+    bytes at host address ``base`` are stream bytes ``[pos, pos + k)``; the
+    parts of every tensor in that range are copied by address, neighbours
+    merged, as one (parallel) copy. Targets that cannot be written by
+    address get a host buffer each, copied into them by :meth:`finish`.
+    No view of any chunk is made, and no tensor object per call.
+    """
+
+    def __init__(self, block_nbytes: Sequence[int], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
+        count = len(targets)
+        block_start = np.zeros(len(block_nbytes), dtype=np.int64)
+        if len(block_nbytes) > 1:
+            block_start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+        block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(np.asarray(bounds, dtype=np.int64)))
+        start = block_start[block_of] + np.asarray(offsets, dtype=np.int64)
+        n = np.asarray(nbytes, dtype=np.int64)
+        ok = dense_host_mask(targets)
+        dst = np.zeros(count, dtype=np.int64)
+        raw = np.flatnonzero(ok)
+        if raw.size:
+            dst[raw] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[raw]
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in np.flatnonzero(~ok & (n > 0)).tolist():
+            staged = torch.empty(int(n[i]), dtype=torch.uint8)
+            dst[i] = staged.data_ptr()
+            self._fixups.append((staged, targets[i]))
+        live = np.flatnonzero(n > 0)
+        # Stream order: starts ascend, and so do ends (tensors never overlap).
+        self._start = start[live]
+        self._end = self._start + n[live]
+        self._dst = dst[live]
+
+    def __call__(self, pos: int, k: int, base: int) -> None:
+        lo = int(np.searchsorted(self._end, pos, side="right"))
+        hi = int(np.searchsorted(self._start, pos + k, side="left"))
+        if lo >= hi:
+            return
+        start = self._start[lo:hi]
+        s = np.maximum(start, pos)
+        e = np.minimum(self._end[lo:hi], pos + k)
+        memmove_runs(*_merge_adjacent(self._dst[lo:hi] + (s - start), base + (s - pos), e - s))
+
+    def finish(self) -> None:
+        """Copy the staged bytes of targets that could not be written by address."""
+        with torch.no_grad():
+            for staged, t in self._fixups:
+                t.copy_(staged.view(t.dtype).view(t.shape))
+
+
 def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
     """Copy packed tensors out of their blocks into ``targets``, making no views of the blocks.
 
@@ -211,14 +277,10 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
         lo, hi = int(bounds[b]), int(bounds[b + 1])
         src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
     live = nbytes > 0
-    ok = np.fromiter(map(torch.Tensor.is_contiguous, targets), dtype=bool, count=count)
-    ok &= ~np.fromiter(map(torch.Tensor.is_neg, targets), dtype=bool, count=count)
-    if any(map(torch.Tensor.is_complex, targets)):
-        ok &= ~np.fromiter(map(torch.Tensor.is_conj, targets), dtype=bool, count=count)
     if all(blk.device.type == "cpu" for blk in blocks):
-        ok &= np.fromiter(map(_get_is_cpu, targets), dtype=bool, count=count)
+        ok = dense_host_mask(targets)
     else:
-        ok[:] = False
+        ok = np.zeros(count, dtype=bool)
     raw = np.flatnonzero(ok & live)
     if raw.size:
         dst = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[raw]

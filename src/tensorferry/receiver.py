@@ -27,9 +27,9 @@ from typing import Any, Literal
 import torch
 
 from . import layout as _layout
-from ._copy import copy_from_blocks
+from ._copy import StagedCopy, copy_from_blocks
 from ._tensors import flatten, gc_paused
-from .errors import LayoutMismatchError, PeerGoneError, TicketError, TransferError, TransferTimeoutError
+from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
 from .spec import Layout
 from .ticket import Ticket
@@ -39,6 +39,14 @@ __all__ = ["Receiver"]
 DEFAULT_TIMEOUT_SECONDS = 60.0
 # Below this many tensors, views cost less than handing the copy to a thread.
 _OVERLAP_MIN_TENSORS = 2048
+# into= over tcp scatters straight into the caller's tensors up to this
+# many tensors (one recvmsg buffer and one view each); beyond it, and over
+# nixl, the bytes go through a staging buffer of at most _STAGE_NBYTES and
+# are copied out by address. Receive-pool room smaller than _STAGE_MIN_NBYTES
+# is not worth using as that buffer.
+_SCATTER_MAX_TENSORS = 256
+_STAGE_NBYTES = 64 << 20
+_STAGE_MIN_NBYTES = 4 << 20
 
 
 class _Releaser:
@@ -275,27 +283,52 @@ class Receiver:
                 # shm: one copy, from the sender's pool into the caller's tensors.
                 _copy_out(ch.remote_views(blocks), layout, targets)
                 return None
-            if targets is not None and ch.supports_scatter:
-                # tcp: the bytes land straight in the caller's tensors.
+            if targets is not None and ch.supports_scatter and layout.num_tensors <= _SCATTER_MAX_TENSORS:
+                # tcp, few tensors: the bytes land straight in the caller's tensors.
                 segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
                 with torch.no_grad():  # targets may be parameters that require grad
                     for staged, target in fixups:
                         target.copy_(staged.view(target.dtype).view(target.shape))
                 return None
-            dests, _ = self._destination([n for _, n in blocks])
             if targets is not None:
-                # Staged (NIXL reads into the registered receive pool), then
-                # one copy into the caller's tensors; no views are made.
-                ch.read_into(ticket.id, 0, blocks, dests, deadline=deadline)
-            else:
-                obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
+                # tcp with many tensors, nixl: through a bounded staging
+                # buffer, each chunk copied by address into the tensors.
+                self._read_staged_into(ch, ticket.id, 0, blocks, layout, targets, deadline)
+                return None
+            dests, _ = self._destination([n for _, n in blocks])
+            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
         finally:
             ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
-        if targets is not None:
-            _copy_out(dests, layout, targets)
-            return None
         return _rebuild(layout, obj_leaves)
+
+    def _read_staged_into(self, ch, ticket_id: int, piece: int, blocks, layout: Layout, targets, deadline: float) -> None:
+        """The stream of ``blocks`` through at most ``_STAGE_NBYTES`` of
+        scratch (the receive pool's when it has room: registered for NIXL,
+        already faulted in), into ``targets``. No view per tensor, no
+        per-tensor receive call: with 100k tensors this is ~10x faster than
+        scattering straight into them, for one extra memcpy of the bytes."""
+        sizes = [n for _, n in blocks]
+        groups = _layout.group_by_block(layout.nbytes, layout.alignments, sizes)
+        sink = StagedCopy(sizes, groups.bounds, groups.offsets, layout.nbytes, targets)
+        want = min(sum(sizes), _STAGE_NBYTES)
+        scratch, offset = None, None
+        if self.pool is not None and self.pool.device.type == "cpu":
+            size = min(want, self.pool.stats().largest_free_nbytes)
+            if size >= min(want, _STAGE_MIN_NBYTES):
+                try:
+                    offset = self.pool._allocator.allocate(size).offset
+                    scratch = self.pool.buffer[offset : offset + size]
+                except PoolExhaustedError:
+                    offset = None  # taken meanwhile: new memory below
+        if scratch is None:
+            scratch = torch.empty(want, dtype=torch.uint8)
+        try:
+            ch.read_stream(ticket_id, piece, blocks, scratch, sink, deadline=deadline)
+        finally:
+            if offset is not None:
+                self.pool._allocator.free(offset)
+        sink.finish()
 
     def _read_and_view(self, ch, ticket_id: int, piece: int, blocks, dests, layout: Layout, deadline: float) -> list[torch.Tensor]:
         """Move the bytes and build the views; for many tensors, at once.

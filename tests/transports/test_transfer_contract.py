@@ -21,7 +21,10 @@ import msgspec
 import pytest
 import torch
 
+import tensorferry.receiver as receiver_module
+
 from _transfer_helpers import (
+    DTYPES,
     TRANSPORTS,
     Worker,
     assert_same,
@@ -259,6 +262,46 @@ def test_into_awkward_targets(sender, receiver):
         assert torch.equal(a.detach().resolve_conj(), b), f"target {i} was not updated"
     assert dest[1].requires_grad and dest[6].requires_grad
     assert_sender_idle(sender)
+
+
+@pytest.mark.parametrize("with_pool", [False, True], ids=["new-scratch", "pool-scratch"])
+def test_into_many_tensors_through_a_small_staging_buffer(sender, transport, monkeypatch, with_pool):
+    """Past a few hundred tensors (tcp) and always (nixl), into= goes through
+    a staging buffer copied out by address. A 64 KiB buffer here: tensors of
+    every dtype straddle its chunks; some targets are strided, conjugated or
+    0-size; the buffer is the receive pool's or new memory."""
+    monkeypatch.setattr(receiver_module, "_STAGE_NBYTES", 64 << 10)
+    monkeypatch.setattr(receiver_module, "_STAGE_MIN_NBYTES", 4 << 10)
+    g = torch.Generator().manual_seed(31)
+    sent, dest = [], []
+    for i in range(600):
+        dtype = torch.complex64 if i % 50 == 2 else DTYPES[i % len(DTYPES)]
+        shape = (int(torch.randint(0, 120, (), generator=g)), 7) if i % 7 else ()
+        sent.append(make_tensor(g, dtype, shape))
+        if i % 50 == 1:
+            dest.append(torch.zeros(shape[::-1], dtype=dtype).t())  # strided target
+        elif i % 50 == 2:
+            dest.append(torch.zeros(shape, dtype=dtype).conj())
+        else:
+            dest.append(torch.zeros(shape, dtype=dtype))
+    assert sum(t.nbytes for t in sent) > 8 * (64 << 10)
+    assert sum(not t.is_contiguous() for t in dest) >= 10 and sum(t.is_conj() for t in dest) >= 10
+    ptrs = [t.data_ptr() for t in dest]
+    rpool = MemoryPool(8 * MiB) if with_pool else None
+    try:
+        with Receiver(transport, pool=rpool, timeout=20.0) as r:
+            out = r.get(sender.put(sent), into=dest)
+            assert out is dest
+            assert [t.data_ptr() for t in dest] == ptrs
+            for i, (a, b) in enumerate(zip(dest, sent)):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(a.resolve_conj().reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"target {i} differs"
+            if rpool is not None:
+                assert rpool.stats().used_nbytes == 0, "the staging buffer was not given back to the receive pool"
+        assert_sender_idle(sender)
+    finally:
+        if rpool is not None:
+            rpool.close()
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "count"])

@@ -20,8 +20,10 @@ server keeps serving everyone else.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hmac
 import logging
+import os
 import socket
 import threading
 import time
@@ -54,6 +56,29 @@ _FRAME_TIMEOUT_SECONDS = 30.0
 # for up to one frame timeout): beyond this many, new ones are closed at
 # once, so a flood of silent or dripping connections cannot pile up threads.
 _MAX_HANDSHAKING = 128
+
+
+# The halves of a stream's scratch start on page boundaries.
+_STREAM_ALIGNMENT = 4096
+_sinks: concurrent.futures.ThreadPoolExecutor | None = None
+_sinks_lock = threading.Lock()
+
+
+def _stream_sinks() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that copy streamed chunks out while the next one arrives."""
+    global _sinks
+    with _sinks_lock:
+        if _sinks is None:
+            _sinks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorferry-stream")
+        return _sinks
+
+
+def _forget_sinks_in_child() -> None:
+    global _sinks, _sinks_lock
+    _sinks, _sinks_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sinks_in_child)
 
 
 class Connection:
@@ -249,8 +274,6 @@ class Channel:
 
     def _on_welcome(self, welcome: P.Welcome, fds: list[int]) -> None:
         for fd in fds:
-            import os
-
             os.close(fd)
 
     # -- the contract --------------------------------------------------------------
@@ -285,6 +308,71 @@ class Channel:
     def read_into(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], dests: list[torch.Tensor], *, deadline: float) -> None:
         """Move the bytes of acquired ``blocks`` into ``dests`` (1-D uint8, same sizes)."""
         raise NotImplementedError
+
+    def read_stream(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], scratch: torch.Tensor, sink: Any, *, deadline: float) -> None:
+        """Move the bytes of acquired ``blocks`` through ``scratch`` (1-D uint8, host).
+
+        The blocks, concatenated, are a stream; it arrives a chunk at a
+        time, and after each chunk ``sink(pos, k, base)`` is called with
+        stream bytes ``[pos, pos + k)`` at host address ``base`` in
+        ``scratch``. Bounded memory for objects of any size. When the stream
+        is longer than ``scratch``, its two halves take turns: the next
+        chunk arrives in one while ``sink`` copies the other out, on a
+        thread (both the receive and the copy run without the GIL).
+        """
+        total = sum(n for _, n in blocks)
+        if not total:
+            return
+        fill = self._stream_filler(ticket_id, piece, blocks, deadline)
+        cap = scratch.numel()
+        if total > cap and cap >= 2 * _STREAM_ALIGNMENT:
+            half = cap // 2 // _STREAM_ALIGNMENT * _STREAM_ALIGNMENT
+            bufs = [scratch[:half], scratch[half : 2 * half]]
+        else:
+            bufs = [scratch]
+        busy: list[Any] = [None] * len(bufs)
+        try:
+            pos = i = 0
+            while pos < total:
+                j = i % len(bufs)
+                if busy[j] is not None:
+                    busy[j].result()  # its last chunk is copied out: reuse it
+                    busy[j] = None
+                buf = bufs[j]
+                k = min(buf.numel(), total - pos)
+                fill(pos, k, buf)
+                if len(bufs) == 1:
+                    sink(pos, k, buf.data_ptr())
+                else:
+                    busy[j] = _stream_sinks().submit(sink, pos, k, buf.data_ptr())
+                pos += k
+                i += 1
+        finally:
+            # Always wait: the caller frees or reuses the scratch on return.
+            errors = [f.exception() for f in busy if f is not None]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _stream_filler(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], deadline: float) -> Any:
+        """``fill(pos, k, buf)``: stream bytes ``[pos, pos + k)`` into ``buf[:k]``
+        (called in stream order). Here: :meth:`read_into` of the blocks'
+        sub-ranges (one-sided transports read any range)."""
+        starts, at = [], 0
+        for _, n in blocks:
+            starts.append(at)
+            at += n
+
+        def fill(pos: int, k: int, buf: torch.Tensor) -> None:
+            sub, dests = [], []
+            for (off, n), s in zip(blocks, starts):
+                lo, hi = max(pos, s), min(pos + k, s + n)
+                if lo < hi:
+                    sub.append((off + lo - s, hi - lo))
+                    dests.append(buf[lo - pos : hi - pos])
+            self.read_into(ticket_id, piece, sub, dests, deadline=deadline)
+
+        return fill
 
     def remote_views(self, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Zero-copy views of the sender's blocks (shm only)."""

@@ -22,6 +22,7 @@ from .. import _protocol as P
 from .._copy import copy_bytes
 from ..errors import TransferError
 from ._nixl_agent import NixlEndpoint
+from ._base import Channel
 from ._tcp import TcpChannel, TcpServer
 
 __all__ = ["NixlServer", "NixlChannel"]
@@ -103,6 +104,9 @@ class NixlChannel(TcpChannel):
             raise TransferError(f"the sender at {self.address} sent no NIXL metadata; is it a nixl sender?")
         self.remote = self.endpoint.add_remote(welcome.nixl_metadata)
         self.base = welcome.pool_base_addr
+
+    # READs of the stream's ranges (the base channel's), not tcp's Fetch.
+    _stream_filler = Channel._stream_filler
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         pool = self.receiver.pool

@@ -101,7 +101,8 @@ class TcpChannel(Channel):
         _tune(sock)
         return sock
 
-    def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
+    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float) -> int:
+        """Ask for the acquired blocks' bytes; returns how many follow."""
         self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
         P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece))
         reply = P.recv_msg(self.sock)
@@ -112,6 +113,19 @@ class TcpChannel(Channel):
         want = sum(n for _, n in blocks)
         if reply[1] != want:
             raise ProtocolError(f"sender announced {reply[1]:,} bytes, the blocks hold {want:,}")
+        return want
+
+    def _stream_filler(self, ticket_id, piece, blocks, deadline):
+        # One Fetch; then the bytes arrive in order, a chunk per call.
+        self._fetch(ticket_id, piece, blocks, deadline)
+
+        def fill(pos: int, k: int, buf) -> None:
+            P.recv_exact_into(self.sock, memoryview(buf.numpy())[:k], deadline=deadline)
+
+        return fill
+
+    def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
+        want = self._fetch(ticket_id, piece, blocks, deadline)
         if sum(d.numel() for d in dests) != want:
             raise ProtocolError(f"destination segments hold {sum(d.numel() for d in dests):,} bytes, the blocks {want:,}")
         P.recv_scatter_into(self.sock, [memoryview(d.numpy()) for d in dests], deadline=deadline)
