@@ -17,6 +17,7 @@ releases the slot, and rebuilds the object as views of the destination.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import queue
 import select
 import threading
@@ -24,6 +25,7 @@ import time
 import weakref
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from . import layout as _layout
@@ -296,8 +298,8 @@ class Receiver:
                 # buffer, each chunk copied by address into the tensors.
                 self._read_staged_into(ch, ticket.id, 0, blocks, layout, targets, deadline)
                 return None
-            dests, _ = self._destination([n for _, n in blocks])
-            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline)
+            dests, fresh = self._destination([n for _, n in blocks])
+            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline, fresh=fresh)
         finally:
             ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
         return _rebuild(layout, obj_leaves)
@@ -311,7 +313,12 @@ class Receiver:
         sizes = [n for _, n in blocks]
         groups = _layout.group_by_block(layout.nbytes, layout.alignments, sizes)
         sink = StagedCopy(sizes, groups.bounds, groups.offsets, layout.nbytes, targets)
-        want = min(sum(sizes), _STAGE_NBYTES)
+        self._stream(ch, ticket_id, piece, blocks, sink, deadline)
+        sink.finish()
+
+    def _stream(self, ch, ticket_id: int, piece: int, blocks, sink: Any, deadline: float) -> None:
+        """``ch.read_stream`` through a scratch of at most ``_STAGE_NBYTES``."""
+        want = min(sum(n for _, n in blocks), _STAGE_NBYTES)
         scratch, offset = None, None
         if self.pool is not None and self.pool.device.type == "cpu":
             size = min(want, self.pool.stats().largest_free_nbytes)
@@ -328,19 +335,30 @@ class Receiver:
         finally:
             if offset is not None:
                 self.pool._allocator.free(offset)
-        sink.finish()
 
-    def _read_and_view(self, ch, ticket_id: int, piece: int, blocks, dests, layout: Layout, deadline: float) -> list[torch.Tensor]:
+    def _read_and_view(self, ch, ticket_id: int, piece: int, blocks, dests, layout: Layout, deadline: float, *, fresh: bool = False) -> list[torch.Tensor]:
         """Move the bytes and build the views; for many tensors, at once.
 
         The views depend only on where the destination is, not on its
         bytes, and the copy (memcpy, recv_into, NIXL) runs without the GIL:
         building 100k views while the bytes move hides their cost.
+
+        ``fresh`` destinations (new memory, not yet faulted in) of tcp and
+        nixl are filled through a staging buffer: its chunks are copied
+        into them by a thread while the next chunk arrives, so the page
+        faults of the new memory happen beside the transfer, in user space,
+        not one by one inside the socket's receive or before a READ.
         """
+        if fresh and not ch.supports_zero_copy and sum(n for _, n in blocks) > _STAGE_NBYTES:
+            sizes = [n for _, n in blocks]
+            sink = StagedCopy(sizes, np.arange(len(sizes) + 1), np.zeros(len(sizes), dtype=np.int64), np.asarray(sizes, dtype=np.int64), dests)
+            move = functools.partial(self._stream, ch, ticket_id, piece, blocks, sink, deadline)
+        else:
+            move = functools.partial(ch.read_into, ticket_id, piece, blocks, dests, deadline=deadline)
         if layout.num_tensors < _OVERLAP_MIN_TENSORS:
-            ch.read_into(ticket_id, piece, blocks, dests, deadline=deadline)
+            move()
             return self._views(dests, layout)
-        future = self._copier.submit(ch.read_into, ticket_id, piece, blocks, dests, deadline=deadline)
+        future = self._copier.submit(move)
         try:
             leaves = self._views(dests, layout)
         finally:
@@ -410,8 +428,9 @@ class Receiver:
         with gc_paused():
             return _views(blocks, layout, groups)
 
-    def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], Any]:
-        """Fresh destination blocks (16-aligned), from the receive pool if any."""
+    def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
+        """Destination blocks (16-aligned), from the receive pool if it has
+        room; and whether they are new memory (not the pool's)."""
         total = sum(_layout.align_up(n, _layout.BLOCK_ALIGNMENT) for n in sizes)
         if self.pool is not None:
             try:
@@ -421,9 +440,9 @@ class Receiver:
             if ext is not None:
                 base = self.pool.lease_view(ext.offset, total)
                 _finalize_storage(base, _PoolLease(self.pool, ext.offset))
-                return _split(base, sizes), None
+                return _split(base, sizes), False
         base = torch.empty(total, dtype=torch.uint8)
-        return _split(base, sizes), None
+        return _split(base, sizes), True
 
     @staticmethod
     def _check_into(layout: Layout, into: Any) -> list[torch.Tensor]:

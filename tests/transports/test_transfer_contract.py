@@ -304,6 +304,34 @@ def test_into_many_tensors_through_a_small_staging_buffer(sender, transport, mon
             rpool.close()
 
 
+def test_new_memory_through_a_small_staging_buffer(transport, receiver, monkeypatch):
+    """Gets into new memory over tcp and nixl stream through a staging
+    buffer (the copy-out faults the new pages beside the transfer); a
+    16 KiB buffer here, so many chunks, tensors straddling them, from a
+    fragmented sender pool: the object lies in several blocks."""
+    monkeypatch.setattr(receiver_module, "_STAGE_NBYTES", 16 << 10)
+    monkeypatch.setattr(receiver_module, "_STAGE_MIN_NBYTES", 4 << 10)
+    with Sender(transport, capacity_nbytes=512 << 10) as sender:
+        fill = [sender.pool.pack([torch.zeros(8 << 10, dtype=torch.uint8) for _ in range(4)]) for _ in range(16)]
+        for f in fill[::2]:
+            f.release()  # eight 32 KiB holes
+        try:
+            g = torch.Generator().manual_seed(33)
+            obj = [make_tensor(g, DTYPES[i % len(DTYPES)], (37, 41)) for i in range(24)]
+            ticket = sender.put(obj, one_shot=True)
+            assert len(ticket.blocks) > 1, ticket.blocks
+            assert sum(n for _, n in ticket.blocks) > 4 * (16 << 10)
+            got = receiver.get(ticket)
+            for a, b in zip(got, obj):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            sender.wait_released(ticket, timeout=10.0)
+        finally:
+            for f in fill[1::2]:
+                f.release()
+        assert_sender_idle(sender)
+
+
 @pytest.mark.parametrize("change", ["shape", "dtype", "count"])
 def test_into_mismatch_changes_nothing(sender, receiver, change):
     g = torch.Generator().manual_seed(10)
