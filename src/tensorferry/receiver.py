@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import layout as _layout
-from ._copy import StagedCopy, copy_from_blocks
+from ._copy import StagedCopy, copy_from_blocks, new_host_bytes
 from ._tensors import flatten, gc_paused
 from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
@@ -329,7 +329,7 @@ class Receiver:
                 except PoolExhaustedError:
                     offset = None  # taken meanwhile: new memory below
         if scratch is None:
-            scratch = torch.empty(want, dtype=torch.uint8)
+            scratch = new_host_bytes(want)
         try:
             ch.read_stream(ticket_id, piece, blocks, scratch, sink, deadline=deadline)
         finally:
@@ -343,13 +343,15 @@ class Receiver:
         bytes, and the copy (memcpy, recv_into, NIXL) runs without the GIL:
         building 100k views while the bytes move hides their cost.
 
-        ``fresh`` destinations (new memory, not yet faulted in) of tcp and
-        nixl are filled through a staging buffer: its chunks are copied
-        into them by a thread while the next chunk arrives, so the page
-        faults of the new memory happen beside the transfer, in user space,
-        not one by one inside the socket's receive or before a READ.
+        ``fresh`` destinations (new memory, not yet faulted in) of nixl are
+        filled through a staging buffer, its chunks copied into them by a
+        thread while the next chunk arrives: the page faults of the new
+        memory happen beside the READs. So are tcp's when many views are
+        built meanwhile (a receive loop that shares the GIL with them runs
+        at half speed; one that only fills a staging buffer keeps up).
         """
-        if fresh and not ch.supports_zero_copy and sum(n for _, n in blocks) > _STAGE_NBYTES:
+        staged = not ch.supports_scatter or layout.num_tensors >= _OVERLAP_MIN_TENSORS
+        if fresh and staged and not ch.supports_zero_copy and sum(n for _, n in blocks) > _STAGE_NBYTES:
             sizes = [n for _, n in blocks]
             sink = StagedCopy(sizes, np.arange(len(sizes) + 1), np.zeros(len(sizes), dtype=np.int64), np.asarray(sizes, dtype=np.int64), dests)
             move = functools.partial(self._stream, ch, ticket_id, piece, blocks, sink, deadline)
@@ -441,7 +443,7 @@ class Receiver:
                 base = self.pool.lease_view(ext.offset, total)
                 _finalize_storage(base, _PoolLease(self.pool, ext.offset))
                 return _split(base, sizes), False
-        base = torch.empty(total, dtype=torch.uint8)
+        base = new_host_bytes(total)
         return _split(base, sizes), True
 
     @staticmethod
