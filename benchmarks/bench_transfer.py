@@ -310,6 +310,21 @@ class SenderSide:
         out: dict[str, Any] = {"records": recs, "ticket_nbytes": len(tb), "blocks": len(ticket.blocks),
                                "profile_sender": _profile_text(prof)}
         if job.get("ticket_timing"):
+            out.update(self._ticket_timing(count))
+        return out
+
+    def _ticket_timing(self, count: int) -> dict:
+        """Ticket encode/decode of a ``count``-tensor object, timed while the
+        receiver is idle (it is between cases, waiting for the next job:
+        after the last transfer it verifies 1 GiB, which would share the
+        cores with these timings)."""
+        from tensorferry import Ticket
+
+        self.peer.send(("ticket_timing_ready",))
+        assert self.peer.recv() == ("receiver_idle",)
+        ticket = self.sender.put(views_of(self.flat, count), readers=None)
+        try:
+            out: dict[str, Any] = {}
             enc, dec = [], []
             for _ in range(7):
                 t = time.perf_counter()
@@ -329,7 +344,10 @@ class SenderSide:
                 lay.to_bytes()
                 lenc.append(time.perf_counter() - t)
             out["layout_encode_seconds"] = statistics.median(lenc)
-        return out
+            return out
+        finally:
+            self.sender.discard(ticket)
+            self.sender.wait_released(ticket, timeout=60)
 
     # -- limits and peers ------------------------------------------------------------
 
@@ -510,6 +528,10 @@ class ReceiverSide:
                 })
         del targets, targets_flat
         gc.collect()
+        if job.get("ticket_timing"):
+            # Verified and collected: idle while the sender times tickets.
+            assert self.peer.recv() == ("ticket_timing_ready",)
+            self.peer.send(("receiver_idle",))
         return {"records": recs, "verified": problem is None, "problem": problem,
                 "profile_receiver": _profile_text(prof)}
 

@@ -222,3 +222,21 @@ def test_new_host_bytes_large_ones_ask_for_huge_pages_and_go_back_when_collected
     with open("/proc/self/maps") as f:
         spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]
     assert not any(lo <= addr < hi and (lo, hi) == tuple(int(x, 16) for x in vma["range"].split("-")) for lo, hi in spans), "the mapping outlived its last tensor"
+
+
+def test_huge_pages_can_be_turned_off_and_a_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_HUGE_PAGES", "0")
+    t = _copy.new_host_bytes(16 << 20)
+    assert "hg" not in _vma_of(t.data_ptr()).get("VmFlags", "").split()
+    monkeypatch.setenv("TENSORFERRY_HUGE_PAGES", "yes")
+    with pytest.raises(ConfigurationError, match="TENSORFERRY_HUGE_PAGES='yes'"):
+        _copy.new_host_bytes(16 << 20)
+    assert _copy.new_host_bytes(4096).numel() == 4096  # small ones never ask
+
+
+def test_a_bad_huge_pages_setting_fails_when_the_receiver_is_made(monkeypatch):
+    from tensorferry import Receiver
+
+    monkeypatch.setenv("TENSORFERRY_HUGE_PAGES", "2")
+    with pytest.raises(ConfigurationError, match="expected 1"):
+        Receiver("shm")

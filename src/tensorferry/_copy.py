@@ -48,8 +48,10 @@ _PART_ALIGNMENT = 4096
 
 _MAX_DEFAULT_THREADS = 4
 
-# New host memory of at least this size gets its own mapping with huge pages.
+# New host memory of at least this size gets its own mapping with huge pages
+# (TENSORFERRY_HUGE_PAGES=0: never).
 _HUGE_MIN_NBYTES = 8 << 20
+_HUGE_ENV = "TENSORFERRY_HUGE_PAGES"
 _ENV = "TENSORFERRY_COPY_THREADS"
 
 _pool: ThreadPoolExecutor | None = None
@@ -180,8 +182,13 @@ def new_host_bytes(nbytes: int) -> torch.Tensor:
     give them only to mappings that ask): faults of 2 MiB, and the same copy
     took 253 ms. The mapping goes back to the kernel when the last tensor
     sharing its storage is collected.
+
+    Where the kernel compacts memory synchronously for such mappings
+    (``/sys/kernel/mm/transparent_hugepage/defrag`` says ``madvise``) and
+    memory is fragmented, a fault may wait for that compaction; set
+    ``TENSORFERRY_HUGE_PAGES=0`` to get plain ``torch.empty`` memory.
     """
-    if nbytes < _HUGE_MIN_NBYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < _HUGE_MIN_NBYTES or not hasattr(mmap, "MADV_HUGEPAGE") or _huge_pages_off():
         return torch.empty(nbytes, dtype=torch.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -189,6 +196,15 @@ def new_host_bytes(nbytes: int) -> torch.Tensor:
     except OSError:
         pass  # no transparent huge pages here: plain pages, still correct
     return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
+
+
+def _huge_pages_off() -> bool:
+    raw = os.environ.get(_HUGE_ENV, "").strip()
+    if raw in ("", "1"):
+        return False
+    if raw == "0":
+        return True
+    raise ConfigurationError(f"{_HUGE_ENV}={raw!r}: expected 1 (ask for transparent huge pages for new memory, the default) or 0 (never)")
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -110,11 +110,13 @@ class Receiver:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         capacity_nbytes: int = 256 << 20,
     ) -> None:
+        from ._copy import _huge_pages_off
         from .transports import channel_class
 
         self.transport = transport
         if transport is not None:
             channel_class(transport)  # fail early on an unknown name
+        _huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         self.token = token.encode() if isinstance(token, str) else (token or b"")
         self.timeout = float(timeout)
         self._own_pool = False
