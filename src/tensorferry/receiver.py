@@ -41,12 +41,15 @@ __all__ = ["Receiver"]
 DEFAULT_TIMEOUT_SECONDS = 60.0
 # Below this many tensors, views cost less than handing the copy to a thread.
 _OVERLAP_MIN_TENSORS = 2048
-# into= over tcp scatters straight into the caller's tensors up to this
-# many tensors (one recvmsg buffer and one view each); beyond it, and over
-# nixl, the bytes go through a staging buffer of at most _STAGE_NBYTES and
-# are copied out by address. Receive-pool room smaller than _STAGE_MIN_NBYTES
-# is not worth using as that buffer.
+# into= over tcp scatters straight into the caller's tensors (one recvmsg
+# buffer and one view each, tens of us a tensor) up to this many tensors,
+# or while they average at least _SCATTER_MIN_MEAN_NBYTES (then a tensor's
+# overhead costs less than copying its bytes once more); otherwise, and
+# over nixl, the bytes go through a staging buffer of at most _STAGE_NBYTES
+# and are copied out by address. Receive-pool room smaller than
+# _STAGE_MIN_NBYTES is not worth using as that buffer.
 _SCATTER_MAX_TENSORS = 256
+_SCATTER_MIN_MEAN_NBYTES = 256 << 10
 _STAGE_NBYTES = 64 << 20
 _STAGE_MIN_NBYTES = 4 << 20
 
@@ -287,7 +290,8 @@ class Receiver:
                 # shm: one copy, from the sender's pool into the caller's tensors.
                 _copy_out(ch.remote_views(blocks), layout, targets)
                 return None
-            if targets is not None and ch.supports_scatter and layout.num_tensors <= _SCATTER_MAX_TENSORS:
+            few = layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES)
+            if targets is not None and ch.supports_scatter and few:
                 # tcp, few tensors: the bytes land straight in the caller's tensors.
                 segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
