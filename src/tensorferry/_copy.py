@@ -31,7 +31,7 @@ import torch
 
 from .errors import ConfigurationError
 
-__all__ = ["StagedCopy", "copy_bytes", "copy_from_blocks", "copy_threads", "dense_host_mask", "memmove_runs", "new_host_bytes"]
+__all__ = ["StagedCopy", "copy_bytes", "copy_from_blocks", "copy_staged", "copy_threads", "dense_host_mask", "memmove_runs", "new_host_bytes"]
 
 # Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
 _RAW_MIN_NBYTES = 1 << 16
@@ -284,6 +284,12 @@ class StagedCopy:
         self._end = self._start + n[live]
         self._dst = dst[live]
 
+    @classmethod
+    def into_blocks(cls, dests: Sequence[torch.Tensor]) -> "StagedCopy":
+        """A stream of whole blocks into ``dests`` (1-D uint8, one per block, in order)."""
+        sizes = np.array([d.numel() for d in dests], dtype=np.int64)
+        return cls(sizes.tolist(), np.arange(sizes.size + 1), np.zeros(sizes.size, dtype=np.int64), sizes, dests)
+
     def __call__(self, pos: int, k: int, base: int) -> None:
         lo = int(np.searchsorted(self._end, pos, side="right"))
         hi = int(np.searchsorted(self._start, pos + k, side="left"))
@@ -296,9 +302,15 @@ class StagedCopy:
 
     def finish(self) -> None:
         """Copy the staged bytes of targets that could not be written by address."""
-        with torch.no_grad():
-            for staged, t in self._fixups:
-                t.copy_(staged.view(t.dtype).view(t.shape))
+        copy_staged(self._fixups)
+
+
+def copy_staged(fixups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``target.copy_(staged bytes)`` for each (1-D uint8 staged, target) pair;
+    targets may be parameters that require grad."""
+    with torch.no_grad():
+        for staged, t in fixups:
+            t.copy_(staged.view(t.dtype).view(t.shape))
 
 
 def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:

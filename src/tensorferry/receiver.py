@@ -25,11 +25,10 @@ import time
 import weakref
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from . import layout as _layout
-from ._copy import StagedCopy, copy_from_blocks, new_host_bytes
+from ._copy import StagedCopy, copy_from_blocks, copy_staged, new_host_bytes
 from ._tensors import flatten, gc_paused
 from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
@@ -290,14 +289,11 @@ class Receiver:
                 # shm: one copy, from the sender's pool into the caller's tensors.
                 _copy_out(ch.remote_views(blocks), layout, targets)
                 return None
-            few = layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES)
-            if targets is not None and ch.supports_scatter and few:
+            if targets is not None and ch.supports_scatter and _few_enough_to_scatter(layout):
                 # tcp, few tensors: the bytes land straight in the caller's tensors.
                 segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
-                with torch.no_grad():  # targets may be parameters that require grad
-                    for staged, target in fixups:
-                        target.copy_(staged.view(target.dtype).view(target.shape))
+                copy_staged(fixups)
                 return None
             if targets is not None:
                 # tcp with many tensors, nixl: through a bounded staging
@@ -327,7 +323,7 @@ class Receiver:
         want = min(sum(n for _, n in blocks), _STAGE_NBYTES)
         scratch, offset = None, None
         if self.pool is not None and self.pool.device.type == "cpu":
-            size = min(want, self.pool.stats().largest_free_nbytes)
+            size = min(want, self.pool._allocator.largest_free_nbytes())
             if size >= min(want, _STAGE_MIN_NBYTES):
                 try:
                     offset = self.pool._allocator.allocate(size).offset
@@ -349,17 +345,16 @@ class Receiver:
         bytes, and the copy (memcpy, recv_into, NIXL) runs without the GIL:
         building 100k views while the bytes move hides their cost.
 
-        ``fresh`` destinations (new memory, not yet faulted in) of nixl are
-        filled through a staging buffer, its chunks copied into them by a
-        thread while the next chunk arrives: the page faults of the new
-        memory happen beside the READs. So are tcp's when many views are
-        built meanwhile (a receive loop that shares the GIL with them runs
-        at half speed; one that only fills a staging buffer keeps up).
+        ``fresh`` destinations (new memory, not yet faulted in) of tcp are
+        filled through a staging buffer when many views are built meanwhile:
+        a receive loop that shares the GIL with them runs at half speed, one
+        that only fills a staging buffer keeps up while a thread copies it
+        out. (nixl stages every destination outside its registered pool
+        itself, the same way.)
         """
-        staged = not ch.supports_scatter or layout.num_tensors >= _OVERLAP_MIN_TENSORS
-        if fresh and staged and not ch.supports_zero_copy and sum(n for _, n in blocks) > _STAGE_NBYTES:
-            sizes = [n for _, n in blocks]
-            sink = StagedCopy(sizes, np.arange(len(sizes) + 1), np.zeros(len(sizes), dtype=np.int64), np.asarray(sizes, dtype=np.int64), dests)
+        many = layout.num_tensors >= _OVERLAP_MIN_TENSORS
+        if fresh and many and ch.supports_scatter and sum(n for _, n in blocks) > _STAGE_NBYTES:
+            sink = StagedCopy.into_blocks(dests)
             move = functools.partial(self._stream, ch, ticket_id, piece, blocks, sink, deadline)
         else:
             move = functools.partial(ch.read_into, ticket_id, piece, blocks, dests, deadline=deadline)
@@ -555,6 +550,11 @@ def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[tor
                 fixups.append((staged, t))
             cursor = offsets[i] + n
     return segments, fixups
+
+
+def _few_enough_to_scatter(layout: Layout) -> bool:
+    """Whether tcp into= receives straight into the targets (see _SCATTER_MAX_TENSORS)."""
+    return layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES)
 
 
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -71,7 +71,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         ``Sender.ticket_for`` changes). A receiver presents it when it takes a
         reader slot; a sender refuses an altered ticket before taking one."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(_DIGEST_HEAD.encode((self.id, self.total_nbytes, self.piece_nbytes, self.num_pieces, self.blocks)))
+        h.update(_ENCODER.encode((self.id, self.total_nbytes, self.piece_nbytes, self.num_pieces, self.blocks)))
         h.update(self.layout_bytes)
         return h.digest()
 
@@ -116,5 +116,4 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DIGEST_HEAD = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)

@@ -19,8 +19,8 @@ import secrets
 import time
 
 from .. import _protocol as P
-from .._copy import copy_bytes
-from ..errors import TransferError
+from .._copy import StagedCopy
+from ..errors import PoolExhaustedError, TransferError
 from ._nixl_agent import NixlEndpoint
 from ._base import Channel
 from ._tcp import TcpChannel, TcpServer
@@ -121,31 +121,38 @@ class NixlChannel(TcpChannel):
                 staged.append((off, n, dst))
         if direct_r:
             self.endpoint.read(self.remote, direct_r, direct_l, timeout=_left(deadline))
-        for off, n, dst in staged:
-            self._read_staged(off, n, dst, deadline)
+        if staged:
+            self._read_staged(ticket_id, piece, [(off, n) for off, n, _ in staged], [d for *_, d in staged], deadline)
 
-    def _read_staged(self, off: int, n: int, dst, deadline: float) -> None:
-        """READ into a chunk of the receive pool, copy out, repeat."""
+    def _read_staged(self, ticket_id: int, piece: int, blocks, dests, deadline: float) -> None:
+        """Blocks whose destination lies outside the registered receive pool:
+        streamed through as much of the pool as is free (``read_stream``:
+        READs into one half while the other is copied out by address)."""
         pool = self.receiver.pool
-        done = 0
-        while done < n:
-            chunk = min(n - done, pool.stats().largest_free_nbytes)
-            if chunk <= 0:
-                if time.monotonic() > deadline:
-                    raise TransferError(
-                        f"the receive pool ({pool.capacity_nbytes:,} bytes) has no free space to stage a NIXL read; "
-                        "give the Receiver a larger pool or release received objects"
-                    )
-                time.sleep(0.001)
-                continue
-            ext = pool._allocator.allocate(chunk)
-            try:
-                stage = pool.view(ext)[:chunk]
-                self.endpoint.read(self.remote, [(self.base + off + done, chunk)], [(stage.data_ptr(), chunk)], timeout=_left(deadline))
-                copy_bytes(dst[done : done + chunk], stage)
-            finally:
-                pool._allocator.free(ext.offset)
-            done += chunk
+        total = sum(n for _, n in blocks)
+        while True:
+            size = min(total, _STAGE_MAX_NBYTES, pool._allocator.largest_free_nbytes())
+            if size > 0:
+                try:
+                    ext = pool._allocator.allocate(size)
+                    break
+                except PoolExhaustedError:
+                    pass  # taken meanwhile: look again
+            if time.monotonic() > deadline:
+                raise TransferError(
+                    f"the receive pool ({pool.capacity_nbytes:,} bytes) has no free space to stage a NIXL read; "
+                    "give the Receiver a larger pool or release received objects"
+                )
+            time.sleep(0.001)
+        try:
+            self.read_stream(ticket_id, piece, blocks, pool.view(ext)[:size], StagedCopy.into_blocks(dests), deadline=deadline)
+        finally:
+            pool._allocator.free(ext.offset)
+
+
+# At most this much of the receive pool stages one read (in two halves that
+# take turns): smaller chunks start the copy-out sooner.
+_STAGE_MAX_NBYTES = 64 << 20
 
 
 def _left(deadline: float) -> float:
