@@ -349,14 +349,32 @@ def test_overlapping_and_duplicate_views(pool):
     a = base[0:50]
     obj = [a, base[25:75], base, base[10:20], a, base[49:51], base.view(10, 10)[:, 3]]
     packed, local, remote, _ = round_trip(pool, obj)
-    assert packed.nbytes == sum(t.numel() * 4 for t in obj)
-    # The same tensor twice is two tensors on the receiving side.
+    # The same view twice (obj[0], obj[4]) is packed once and unpacked as one
+    # tensor under both positions; overlapping views are packed apart.
+    assert packed.nbytes == sum(t.numel() * 4 for t in obj) - a.numel() * 4
+    assert packed.layout.aliases.tolist() == [[4, 0]]
+    for got in (local, remote):
+        assert got[4] is got[0] and got[2] is not got[0]
     local[0][0] = -1
-    assert local[4][0] == 0 and base[0] == 0
+    assert local[4][0] == -1 and local[2][0] == 0 and base[0] == 0
     # Across objects: two packs of views of one storage are both right.
     other, *_ = round_trip(pool, {"tail": base[60:], "head": base[:70]})
     assert torch.equal(pool.unpack(packed)[1], base[25:75])
     other.release()
+    packed.release()
+
+
+def test_skipped_tensors_inside_a_run_of_views(pool):
+    """Zero-size tensors and aliases take no bytes, so the tensors around
+    them touch in the block; the views must still land in their own
+    positions (a 1-D run once filled the zero-size one's place and left the
+    last None)."""
+    w = torch.arange(6.0)
+    obj = [torch.ones(10), torch.empty(0), torch.full((2,), 2.0), w, torch.zeros(2, 3), torch.empty(0, 3), torch.ones(2, 3), w, torch.ones(3)]
+    packed, local, remote, _ = round_trip(pool, obj)
+    for got in (local, remote):
+        assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in obj]
+        assert got[7] is got[3]
     packed.release()
 
 

@@ -418,3 +418,61 @@ def test_wrong_version_magic_and_flags():
     # Every decode error is a TensorferryError and a ValueError.
     assert issubclass(TicketError, TensorferryError) and issubclass(TicketError, ValueError)
     assert issubclass(LayoutMismatchError, TensorferryError) and issubclass(LayoutMismatchError, ValueError)
+
+
+# -- aliases (tied tensors) -----------------------------------------------------------------
+
+
+def test_aliases_round_trip_and_take_no_bytes():
+    w = torch.randn(5, 4)
+    obj = {"wte": w, "ln": torch.ones(4), "head": w, "t": w.t(), "t2": w.t(), "e": torch.empty(0), "e2": torch.empty(0)}
+    lay = layout_of(obj)
+    # Zero-size tensors share an address but are not aliases: nothing to share.
+    assert lay.aliases.tolist() == [[2, 0], [4, 3]]
+    assert lay.nbytes.tolist() == [80, 16, 0, 80, 0, 0, 0]
+    back = Layout.from_bytes(lay.to_bytes())
+    assert back.same_as(lay) and back.aliases.tolist() == [[2, 0], [4, 3]]
+    assert back.nbytes.tolist() == lay.nbytes.tolist()
+    # Without aliases the encoding is the one of before (flag unset).
+    plain = layout_of({"a": torch.ones(3), "b": torch.ones(3)})
+    assert plain.aliases.shape == (0, 2)
+    assert struct.unpack_from("<H", plain.to_bytes(), 6)[0] & 4 == 0
+    assert not plain.same_as(layout_of([torch.ones(3), torch.ones(3)]))
+
+
+def _with_aliases(pairs, *, count=None) -> bytes:
+    """A valid 3-tensor layout's bytes with forged alias pairs (checksum fixed)."""
+    lay = direct_layout([8, 8, 4], [(2,), (2,), (2,)])
+    data = bytearray(Layout(lay.dtype_codes, lay.ndims, lay.dims, lay.tree_ops, lay.tree_counts, (), np.array([[1, 0]])).to_bytes())
+    fields = list(_HEADER.unpack_from(data, 0))
+    head = _HEADER.size
+    body = bytes(data[head + 4 :])
+    body = body[:-8] + np.asarray(pairs, dtype="<u4").tobytes()
+    fields[8] = len(body)
+    fields[9] = zlib.crc32(body)
+    return _HEADER.pack(*fields) + struct.pack("<I", len(pairs) if count is None else count) + body
+
+
+@pytest.mark.parametrize(
+    "pairs, count",
+    [
+        ([[0, 1]], None),  # points forward
+        ([[1, 1]], None),  # to itself
+        ([[2, 0]], None),  # another dtype
+        ([[5, 0]], None),  # out of range
+        ([[1, 0], [2, 1]], None),  # an alias of an alias (and dtype)
+        ([[1, 0]], 3),  # count disagrees with the body
+        ([[1, 0]], 0),  # flag set, no aliases
+    ],
+)
+def test_forged_aliases_are_rejected(pairs, count):
+    assert Layout.from_bytes(_with_aliases([[1, 0]])).aliases.tolist() == [[1, 0]]
+    with pytest.raises((TicketError, LayoutMismatchError)):
+        Layout.from_bytes(_with_aliases(pairs, count=count))
+
+
+def test_aliases_of_another_shape_are_rejected():
+    lay = direct_layout([8, 8], [(2, 3), (3, 2)])
+    forged = Layout(lay.dtype_codes, lay.ndims, lay.dims, lay.tree_ops, lay.tree_counts, (), np.array([[1, 0]]))
+    with pytest.raises(LayoutMismatchError, match="another shape"):
+        Layout.from_bytes(forged.to_bytes())

@@ -12,15 +12,16 @@ import contextlib
 import gc
 import itertools
 from operator import attrgetter
+from collections.abc import Mapping
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from .errors import UnsupportedTensorError
-from .spec import DTYPES, Layout, TreeOp
+from .errors import LayoutMismatchError, UnsupportedTensorError
+from .spec import _NO_ALIASES, DTYPES, Layout, TreeOp
 
-__all__ = ["flatten", "unflatten", "torch_dtype", "dtype_code", "inspect_leaves", "LeafInfo", "gc_paused"]
+__all__ = ["flatten", "unflatten", "match_into", "torch_dtype", "dtype_code", "inspect_leaves", "LeafInfo", "gc_paused"]
 
 _TORCH_BY_NAME: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -255,7 +256,8 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
             codes = np.full(n, _CODE_BY_TORCH[dtypes[0]], dtype=np.uint8)
         else:
             codes = np.fromiter(map(_CODE_BY_TORCH.__getitem__, dtypes), dtype=np.uint8, count=n)
-        lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys))
+        aliases = _find_aliases(leaves, ptrs, codes, ndims, dims)
+        lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys), aliases)
         # A meta tensor has no memory: address 0. Ask the few address-0
         # leaves (empty tensors have it too) whether they are meta, nested
         # or not strided.
@@ -279,6 +281,54 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
         offsets = np.fromiter(map(torch.Tensor.storage_offset, leaves), dtype=np.int64, count=n)
         storage_ptrs = ptrs - offsets * lay.alignments
     return LeafInfo(lay, ptrs, storage_ptrs, raw, all_cpu)
+
+
+def _find_aliases(leaves: Sequence[torch.Tensor], ptrs: np.ndarray, codes: np.ndarray, ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    """Pairs ``(i, j)``, ``j < i``: leaf ``i`` is the same view as leaf ``j``.
+
+    Tied weights (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
+    or one tensor under two names: sent once, received as one tensor. Same
+    view means same first byte, dtype, shape, strides, device and
+    conjugate/negative bits; views that only overlap are sent apart.
+    Addresses that only grow (a flat buffer's views) are told in one pass.
+    """
+    n = ptrs.size
+    if n < 2 or bool((ptrs[1:] > ptrs[:-1]).all()):
+        return _NO_ALIASES
+    order = np.argsort(ptrs, kind="stable")
+    sorted_ptrs = ptrs[order]
+    same = np.flatnonzero((sorted_ptrs[1:] == sorted_ptrs[:-1]) & (sorted_ptrs[1:] != 0))
+    if not same.size:
+        return _NO_ALIASES
+    # Groups of leaves sharing a first byte, each in leaf order (stable sort).
+    groups: dict[int, list[int]] = {}
+    for k in same.tolist():
+        groups.setdefault(int(sorted_ptrs[k]), [int(order[k])]).append(int(order[k + 1]))
+    pairs: list[tuple[int, int]] = []
+    for members in groups.values():
+        firsts: list[int] = []  # earlier leaves that are no alias, in order
+        for i in members:
+            t = leaves[i]
+            if t.numel() == 0:
+                continue
+            for j in firsts:
+                u = leaves[j]
+                if (
+                    t.dtype == u.dtype
+                    and t.shape == u.shape
+                    and t.stride() == u.stride()
+                    and t.device == u.device
+                    and t.is_conj() == u.is_conj()
+                    and t.is_neg() == u.is_neg()
+                ):
+                    pairs.append((i, j))
+                    break
+            else:
+                firsts.append(i)
+    if not pairs:
+        return _NO_ALIASES
+    pairs.sort()
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
 
 
 def unflatten(layout: Layout, leaves: Sequence[torch.Tensor]) -> Any:
@@ -319,3 +369,138 @@ def unflatten(layout: Layout, leaves: Sequence[torch.Tensor]) -> Any:
                 value = items
             stack[-1][2].append(value)
     return root[0]
+
+
+# How many offending entries an into= mismatch lists.
+_SHOWN_PROBLEMS = 5
+
+
+def match_into(layout: Layout, into: Any) -> list[torch.Tensor]:
+    """The caller's tensors for each sent tensor, in the sender's order (receiver side).
+
+    Mappings are matched by key at every level, whatever the order of the
+    target's keys (a state dict built or loaded in another order gets the
+    right weights); lists and tuples by position. Every key must be on both
+    sides, with a tensor of the same dtype and shape. Checked before any
+    byte is written; about 0.5 us a tensor.
+
+    Raises:
+        LayoutMismatchError: the structure, a key, a dtype or a shape
+            differs; lists the first few offences with what each side has.
+    """
+    n = layout.num_tensors
+    skeleton = unflatten(layout, range(n))
+    targets: list[Any] = [None] * n
+    problems: list[str] = []
+    _match(skeleton, into, [], targets, problems, layout)
+    if not problems:
+        problems = _type_problems(layout, targets, skeleton)
+    if problems:
+        shown = "; ".join(problems[:_SHOWN_PROBLEMS])
+        more = f" (and {len(problems) - _SHOWN_PROBLEMS} more)" if len(problems) > _SHOWN_PROBLEMS else ""
+        raise LayoutMismatchError(
+            f"into= does not match what was sent: {shown}{more}. Pass tensors nested as the sender put them "
+            "(dicts with the same keys, lists and tuples of the same lengths), of the same dtypes and shapes"
+        )
+    return targets
+
+
+def _sent(layout: Layout, skel: Any) -> str:
+    """What the sender sent at one place of the skeleton, for messages."""
+    if isinstance(skel, int):
+        shape = layout.shapes()[skel]
+        return f"torch.{layout.dtype_names()[skel]}{list(shape)}"
+    return f"a {type(skel).__name__} of {len(skel)}"
+
+
+def _has(x: Any) -> str:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        ro = " (read-only)" if isinstance(x, np.ndarray) and not x.flags.writeable else ""
+        return f"{x.dtype}{list(x.shape)}{ro}"
+    if isinstance(x, (Mapping, list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def _match(skel: Any, target: Any, path: list[Any], out: list[Any], problems: list[str], layout: Layout) -> None:
+    if isinstance(skel, int):
+        if isinstance(target, np.ndarray) and target.dtype.kind in "biufc" and target.flags.writeable:
+            target = torch.from_numpy(target)
+        if isinstance(target, torch.Tensor):
+            out[skel] = target
+        else:
+            problems.append(f"{_path(path)}: sent {_sent(layout, skel)}, into= has {_has(target)}")
+        return
+    if isinstance(skel, dict):
+        if not isinstance(target, Mapping):
+            problems.append(f"{_path(path)}: sent a dict of {len(skel)} keys, into= has {_has(target)}")
+            return
+        missing = False
+        for k, v in skel.items():
+            try:
+                t = target[k]
+            except KeyError:
+                missing = True
+                problems.append(f"{_path(path + [k])}: sent {_sent(layout, v)}, into= has no such key")
+                continue
+            if type(v) is int and type(t) in _PLAIN_TENSOR_TYPES:
+                out[v] = t  # the common case, inline
+            else:
+                path.append(k)
+                _match(v, t, path, out, problems, layout)
+                path.pop()
+        if missing or len(target) != len(skel):
+            for k in target:
+                if k not in skel:
+                    problems.append(f"{_path(path + [k])}: into= has {_has(target[k])}, the sender sent no such key")
+        return
+    if not isinstance(target, (list, tuple)) or len(target) != len(skel):
+        problems.append(f"{_path(path)}: sent {_sent(layout, skel)}, into= has {_has(target)}")
+        return
+    for i, (v, t) in enumerate(zip(skel, target)):
+        if type(v) is int and type(t) in _PLAIN_TENSOR_TYPES:
+            out[v] = t
+        else:
+            path.append(i)
+            _match(v, t, path, out, problems, layout)
+            path.pop()
+
+
+def _type_problems(layout: Layout, targets: list[torch.Tensor], skeleton: Any) -> list[str]:
+    """Targets whose dtype or shape differs from the sent tensor's (vectorised)."""
+    n = len(targets)
+    if not n:
+        return []
+    codes = np.fromiter((_CODE_BY_TORCH.get(dt, 255) for dt in map(_get_dtype, targets)), dtype=np.int64, count=n)
+    ndims = np.fromiter(map(torch.Tensor.dim, targets), dtype=np.int64, count=n)
+    bad = (codes != layout.dtype_codes) | (ndims != layout.ndims)
+    if not bad.any():
+        dims = np.fromiter(itertools.chain.from_iterable(map(_get_shape, targets)), dtype=np.int64, count=int(ndims.sum()))
+        if np.array_equal(dims, layout.dims):
+            return []
+    shapes = layout.shapes()
+    names = layout.dtype_names()
+    paths = _leaf_paths(skeleton, n)
+    problems = []
+    for i, t in enumerate(targets):
+        if _CODE_BY_TORCH.get(t.dtype) != int(layout.dtype_codes[i]) or tuple(t.shape) != shapes[i]:
+            problems.append(f"{paths[i]}: sent torch.{names[i]}{list(shapes[i])}, into= has {_has(t)}")
+    return problems
+
+
+def _leaf_paths(skeleton: Any, n: int) -> list[str]:
+    """The path of every leaf of a skeleton (leaf index -> "obj['a'][0]")."""
+    paths = [""] * n
+
+    def walk(x: Any, path: list[Any]) -> None:
+        if isinstance(x, int):
+            paths[x] = _path(path)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, path + [k])
+        else:
+            for i, v in enumerate(x):
+                walk(v, path + [i])
+
+    walk(skeleton, [])
+    return paths

@@ -518,7 +518,10 @@ def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.Block
         n = nbytes[idx]
         c = codes[idx]
         brk = np.ones(idx.size, dtype=bool)
-        brk[1:] = (c[1:] != c[:-1]) | (off[1:] != off[:-1] + n[:-1])
+        # A run is cut where dtype or adjacency changes, and around the
+        # tensors skipped here (zero-size, aliases): its views fill one
+        # slice of leaf positions.
+        brk[1:] = (c[1:] != c[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (idx[1:] != idx[:-1] + 1)
         run_starts = np.flatnonzero(brk)
         run_stops = np.append(run_starts[1:], idx.size)
         one_d = ndims[idx] == 1
@@ -558,6 +561,12 @@ def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.Block
                     start = first + (int(off[ss]) - int(off[rs])) // size
                     parts = tv.narrow(0, start, k * numels[ss]).view(k, *shape).unbind(0)
                     leaves[idx_l[ss] : idx_l[ss] + k] = parts
-    for k in np.flatnonzero(nbytes == 0).tolist():
+    empty = nbytes == 0
+    if layout.aliases.size:
+        empty[layout.aliases[:, 0]] = False
+    for k in np.flatnonzero(empty).tolist():
         leaves[k] = torch.empty(shapes[k], dtype=torch_dtype(int(codes[k])), device=device)
+    # One tensor under both names (tied weights), as torch.save keeps them.
+    for dup, orig in layout.aliases.tolist():
+        leaves[dup] = leaves[orig]
     return leaves

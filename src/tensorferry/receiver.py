@@ -29,7 +29,7 @@ import torch
 
 from . import layout as _layout
 from ._copy import StagedCopy, copy_from_blocks, copy_staged, new_host_bytes
-from ._tensors import flatten, gc_paused
+from ._tensors import gc_paused, match_into
 from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
 from .spec import Layout
@@ -235,9 +235,9 @@ class Receiver:
         packed_nbytes = _layout.packed_offsets(layout.nbytes, layout.alignments)[1]
         if ticket.total_nbytes != packed_nbytes:
             raise TicketError(f"ticket says {ticket.total_nbytes:,} bytes, its layout packs into {packed_nbytes:,}")
-        targets = self._check_into(layout, into) if into is not None else None
         if zero_copy and (into is not None or ticket.streamed):
             raise TransferError("zero_copy cannot be combined with into=, or with a streamed object (larger than the sender's free pool)")
+        targets = match_into(layout, into) if into is not None else None
         if not ticket.blocks and not ticket.streamed:
             # No bytes (an empty object, zero-size tensors): the sender keeps
             # no slot for it, so there is nothing to fetch or release.
@@ -268,6 +268,8 @@ class Receiver:
             self._discard(ch)
             raise
         self._return(key, ch)
+        if targets is not None and layout.aliases.size:
+            _fill_aliases(layout, targets)
         self.gets += 1
         self.bytes_received += layout.total_nbytes
         return into if into is not None else result
@@ -447,21 +449,6 @@ class Receiver:
         base = new_host_bytes(total)
         return _split(base, sizes), True
 
-    @staticmethod
-    def _check_into(layout: Layout, into: Any) -> list[torch.Tensor]:
-        leaves, *_ = flatten(into)
-        if len(leaves) != layout.num_tensors:
-            raise LayoutMismatchError(f"into= has {len(leaves)} tensors, the sender sent {layout.num_tensors}")
-        names = layout.dtype_names()
-        shapes = layout.shapes()
-        bad = []
-        for i, (t, name, shape) in enumerate(zip(leaves, names, shapes)):
-            if str(t.dtype).removeprefix("torch.") != name or tuple(t.shape) != shape:
-                bad.append(f"tensor {i}: into= has {t.dtype}{tuple(t.shape)}, the sender sent torch.{name}{shape}")
-        if bad:
-            raise LayoutMismatchError("into= does not match what was sent: " + "; ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""))
-        return leaves
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -552,6 +539,18 @@ def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[tor
     return segments, fixups
 
 
+def _fill_aliases(layout: Layout, targets: list[torch.Tensor]) -> None:
+    """into= targets of tensors sent once under two names (tied weights):
+    the bytes landed in the first target; a second one that is not the
+    same view (untied on this side) gets a copy of it."""
+    for dup, orig in layout.aliases.tolist():
+        a, b = targets[dup], targets[orig]
+        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
+            continue
+        with torch.no_grad():
+            a.copy_(b)
+
+
 def _few_enough_to_scatter(layout: Layout) -> bool:
     """Whether tcp into= receives straight into the targets (see _SCATTER_MAX_TENSORS)."""
     return layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES)
@@ -566,7 +565,7 @@ def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 
 def _copy_out(blocks: list[torch.Tensor], layout: Layout, targets: list[torch.Tensor]) -> None:
-    """Copy a received object from its blocks into ``into=`` targets (checked by ``_check_into``)."""
+    """Copy a received object from its blocks into ``into=`` targets (matched by ``match_into``)."""
     groups = _layout.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
     copy_from_blocks(blocks, groups.bounds, groups.offsets, layout.nbytes, targets)
 

@@ -76,6 +76,10 @@ _MAGIC = b"TFLY"
 _VERSION = 1
 _FLAG_ZLIB = 1
 _FLAG_DIMS32 = 2
+# Some tensors are the same view as an earlier one (tied weights): a u32
+# count of such pairs follows the header, and the body ends with the pairs.
+_FLAG_ALIASES = 4
+_ALIAS_COUNT = struct.Struct("<I")
 # magic, version, flags, tensors, dims, tree tokens, keys, key blob bytes,
 # body bytes (uncompressed), crc32 of the uncompressed body
 _HEADER = struct.Struct("<4sHHIQIIQQI")
@@ -111,6 +115,11 @@ class Layout:
         tree_ops: uint8 opcode of each nesting token (:class:`TreeOp`).
         tree_counts: int64 count of each nesting token.
         keys: the dict keys, in the order the DICT tokens consume them.
+        aliases: int64 ``(k, 2)`` pairs ``(tensor, earlier)``: ``tensor`` is
+            the same view of the same memory as ``earlier`` (tied weights).
+            Its bytes are not packed (``nbytes`` is 0 for it); the receiver
+            gives both positions one tensor.
+        nbytes: bytes each tensor occupies in the packing (0 for an alias).
     """
 
     dtype_codes: np.ndarray
@@ -119,6 +128,7 @@ class Layout:
     tree_ops: np.ndarray
     tree_counts: np.ndarray
     keys: tuple[Key, ...] = ()
+    aliases: np.ndarray = field(default_factory=lambda: _NO_ALIASES)
     nbytes: np.ndarray = field(init=False, repr=False)
     alignments: np.ndarray = field(init=False, repr=False)
     numels: np.ndarray = field(init=False, repr=False)
@@ -128,7 +138,10 @@ class Layout:
         alignments = _ELEMENT_SIZE_BY_CODE[self.dtype_codes]
         object.__setattr__(self, "numels", numels)
         object.__setattr__(self, "alignments", alignments)
-        object.__setattr__(self, "nbytes", numels * alignments)
+        nbytes = numels * alignments
+        if self.aliases.size:
+            nbytes[self.aliases[:, 0]] = 0
+        object.__setattr__(self, "nbytes", nbytes)
 
     # -- views ---------------------------------------------------------------
 
@@ -138,7 +151,7 @@ class Layout:
 
     @property
     def total_nbytes(self) -> int:
-        """Bytes of tensor data (without padding)."""
+        """Bytes of tensor data (without padding; an alias's bytes once)."""
         return int(self.nbytes.sum())
 
     def dtype_names(self) -> list[str]:
@@ -174,6 +187,7 @@ class Layout:
             and np.array_equal(self.tree_ops, other.tree_ops)
             and np.array_equal(self.tree_counts, other.tree_counts)
             and self.keys == other.keys
+            and np.array_equal(self.aliases, other.aliases)
         )
 
     # -- encoding ------------------------------------------------------------
@@ -192,9 +206,12 @@ class Layout:
                 key_kinds.tobytes(),
                 key_lens.tobytes(),
                 key_blob,
+                self.aliases.astype("<u4").tobytes(),
             )
         )
         flags = _FLAG_DIMS32 if dims32 else 0
+        if self.aliases.size:
+            flags |= _FLAG_ALIASES
         payload = body
         if len(body) > _COMPRESS_ABOVE:
             packed = zlib.compress(body, 1)
@@ -212,6 +229,8 @@ class Layout:
             len(body),
             zlib.crc32(body),
         )
+        if self.aliases.size:
+            header += _ALIAS_COUNT.pack(len(self.aliases))
         return header + payload
 
     @classmethod
@@ -239,8 +258,17 @@ class Layout:
                 f"layout version {version} is not supported (this tensorferry reads "
                 f"version {_VERSION}); use the same tensorferry version on both sides"
             )
-        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32):
+        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32 | _FLAG_ALIASES):
             raise TicketError(f"layout has unknown flags {flags:#x}")
+        head = _HEADER.size
+        naliases = 0
+        if flags & _FLAG_ALIASES:
+            if len(view) < head + _ALIAS_COUNT.size:
+                raise TicketError("layout is truncated: its alias count is missing")
+            (naliases,) = _ALIAS_COUNT.unpack_from(view, head)
+            head += _ALIAS_COUNT.size
+            if not 0 < naliases < max(n, 1):
+                raise TicketError(f"layout claims {naliases:,} aliases among {n:,} tensors")
         if n > MAX_TENSORS or ntok > MAX_TREE_TOKENS or nkeys > MAX_TENSORS or ndims_total > n * MAX_NDIM:
             raise TicketError(
                 f"layout header claims {n:,} tensors, {ndims_total:,} dims, {ntok:,} tree "
@@ -248,13 +276,13 @@ class Layout:
                 f"{MAX_NDIM} dims each)"
             )
         dim_width = 4 if flags & _FLAG_DIMS32 else 8
-        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n
+        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n + 8 * naliases
         if expected != body_n or expected > max_nbytes:
             raise TicketError(
                 f"layout body size {body_n:,} does not match its counts ({expected:,}) "
                 f"or exceeds the limit of {max_nbytes:,} bytes"
             )
-        payload = view[_HEADER.size :]
+        payload = view[head:]
         if flags & _FLAG_ZLIB:
             dec = zlib.decompressobj()
             try:
@@ -300,6 +328,8 @@ class Layout:
         key_kinds = take(nkeys, "u1")
         key_lens = take(nkeys, "<u4").astype(np.int64)
         key_blob = body[pos : pos + key_blob_n]
+        pos += key_blob_n
+        aliases = take(2 * naliases, "<u4").astype(np.int64).reshape(naliases, 2)
 
         if n and int(codes.max()) >= _ELEMENT_SIZE_BY_CODE.size or (n and not _ELEMENT_SIZE_BY_CODE[codes].all()):
             raise LayoutMismatchError("layout names a dtype code this tensorferry does not know")
@@ -313,12 +343,36 @@ class Layout:
             raise LayoutMismatchError("layout has a dimension out of range")
         keys = _decode_keys(key_kinds, key_lens, key_blob)
         _check_tree(ops, counts, n, nkeys)
-        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys)
+        if naliases:
+            _check_aliases(aliases, codes, ndims, dims)
+        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys, aliases if naliases else _NO_ALIASES)
         # numel <= MAX_NUMEL alone still lets numel * 16 wrap around int64
         # (2^62 complex128 elements "are" 0 bytes); bound the bytes in floats.
         if n and float(layout.numels.astype(np.float64) @ layout.alignments) > MAX_NUMEL:
             raise LayoutMismatchError("layout has more bytes of tensor data than can exist")
         return layout
+
+
+_NO_ALIASES = np.zeros((0, 2), dtype=np.int64)
+_NO_ALIASES.flags.writeable = False
+
+
+def _check_aliases(aliases: np.ndarray, codes: np.ndarray, ndims: np.ndarray, dims: np.ndarray) -> None:
+    """Each pair names a later tensor and an earlier, non-alias one of the
+    same dtype and shape; each tensor is an alias at most once."""
+    dup, orig = aliases[:, 0], aliases[:, 1]
+    n = codes.size
+    if int(dup.max()) >= n or not (orig < dup).all() or (np.diff(dup) <= 0).any():
+        raise LayoutMismatchError("layout aliases must name a later tensor and an earlier one, in increasing order")
+    if np.isin(orig, dup).any():
+        raise LayoutMismatchError("layout aliases an alias; each must name the tensor itself")
+    if not (codes[dup] == codes[orig]).all() or not (ndims[dup] == ndims[orig]).all():
+        raise LayoutMismatchError("layout aliases tensors of different dtypes or ranks")
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(ndims, out=starts[1:])
+    for d, o in aliases.tolist():
+        if not np.array_equal(dims[starts[d] : starts[d + 1]], dims[starts[o] : starts[o + 1]]):
+            raise LayoutMismatchError(f"layout aliases tensor {d} to tensor {o} of another shape")
 
 
 def _numels(ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:

@@ -223,13 +223,157 @@ def test_into_updates_in_place(sender, receiver):
     assert_sender_idle(sender)
 
 
-def test_into_a_flat_list_of_leaves(sender, receiver):
+def test_into_a_flat_list_for_a_dict_is_refused(sender, receiver):
+    """A dict is matched by key, never by position: a flat list of the
+    right tensors in the right order is still not a dict."""
     new = state_dict(9)
     dest = [torch.zeros_like(t) for t in leaves(new)]
-    out = receiver.get(sender.put(new), into=dest)
-    assert out is dest
-    for a, b in zip(dest, leaves(new)):
-        assert torch.equal(a, b)
+    ticket = sender.put(new)
+    with pytest.raises(LayoutMismatchError, match="sent a dict of"):
+        receiver.get(ticket, into=dest)
+    assert all(not t.any() for t in dest)
+    assert_same(receiver.get(ticket), new)
+    sender.wait_released(ticket, timeout=10.0)
+
+
+def test_into_matches_dict_keys_whatever_their_order(sender, receiver):
+    """The issue's reproduction: a target dict with the same keys in another
+    order used to be filled by position (its "a" got the 2s)."""
+    sent = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}
+    dest = {"b": torch.empty(4), "a": torch.empty(4)}
+    assert receiver.get(sender.put(sent), into=dest) is dest
+    assert torch.equal(dest["a"], sent["a"]) and torch.equal(dest["b"], sent["b"])
+    assert list(dest) == ["b", "a"], "into= must not reorder the caller's dict"
+    assert_sender_idle(sender)
+
+
+def test_into_a_state_dict_with_sorted_keys_and_nesting(sender, receiver):
+    """A model's state dict against one loaded with sorted keys, an
+    OrderedDict, and dicts nested in dicts and lists (matched by key at
+    every level, lists by position)."""
+    from collections import OrderedDict
+
+    g = torch.Generator().manual_seed(41)
+    model = torch.nn.Sequential(
+        OrderedDict(
+            zed=torch.nn.Linear(6, 5), alpha=torch.nn.LayerNorm(5), mid=torch.nn.Linear(5, 5, bias=False), beta=torch.nn.Linear(5, 3)
+        )
+    )
+    sd = model.state_dict()  # registration order: zed, alpha, mid, beta
+    assert list(sd) != sorted(sd)
+    sent = {
+        "model": sd,
+        "opt": [{"step": make_tensor(g, torch.int64, ()), "lr": make_tensor(g, torch.float64, ())}, {"m": make_tensor(g, torch.float32, (5, 6))}],
+        "meta": OrderedDict(x=make_tensor(g, torch.int32, (3,)), y=make_tensor(g, torch.int32, (3,))),
+    }
+    dest = {
+        "meta": OrderedDict(y=torch.zeros(3, dtype=torch.int32), x=torch.zeros(3, dtype=torch.int32)),
+        "opt": [{"lr": torch.zeros((), dtype=torch.float64), "step": torch.zeros((), dtype=torch.int64)}, {"m": torch.zeros(5, 6)}],
+        "model": OrderedDict((k, torch.zeros_like(sd[k])) for k in sorted(sd)),
+    }
+    assert receiver.get(sender.put(sent), into=dest) is dest
+    for k, v in sd.items():
+        assert torch.equal(dest["model"][k], v), k
+    assert torch.equal(dest["opt"][0]["step"], sent["opt"][0]["step"])
+    assert torch.equal(dest["opt"][0]["lr"], sent["opt"][0]["lr"])
+    assert torch.equal(dest["opt"][1]["m"], sent["opt"][1]["m"])
+    assert torch.equal(dest["meta"]["x"], sent["meta"]["x"]) and torch.equal(dest["meta"]["y"], sent["meta"]["y"])
+    # Into a live module, whose parameters are registered in another order.
+    other = torch.nn.Sequential(
+        OrderedDict(beta=torch.nn.Linear(5, 3), mid=torch.nn.Linear(5, 5, bias=False), alpha=torch.nn.LayerNorm(5), zed=torch.nn.Linear(6, 5))
+    )
+    receiver.get(sender.put(sd), into=other.state_dict())
+    for k, v in sd.items():
+        assert torch.equal(other.state_dict()[k], v), k
+    assert_sender_idle(sender)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", r"obj\['b'\]: sent torch.float32\[4\], into= has no such key"),
+        ("extra", r"obj\['c'\]: into= has torch.float32\[4\], the sender sent no such key"),
+        ("renamed", r"obj\['b'\]: sent .*no such key.*obj\['B'\]: into= has .*the sender sent no such key"),
+        ("shape", r"obj\['b'\]: sent torch.float32\[4\], into= has torch.float32\[2, 2\]"),
+        ("dtype", r"obj\['a'\]\['x'\]: sent torch.int64\[3\], into= has torch.int32\[3\]"),
+        ("nested", r"obj\['a'\]: sent a dict of 2 keys, into= has a list of 2"),
+        ("length", r"obj\['l'\]: sent a list of 2, into= has a list of 3"),
+    ],
+)
+def test_into_key_mismatch_names_the_keys_and_writes_nothing(sender, receiver, case, message):
+    sent = {"a": {"x": torch.arange(3), "y": torch.ones(2)}, "b": torch.full((4,), 2.0), "l": [torch.ones(1), torch.ones(1)]}
+
+    def fresh():
+        return {"a": {"x": torch.zeros(3, dtype=torch.int64), "y": torch.zeros(2)}, "b": torch.zeros(4), "l": [torch.zeros(1), torch.zeros(1)]}
+
+    dest = fresh()
+    if case == "missing":
+        del dest["b"]
+    elif case == "extra":
+        dest["c"] = torch.zeros(4)
+    elif case == "renamed":
+        dest["B"] = dest.pop("b")
+    elif case == "shape":
+        dest["b"] = torch.zeros(2, 2)
+    elif case == "dtype":
+        dest["a"]["x"] = torch.zeros(3, dtype=torch.int32)
+    elif case == "nested":
+        dest["a"] = [dest["a"]["x"], dest["a"]["y"]]
+    else:
+        dest["l"].append(torch.zeros(1))
+    ticket = sender.put(sent)
+    with pytest.raises(LayoutMismatchError, match=message):
+        receiver.get(ticket, into=dest)
+    for t in leaves(dest):
+        assert not t.any(), "a rejected into= must write nothing"
+    assert_same(receiver.get(ticket), sent)  # the slot was not consumed
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
+
+
+# -- tied tensors -------------------------------------------------------------------------
+
+
+def _tied_model() -> torch.nn.Module:
+    """A GPT-2-shaped toy: the output head is the embedding (one storage)."""
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(50, 8)
+            self.ln = torch.nn.LayerNorm(8)
+            self.lm_head = torch.nn.Linear(8, 50, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    return Tiny()
+
+
+def test_tied_tensors_are_sent_once_and_come_back_as_one(sender, receiver):
+    model = _tied_model()
+    sd = model.state_dict()
+    assert sd["wte.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()
+    w = torch.arange(12.0).view(3, 4)
+    obj = {"sd": sd, "again": sd["wte.weight"], "t": w.t(), "t_again": w.t(), "not_same": w[:, :2], "same_start_other_shape": w.view(4, 3)}
+    ticket = sender.put(obj)
+    unique = [sd["wte.weight"], sd["ln.weight"], sd["ln.bias"], obj["t"], obj["not_same"], obj["same_start_other_shape"]]
+    assert ticket.layout.total_nbytes == sum(t.numel() * t.element_size() for t in unique)
+    got = receiver.get(ticket)
+    assert got["sd"]["lm_head.weight"] is got["sd"]["wte.weight"] is got["again"]
+    assert got["t_again"] is got["t"] and torch.equal(got["t"], w.t())
+    # Views that share only a first byte are separate tensors.
+    assert got["not_same"] is not got["t"] and torch.equal(got["not_same"], w[:, :2])
+    assert torch.equal(got["same_start_other_shape"], w.view(4, 3))
+    assert torch.equal(got["sd"]["wte.weight"], sd["wte.weight"])
+    # Tied on this side too: one write; untied: both written.
+    tied = _tied_model()
+    receiver.get(sender.put(sd), into=tied.state_dict())
+    assert torch.equal(tied.lm_head.weight, sd["wte.weight"]) and tied.lm_head.weight is tied.wte.weight
+    untied = {k: torch.zeros_like(v) for k, v in sd.items()}
+    receiver.get(sender.put(sd), into=untied)
+    for k, v in sd.items():
+        assert torch.equal(untied[k], v), k
+    sender.wait_released(ticket, timeout=10.0)
+    assert_sender_idle(sender)
 
 
 def test_into_awkward_targets(sender, receiver):
