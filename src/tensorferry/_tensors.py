@@ -8,6 +8,7 @@ collected before anything is allocated, and the error names each one.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -389,10 +390,15 @@ def match_into(layout: Layout, into: Any) -> list[torch.Tensor]:
             differs; lists the first few offences with what each side has.
     """
     n = layout.num_tensors
-    skeleton = unflatten(layout, range(n))
-    targets: list[Any] = [None] * n
+    targets = _match_tokens(layout, into)
     problems: list[str] = []
-    _match(skeleton, into, [], targets, problems, layout)
+    skeleton = None
+    if targets is None:
+        # Something differs (or a leaf is a numpy array or a tensor
+        # subclass): walk again, slowly, naming every place.
+        skeleton = unflatten(layout, range(n))
+        targets = [None] * n
+        _match(skeleton, into, [], targets, problems, layout)
     if not problems:
         problems = _type_problems(layout, targets, skeleton)
     if problems:
@@ -403,6 +409,51 @@ def match_into(layout: Layout, into: Any) -> list[torch.Tensor]:
             "(dicts with the same keys, lists and tuples of the same lengths), of the same dtypes and shapes"
         )
     return targets
+
+
+def _match_tokens(layout: Layout, into: Any) -> list[torch.Tensor] | None:
+    """The fast walk of ``match_into``: the layout's nesting tokens against
+    ``into``, a run of tensors at a time (one ``map`` over a dict's keys).
+    Returns None at the first difference of any kind."""
+    ops = layout.tree_ops.tolist()
+    counts = layout.tree_counts.tolist()
+    keys = layout.keys
+    out: list[Any] = []
+    kpos = 0
+    # Open containers: [target, its keys (a dict) or None, next position].
+    stack: list[list[Any]] = [[[into], None, 0]]
+    for op, c in zip(ops, counts):
+        frame = stack[-1]
+        tgt, ks, pos = frame
+        try:
+            if op == TreeOp.LEAVES:
+                if ks is None:
+                    out.extend(tgt[pos : pos + c])
+                else:
+                    out.extend(map(tgt.__getitem__, ks[pos : pos + c]))
+                frame[2] = pos + c
+            else:
+                child = tgt[pos] if ks is None else tgt[ks[pos]]
+                frame[2] = pos + 1
+                if op == TreeOp.DICT:
+                    child_keys = keys[kpos : kpos + c]
+                    kpos += c
+                    # Same size and every sent key found: the same key set
+                    # (the sent keys of one dict are distinct: checked).
+                    if not isinstance(child, Mapping) or len(child) != c or len(set(child_keys)) != c:
+                        return None
+                    stack.append([child, child_keys, 0])
+                else:
+                    if not isinstance(child, (list, tuple)) or len(child) != c:
+                        return None
+                    stack.append([child, None, 0])
+        except (KeyError, IndexError, TypeError):
+            return None
+        while len(stack) > 1 and stack[-1][2] == len(stack[-1][0]):
+            stack.pop()
+    if len(out) != layout.num_tensors or not set(map(type, out)) <= _PLAIN_TENSOR_TYPES:
+        return None
+    return out
 
 
 def _sent(layout: Layout, skel: Any) -> str:
@@ -466,20 +517,30 @@ def _match(skel: Any, target: Any, path: list[Any], out: list[Any], problems: li
             path.pop()
 
 
+# The wire code of a target's dtype, or -1 for one tensorferry cannot send.
+_CODE_OR_NONE: dict[torch.dtype, int] = collections.defaultdict(lambda: -1, _CODE_BY_TORCH)
+
+
 def _type_problems(layout: Layout, targets: list[torch.Tensor], skeleton: Any) -> list[str]:
     """Targets whose dtype or shape differs from the sent tensor's (vectorised)."""
     n = len(targets)
     if not n:
         return []
-    codes = np.fromiter((_CODE_BY_TORCH.get(dt, 255) for dt in map(_get_dtype, targets)), dtype=np.int64, count=n)
-    ndims = np.fromiter(map(torch.Tensor.dim, targets), dtype=np.int64, count=n)
-    bad = (codes != layout.dtype_codes) | (ndims != layout.ndims)
-    if not bad.any():
-        dims = np.fromiter(itertools.chain.from_iterable(map(_get_shape, targets)), dtype=np.int64, count=int(ndims.sum()))
+    dtypes = list(map(_get_dtype, targets))
+    if len(set(dtypes)) == 1:
+        codes = np.full(n, _CODE_OR_NONE[dtypes[0]], dtype=np.int64)
+    else:
+        codes = np.fromiter(map(_CODE_OR_NONE.__getitem__, dtypes), dtype=np.int64, count=n)
+    sizes = list(map(_get_shape, targets))
+    ndims = np.fromiter(map(len, sizes), dtype=np.int64, count=n)
+    if np.array_equal(codes, layout.dtype_codes) and np.array_equal(ndims, layout.ndims):
+        dims = np.fromiter(itertools.chain.from_iterable(sizes), dtype=np.int64, count=int(ndims.sum()))
         if np.array_equal(dims, layout.dims):
             return []
     shapes = layout.shapes()
     names = layout.dtype_names()
+    if skeleton is None:
+        skeleton = unflatten(layout, range(n))
     paths = _leaf_paths(skeleton, n)
     problems = []
     for i, t in enumerate(targets):
