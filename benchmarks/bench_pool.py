@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 import tensorferry
-from tensorferry import layout as tf_layout
+from tensorferry import packing as tf_layout
 
 from ray.experimental.rdt import nixl_memory_pool as ray_pool
 
@@ -736,8 +736,8 @@ def environment() -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "git_commit": git("rev-parse", "HEAD"),
         "src_modified": git("status", "--porcelain", "--", "../src/tensorferry/pool.py",
-                            "../src/tensorferry/layout.py", "../src/tensorferry/_tensors.py",
-                            "../src/tensorferry/_copy.py", "../src/tensorferry/spec.py") != "",
+                            "../src/tensorferry/packing.py", "../src/tensorferry/_tensors.py",
+                            "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
         "machine": f"{cpu}, {ncpu} cores, {mem_gib:.0f} GiB, Linux {platform.release()}",
         "cpus": ncpu,
         "python": sys.version.split()[0],

@@ -1,497 +1,478 @@
-"""Property tests of the wire contract: tensorferry.layout, sender and receiver as a pair."""
+"""Layout.to_bytes / from_bytes: round trips, size, and hostile bytes."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
+import struct
+import time
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tensorferry import layout as L
-from tensorferry.errors import LayoutMismatchError, TensorferryError
+from tensorferry._tensors import flatten, inspect_leaves, torch_dtype, unflatten
+from tensorferry.errors import LayoutMismatchError, TensorferryError, TicketError
+from tensorferry.layout import _HEADER, _MAGIC, DTYPES, MAX_LAYOUT_NBYTES, Layout, TreeOp
 
-ALIGNMENTS = (1, 2, 4, 8, 16)
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
-
-# -- plain sequential references -------------------------------------------------
-
-
-def ref_packed_offsets(nbytes, alignments):
-    """One tensor after another, each at the next multiple of its alignment;
-    a zero-size tensor sits at the cursor, unaligned, and moves nothing."""
-    cur = 0
-    out = []
-    for n, a in zip(nbytes, alignments):
-        n, a = int(n), int(a)
-        if n == 0:
-            out.append(cur)
-            continue
-        cur = (cur + a - 1) // a * a
-        out.append(cur)
-        cur += n
-    return out, cur
+TORCH_DTYPES = [getattr(torch, name) for name in DTYPES if isinstance(getattr(torch, name, None), torch.dtype)]
 
 
-def ref_group_by_block(nbytes, alignments, blocks):
-    """Greedy receiver: each block takes every tensor whose packed end is <= its size."""
-    count = len(nbytes)
-    start = 0
-    bounds = [0]
-    offsets = [0] * count
-    for b, want in enumerate(blocks):
-        if want <= 0:
-            return None
-        last = b == len(blocks) - 1
-        cur = 0
-        i = start
-        while i < count:
-            n, a = int(nbytes[i]), int(alignments[i])
-            pos = cur if n == 0 else (cur + a - 1) // a * a
-            if pos + n > want:
-                break
-            offsets[i] = pos
-            cur = pos + n
-            i += 1
-        if cur != want or (last and i != count):
-            return None
-        start = i
-        bounds.append(start)
-    if start != count:
-        if not blocks and not any(nbytes):
-            return [0], offsets
+def layout_of(obj) -> Layout:
+    leaves, ops, counts, keys, _ = flatten(obj)
+    return inspect_leaves(obj, leaves, ops, counts, keys).layout
+
+
+def direct_layout(codes, shapes, ops=None, counts=None, keys=()) -> Layout:
+    """A Layout built from arrays (no tensors): a flat list of len(codes) tensors by default."""
+    ndims = np.array([len(s) for s in shapes], dtype=np.uint8)
+    dims = np.array([d for s in shapes for d in s], dtype=np.int64)
+    if ops is None:
+        ops, counts = [TreeOp.LIST, TreeOp.LEAVES], [len(codes), len(codes)]
+    return Layout(
+        np.asarray(codes, dtype=np.uint8),
+        ndims,
+        dims,
+        np.asarray(ops, dtype=np.uint8),
+        np.asarray(counts, dtype=np.int64),
+        tuple(keys),
+    )
+
+
+def forge(codes=(), ndims=(), dims=(), ops=(), counts=(), kinds=(), lens=(), blob=b"", *, dims32=True, flags=None, version=1):
+    """Bytes with a correct header and checksum around an arbitrary body:
+    what a hostile peer (not line noise) would send."""
+    body = b"".join(
+        (
+            bytes(codes),
+            bytes(ndims),
+            np.asarray(dims, dtype="<u4" if dims32 else "<i8").tobytes(),
+            bytes(ops),
+            np.asarray(counts, dtype="<u4").tobytes(),
+            bytes(kinds),
+            np.asarray(lens, dtype="<u4").tobytes(),
+            blob,
+        )
+    )
+    fl = (2 if dims32 else 0) if flags is None else flags
+    header = _HEADER.pack(_MAGIC, version, fl, len(codes), len(dims), len(ops), len(kinds), len(blob), len(body), zlib.crc32(body))
+    return header + body
+
+
+def structure(x):
+    """The nesting with every tensor replaced by (dtype, shape)."""
+    if isinstance(x, dict):
+        return ("dict", [(type(k), k, structure(v)) for k, v in x.items()])
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, [structure(v) for v in x])
+    return ("tensor", x.dtype, tuple(x.shape))
+
+
+# -- round trips ------------------------------------------------------------------
+
+leaf_st = st.builds(
+    lambda dt, shape: torch.zeros(shape, dtype=dt),
+    st.sampled_from(TORCH_DTYPES),
+    st.lists(st.integers(0, 4), max_size=4).map(tuple),
+)
+key_st = st.one_of(st.text(max_size=12), st.integers(-(2**63), 2**63), st.sampled_from(["", "é", "ключ", "🙂", "a.b", "0"]))
+obj_st = st.recursive(
+    leaf_st,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=4).map(tuple),
+        st.dictionaries(key_st, kids, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(obj=obj_st)
+def test_round_trip_any_nesting(obj):
+    lay = layout_of(obj)
+    data = lay.to_bytes()
+    back = Layout.from_bytes(data)
+    assert back.same_as(lay)
+    assert back.to_bytes() == data
+    assert back.nbytes.tolist() == lay.nbytes.tolist()
+    assert back.alignments.tolist() == lay.alignments.tolist()
+    leaves, *_ = flatten(obj)
+    assert back.dtype_names() == [str(t.dtype).removeprefix("torch.") for t in leaves]
+    assert back.shapes() == [tuple(t.shape) for t in leaves]
+    # Keys keep their type (1 and "1" are different keys) and their order.
+    rebuilt = unflatten(back, leaves)
+    assert structure(rebuilt) == structure(obj)
+    # Other buffer types decode alike.
+    assert Layout.from_bytes(bytearray(data)).same_as(lay)
+    assert Layout.from_bytes(memoryview(data)).same_as(lay)
+
+
+def test_round_trip_special_keys_and_shapes():
+    t = torch.zeros(2)
+    obj = {"\ud800lone surrogate": t, "": t, 0: t, -1: t, 2**63: t, "1": t, 1: t, "ключ🙂": {"x": (t,)}}
+    lay = layout_of(obj)
+    back = Layout.from_bytes(lay.to_bytes())
+    assert back.keys == ("\ud800lone surrogate", "", 0, -1, 2**63, "1", 1, "ключ🙂", "x")
+    assert [type(k) for k in back.keys] == [str, str, int, int, int, str, int, str, str]
+    # Dimensions above 2^32 switch to 8-byte dims.
+    big = direct_layout([DTYPES["uint8"][0], DTYPES["float32"][0]], [(1 << 33, 0), (3, 1 << 40)])
+    back = Layout.from_bytes(big.to_bytes())
+    assert back.same_as(big) and back.shapes() == [(1 << 33, 0), (3, 1 << 40)]
+    # A bare tensor, a 0-dim tensor, an empty list and an empty dict.
+    for obj in (torch.zeros(3, 4), torch.tensor(1.5), [], {}, [[], {}, ()], {"a": {}}):
+        lay = layout_of(obj)
+        back = Layout.from_bytes(lay.to_bytes())
+        assert back.same_as(lay)
+        assert structure(unflatten(back, flatten(obj)[0])) == structure(obj)
+
+
+def test_every_dtype_code_round_trips():
+    for dt in TORCH_DTYPES:
+        name = str(dt).removeprefix("torch.")
+        code, size = DTYPES[name]
+        lay = layout_of([torch.zeros(3, dtype=dt)])
+        back = Layout.from_bytes(lay.to_bytes())
+        assert back.dtype_names() == [name]
+        assert int(back.alignments[0]) == size == torch.zeros(0, dtype=dt).element_size()
+        assert torch_dtype(code) is dt
+        assert int(back.nbytes[0]) == 3 * size
+
+
+def test_100k_tensor_list_is_small():
+    rng = np.random.default_rng(0)
+    n = 100_000
+    codes = rng.choice([DTYPES[d][0] for d in ("float32", "bfloat16", "int64", "uint8")], size=n).astype(np.uint8)
+    ndims = rng.integers(1, 3, size=n).astype(np.uint8)
+    dims = rng.integers(1, 5000, size=int(ndims.sum())).astype(np.int64)
+    lay = Layout(codes, ndims, dims, np.array([TreeOp.LIST, TreeOp.LEAVES], np.uint8), np.array([n, n]))
+    data = lay.to_bytes()
+    assert len(data) < 1_000_000, len(data)  # random shapes: the worst case
+    assert Layout.from_bytes(data).same_as(lay)
+    # A model's parameters repeat their shapes: a few KB, not MB.
+    same = direct_layout(np.full(n, DTYPES["float32"][0]), [(4096, 4096)] * n)
+    data = same.to_bytes()
+    assert len(data) < 64_000, len(data)
+    assert Layout.from_bytes(data).same_as(same)
+
+
+def test_100k_state_dict_with_realistic_keys_is_under_4mb():
+    parts = [
+        ("self_attn.q_proj.weight", (4096, 4096)),
+        ("self_attn.k_proj.weight", (1024, 4096)),
+        ("self_attn.v_proj.weight", (1024, 4096)),
+        ("self_attn.o_proj.weight", (4096, 4096)),
+        ("mlp.gate_proj.weight", (14336, 4096)),
+        ("mlp.up_proj.weight", (14336, 4096)),
+        ("mlp.down_proj.weight", (4096, 14336)),
+        ("input_layernorm.weight", (4096,)),
+        ("post_attention_layernorm.weight", (4096,)),
+        ("self_attn.q_norm.weight", (128,)),
+    ]
+    keys = [f"model.layers.{i // len(parts)}.{parts[i % len(parts)][0]}" for i in range(100_000)]
+    shapes = [parts[i % len(parts)][1] for i in range(100_000)]
+    codes = np.full(100_000, DTYPES["bfloat16"][0])
+    lay = direct_layout(codes, shapes, [TreeOp.DICT, TreeOp.LEAVES], [100_000, 100_000], keys)
+    data = lay.to_bytes()
+    assert len(data) < 4 << 20, len(data)
+    back = Layout.from_bytes(data)
+    assert back.same_as(lay)
+    assert back.keys[12345] == keys[12345]
+
+
+# -- hostile bytes ----------------------------------------------------------------
+
+
+def small_layout_bytes() -> bytes:
+    obj = {"w": torch.zeros(3, 4), 7: [torch.zeros(2, dtype=torch.int64), (torch.tensor(1.0),)], "é": torch.zeros(0)}
+    return layout_of(obj).to_bytes()
+
+
+def compressed_layout_bytes() -> bytes:
+    obj = {f"layer.{i}.weight": torch.zeros(i % 7, 3) for i in range(300)}
+    data = layout_of(obj).to_bytes()
+    flags = struct.unpack_from("<H", data, 6)[0]
+    assert flags & 1, "expected a zlib body"
+    return data
+
+
+def decode_or_error(data: bytes) -> Layout | None:
+    """from_bytes must return a Layout or raise a TensorferryError: nothing else."""
+    try:
+        return Layout.from_bytes(data)
+    except TensorferryError:
         return None
-    return bounds, offsets
 
 
-def ref_merge_ranges(offsets, lengths):
-    runs = []  # [offset, length, first index]
-    for i, (o, n) in enumerate(zip(offsets, lengths)):
-        if runs and runs[-1][0] + runs[-1][1] == o:
-            runs[-1][1] += n
-        else:
-            runs.append([o, n, i])
-    return [r[0] for r in runs], [r[1] for r in runs], [r[2] for r in runs]
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", [small_layout_bytes, compressed_layout_bytes])
+def test_truncated_at_every_prefix(make):
+    data = make()
+    assert Layout.from_bytes(data) is not None
+    for n in range(len(data)):
+        with pytest.raises(TensorferryError):
+            Layout.from_bytes(data[:n])
+    # And one byte too many.
+    with pytest.raises(TicketError):
+        Layout.from_bytes(data + b"\0")
 
 
-# -- strategies -------------------------------------------------------------------
-
-# A tensor as (alignment, numel): its bytes are numel * alignment, as for a real dtype.
-tensor_st = st.tuples(st.sampled_from(ALIGNMENTS), st.one_of(st.just(0), st.integers(1, 40), st.integers(1, 5000)))
-tensors_st = st.lists(tensor_st, max_size=150)
-
-
-def as_arrays(tensors):
-    a = np.array([t[0] for t in tensors], dtype=np.int64)
-    n = np.array([t[0] * t[1] for t in tensors], dtype=np.int64)
-    return n, a
-
-
-# -- align_up ---------------------------------------------------------------------
-
-
-@settings(max_examples=300, deadline=None)
-@given(value=st.integers(0, 1 << 62), shift=st.integers(0, 20))
-def test_align_up_is_the_next_multiple(value, shift):
-    a = 1 << shift
-    got = L.align_up(value, a)
-    assert got % a == 0
-    assert value <= got < value + a
+@pytest.mark.timeout(60)
+def test_every_single_byte_corruption_of_a_small_layout():
+    data = small_layout_bytes()
+    t0 = time.perf_counter()
+    for i in range(len(data)):
+        for v in range(256):
+            if v == data[i]:
+                continue
+            bad = bytearray(data)
+            bad[i] = v
+            # The checksum covers the body and the header's counts fix its
+            # size: no single-byte change can decode.
+            with pytest.raises(TensorferryError):
+                Layout.from_bytes(bytes(bad))
+    assert time.perf_counter() - t0 < 30
 
 
-def test_align_up_on_arrays_and_edges():
-    v = np.array([0, 1, 15, 16, 17, 31, 33], dtype=np.int64)
-    np.testing.assert_array_equal(L.align_up(v, 16), [0, 16, 16, 16, 32, 32, 48])
-    np.testing.assert_array_equal(L.align_up(v, np.array([1, 2, 4, 8, 16, 1, 2])), [0, 2, 16, 16, 32, 31, 34])
-    assert L.align_up(0, 1) == 0
-    assert L.align_up(7, 1) == 7
-    with pytest.raises(ValueError, match="positive"):
-        L.align_up(5, 0)
+@pytest.mark.timeout(60)
+def test_single_byte_corruption_of_a_compressed_layout():
+    data = compressed_layout_bytes()
+    original = Layout.from_bytes(data)
+    rng = np.random.default_rng(5)
+    harmless = 0
+    for i in range(len(data)):
+        for v in {data[i] ^ 0xFF, data[i] ^ 0x01, int(rng.integers(0, 256))} - {data[i]}:
+            bad = bytearray(data)
+            bad[i] = v
+            got = decode_or_error(bytes(bad))
+            if got is not None:
+                # Only a change deflate ignores (padding bits after the last
+                # block, an unused code) may decode: then the body, which the
+                # checksum covers, is the original one.
+                assert i >= _HEADER.size
+                assert got.same_as(original)
+                harmless += 1
+    assert harmless < len(data) // 20
 
 
-# -- packed_offsets ---------------------------------------------------------------
-
-
-def check_packing(n, a, offsets, total):
-    assert offsets.dtype == np.int64
-    assert isinstance(total, int)
-    ref_off, ref_total = ref_packed_offsets(n, a)
-    # Minimal: exactly the sequential loop, so no byte of padding too many.
-    assert offsets.tolist() == ref_off
-    assert total == ref_total
-    cur = 0
-    for o, size, al in zip(offsets.tolist(), n.tolist(), a.tolist()):
-        if size == 0:
-            assert o == cur  # at the cursor
-            continue
-        assert o % al == 0
-        assert o >= cur  # in order, no overlap
-        assert o - cur < al  # less than one alignment of padding
-        cur = o + size
-    assert total == cur  # no trailing pad
+def test_nested_dicts_keep_their_keys():
+    # Regression: keys went out in walk order, so an inner dict's keys were
+    # handed to the outer one ({'model': {'optim': ...}, 'w': ...}).
+    t = torch.zeros(1)
+    obj = {"model": {"w": t, "sub": {"deep": t}}, "optim": {"lr": t}, 3: [{"a": t}, {"b": t}]}
+    lay = Layout.from_bytes(layout_of(obj).to_bytes())
+    assert lay.keys == ("model", "optim", 3, "w", "sub", "deep", "lr", "a", "b")
+    assert structure(unflatten(lay, flatten(obj)[0])) == structure(obj)
 
 
 @settings(max_examples=300, deadline=None)
-@given(tensors=tensors_st)
-def test_packed_offsets_matches_sequential_reference(tensors):
-    n, a = as_arrays(tensors)
-    off, total = L.packed_offsets(n, a)
-    check_packing(n, a, off, total)
+@given(data=st.binary(max_size=400))
+def test_random_bytes_rejected(data):
+    with pytest.raises(TensorferryError):
+        Layout.from_bytes(data)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
+@given(rest=st.binary(min_size=_HEADER.size - 8, max_size=300))
+def test_random_bytes_after_a_valid_magic_and_version(rest):
+    with pytest.raises(TensorferryError):
+        Layout.from_bytes(_MAGIC + struct.pack("<HH", 1, 2) + rest)
+
+
+@settings(max_examples=250, deadline=None)
 @given(
-    sizes=st.lists(st.tuples(st.sampled_from(ALIGNMENTS), st.integers(0, 1 << 40)), max_size=100),
-)
-def test_packed_offsets_arbitrary_byte_counts_and_huge_sizes(sizes):
-    # Sizes that are not multiples of the alignment, and sizes near 2^40:
-    # the contract is still the sequential loop, in exact integers.
-    a = np.array([s[0] for s in sizes], dtype=np.int64)
-    n = np.array([s[1] for s in sizes], dtype=np.int64)
-    off, total = L.packed_offsets(n, a)
-    check_packing(n, a, off, total)
-
-
-def test_packed_offsets_small_cases():
-    off, total = L.packed_offsets([], [])
-    assert off.tolist() == [] and total == 0
-    # uint8, then float64 needs 7 bytes of padding, complex128 needs 16-alignment.
-    off, total = L.packed_offsets([1, 8, 16, 1, 2], [1, 8, 16, 1, 2])
-    assert off.tolist() == [0, 8, 16, 32, 34] and total == 36
-    # Zero-size tensors: at the cursor, unaligned, not moving it.
-    off, total = L.packed_offsets([1, 0, 0, 8, 0], [1, 16, 8, 8, 16])
-    assert off.tolist() == [0, 1, 1, 8, 16] and total == 16
-    # Only zero-size tensors (regression: this raised IndexError).
-    off, total = L.packed_offsets([0, 0, 0], [1, 8, 16])
-    assert off.tolist() == [0, 0, 0] and total == 0
-    # Leading zero-size tensors sit at 0.
-    off, total = L.packed_offsets([0, 4], [16, 4])
-    assert off.tolist() == [0, 0] and total == 4
-
-
-def test_packed_offsets_rejects_bad_input():
-    with pytest.raises(ValueError, match="entries"):
-        L.packed_offsets([1, 2], [1])
-    with pytest.raises(ValueError, match="non-negative"):
-        L.packed_offsets([4, -1], [4, 1])
-    for bad in (0, 3, 32, -2):
-        with pytest.raises(ValueError, match="powers of two"):
-            L.packed_offsets([4, 4], [4, bad])
-    with pytest.raises(ValueError, match="one-dimensional"):
-        L.packed_offsets([[1]], [[1]])
-    with pytest.raises(ValueError, match="integers"):
-        L.packed_offsets([1.5], [1])
-    # Not a TensorferryError: bad arguments are the caller's bug, not the peer's.
-    with pytest.raises(ValueError) as info:
-        L.packed_offsets([1], [3])
-    assert not isinstance(info.value, TensorferryError)
-
-
-def test_padded_path_chunk_boundaries():
-    # Counts around the 64-tensor chunk of the vectorized scan.
-    rng = np.random.default_rng(1)
-    for count in (1, 2, 63, 64, 65, 127, 128, 129, 1000):
-        a = rng.choice(np.array(ALIGNMENTS), size=count)
-        n = a * rng.integers(1, 20, size=count)
-        n[0] = 1  # makes padding certain
-        off, total = L._scan_offsets(n.astype(np.int64), a.astype(np.int64))
-        ref_off, ref_total = ref_packed_offsets(n, a)
-        assert off.tolist() == ref_off and total == ref_total, count
-        off2, total2 = L.packed_offsets(n, a)
-        assert off2.tolist() == ref_off and total2 == ref_total
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    count=st.integers(1, 10_000),
-    max_align=st.sampled_from([2, 4, 8, 16]),
-    unaligned=st.booleans(),
-)
-def test_padded_path_mixed_alignments_up_to_10k(seed, count, max_align, unaligned):
-    rng = np.random.default_rng(seed)
-    choices = np.array([x for x in ALIGNMENTS if x <= max_align], dtype=np.int64)
-    a = rng.choice(choices, size=count)
-    numel = rng.integers(1, 300, size=count)
-    # Either element-multiple sizes (real tensors) or any byte count.
-    n = rng.integers(1, 3000, size=count).astype(np.int64) if unaligned else (a * numel).astype(np.int64)
-    ref_off, ref_total = ref_packed_offsets(n, a)
-    off, total = L._scan_offsets(n, a)
-    assert off.tolist() == ref_off and total == ref_total
-    off, total = L.packed_offsets(n, a)
-    assert off.tolist() == ref_off and total == ref_total
-
-
-def test_fast_path_no_padding():
-    # float32 parameters: one cumulative sum, offsets are plain prefix sums.
-    n = np.arange(1, 1001, dtype=np.int64) * 4
-    a = np.full(1000, 4, dtype=np.int64)
-    off, total = L.packed_offsets(n, a)
-    assert off.tolist() == np.concatenate([[0], np.cumsum(n)[:-1]]).tolist()
-    assert total == int(n.sum())
-
-
-def test_100k_mixed_tensors_match_reference():
-    rng = np.random.default_rng(7)
-    count = 100_000
-    a = rng.choice(np.array(ALIGNMENTS), size=count)
-    n = a * rng.integers(0, 50, size=count)  # ~2% zero-size
-    off, total = L.packed_offsets(n, a)
-    ref_off, ref_total = ref_packed_offsets(n.tolist(), a.tolist())
-    assert total == ref_total
-    np.testing.assert_array_equal(off, ref_off)
-
-
-# -- group_by_block: the receiver's inverse of the sender's split ----------------
-
-
-@st.composite
-def split_tensors(draw):
-    tensors = draw(tensors_st)
-    n, a = as_arrays(tensors)
-    nonzero = np.flatnonzero(n > 0).tolist()
-    # A block starts at a non-empty tensor (zero-size ones at a boundary stay
-    # with the block before, as the sender places them); the first starts at 0.
-    cuts = sorted(draw(st.sets(st.sampled_from(nonzero[1:]))) if len(nonzero) > 1 else set())
-    bounds = [0] + cuts + [len(tensors)] if nonzero else [0]
-    return n, a, bounds
-
-
-def sender_blocks(n, a, bounds):
-    blocks, offsets = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        off, total = L.packed_offsets(n[lo:hi], a[lo:hi])
-        blocks.append(total)
-        offsets.extend(off.tolist())
-    return blocks, offsets
-
-
-@settings(max_examples=300, deadline=None)
-@given(case=split_tensors())
-def test_group_by_block_inverts_the_sender_split(case):
-    n, a, bounds = case
-    blocks, offsets = sender_blocks(n, a, bounds)
-    assert all(b > 0 for b in blocks)
-    got = L.group_by_block(n, a, blocks)
-    assert got.bounds.tolist() == bounds
-    if not blocks:  # nothing but zero-size tensors: all at offset 0
-        offsets = [0] * n.size
-    assert got.offsets.tolist() == offsets
-    # One block, when everything goes together, is packed_offsets itself.
-    if n.any():
-        off, total = L.packed_offsets(n, a)
-        one = L.group_by_block(n, a, [total])
-        assert one.bounds.tolist() == [0, n.size]
-        assert one.offsets.tolist() == off.tolist()
-
-
-@settings(max_examples=300, deadline=None)
-@given(case=split_tensors(), data=st.data())
-def test_group_by_block_wrong_sizes_raise_with_the_sizes(case, data):
-    n, a, bounds = case
-    blocks, _ = sender_blocks(n, a, bounds)
-    if not blocks:
-        blocks = [0]  # nothing to send, yet the receiver got a block
-    b = data.draw(st.integers(0, len(blocks) - 1))
-    delta = data.draw(st.integers(-blocks[b], 64).filter(lambda d: d != 0))
-    wrong = list(blocks)
-    wrong[b] += delta
-    expect = ref_group_by_block(n.tolist(), a.tolist(), wrong)
-    if b == len(blocks) - 1 or wrong[b] <= 0:
-        # The last block must hold exactly what is left: no other size works.
-        assert expect is None
-    if expect is None:
-        with pytest.raises(LayoutMismatchError) as info:
-            L.group_by_block(n, a, wrong)
-        msg = str(info.value)
-        # The message names the first block that does not add up (the
-        # perturbed one or a later one) with its exact byte count.
-        m = re.match(r"block (\d+) has (-?[\d,]+) bytes", msg)
-        assert m, msg
-        at = int(m.group(1))
-        assert at >= b and int(m.group(2).replace(",", "")) == wrong[at]
-        assert "same layout" in msg or "at least one byte" in msg
-        if "same layout" in msg:
-            assert f"{sum(wrong):,} bytes in all" in msg
-    else:
-        # Another valid split (sizes that happen to land on tensor boundaries).
-        got = L.group_by_block(n, a, wrong)
-        assert got.bounds.tolist() == expect[0]
-        assert got.offsets.tolist() == expect[1]
-
-
-@settings(max_examples=200, deadline=None)
-@given(tensors=tensors_st, blocks=st.lists(st.integers(-2, 3000), max_size=6))
-def test_group_by_block_matches_reference_on_any_block_list(tensors, blocks):
-    n, a = as_arrays(tensors)
-    expect = ref_group_by_block(n.tolist(), a.tolist(), blocks)
-    if expect is None:
-        with pytest.raises(LayoutMismatchError):
-            L.group_by_block(n, a, blocks)
-    else:
-        got = L.group_by_block(n, a, blocks)
-        assert got.bounds.tolist() == expect[0]
-        assert got.offsets.tolist() == expect[1]
-
-
-def test_group_by_block_messages_and_edges():
-    n = np.array([1, 8, 16], dtype=np.int64)  # packs to 32 bytes
-    a = np.array([1, 8, 16], dtype=np.int64)
-    with pytest.raises(LayoutMismatchError, match="block 0 has 33 bytes") as info:
-        L.group_by_block(n, a, [33])
-    assert "32" in str(info.value)
-    with pytest.raises(LayoutMismatchError, match="left over"):
-        L.group_by_block(n, a, [])
-    with pytest.raises(LayoutMismatchError, match="at least one byte"):
-        L.group_by_block(n, a, [0, 32])
-    with pytest.raises(LayoutMismatchError):
-        L.group_by_block(n, a, [16, 16, 1])  # a block more than there are tensors
-    with pytest.raises(LayoutMismatchError):
-        L.group_by_block([], [], [16])
-    # Nothing sent: no blocks, no tensors or only empty ones.
-    assert L.group_by_block([], [], []).bounds.tolist() == [0]
-    g = L.group_by_block([0, 0], [4, 8], [])
-    assert g.bounds.tolist() == [0] and g.offsets.tolist() == [0, 0]
-    # The split after the uint8: each block packs from its own zero.
-    g = L.group_by_block(n, a, [1, 8, 16])
-    assert g.bounds.tolist() == [0, 1, 2, 3] and g.offsets.tolist() == [0, 0, 0]
-    # A LayoutMismatchError is a ValueError too.
-    assert issubclass(LayoutMismatchError, ValueError)
-
-
-def test_group_by_block_many_blocks_large():
-    rng = np.random.default_rng(3)
-    count = 20_000
-    a = rng.choice(np.array(ALIGNMENTS), size=count)
-    n = a * rng.integers(0, 30, size=count)
-    n[0] = 1
-    nonzero = np.flatnonzero(n > 0)
-    cuts = sorted(rng.choice(nonzero[1:], size=300, replace=False).tolist())
-    bounds = [0] + cuts + [count]
-    blocks, offsets = sender_blocks(n, a, bounds)
-    got = L.group_by_block(n, a, blocks)
-    assert got.bounds.tolist() == bounds
-    assert got.offsets.tolist() == offsets
-
-
-# -- merge_ranges -----------------------------------------------------------------
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    pieces=st.lists(st.tuples(st.booleans(), st.integers(0, 64), st.integers(1, 100)), max_size=80),
-)
-def test_merge_ranges_matches_reference(pieces):
-    # Each range either touches the previous one or starts after a gap.
-    offsets, lengths = [], []
-    cur = 0
-    for touch, gap, length in pieces:
-        start = cur if touch else cur + gap + 1
-        offsets.append(start)
-        lengths.append(length)
-        cur = start + length
-    ro, rl, rs = L.merge_ranges(offsets, lengths)
-    eo, el, es = ref_merge_ranges(offsets, lengths)
-    assert ro.tolist() == eo and rl.tolist() == el and rs.tolist() == es
-    assert int(rl.sum()) == sum(lengths)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    offsets=st.lists(st.integers(0, 200), max_size=40),
+    n=st.integers(0, 6),
     data=st.data(),
 )
-def test_merge_ranges_any_order(offsets, data):
-    # Unsorted and overlapping ranges only merge when one ends where the next starts.
-    lengths = data.draw(st.lists(st.integers(1, 50), min_size=len(offsets), max_size=len(offsets)))
-    ro, rl, rs = L.merge_ranges(offsets, lengths)
-    eo, el, es = ref_merge_ranges(offsets, lengths)
-    assert ro.tolist() == eo and rl.tolist() == el and rs.tolist() == es
-
-
-def test_merge_ranges_of_a_packing_is_one_run():
-    n = np.full(500, 4, dtype=np.int64)
-    off, total = L.packed_offsets(n, np.full(500, 4))
-    ro, rl, rs = L.merge_ranges(off, n)
-    assert ro.tolist() == [0] and rl.tolist() == [total] and rs.tolist() == [0]
-    empty = L.merge_ranges([], [])
-    assert all(x.size == 0 for x in empty)
-    with pytest.raises(ValueError):
-        L.merge_ranges([0, 1], [1])
-
-
-# -- fit_prefix: the sender's half of group_by_block --------------------------------
-
-
-@settings(max_examples=300, deadline=None)
-@given(tensors=tensors_st, capacity=st.integers(0, 20_000))
-def test_fit_prefix_is_consistent_with_group_by_block(tensors, capacity):
-    n, a = as_arrays(tensors)
-    k, used = L.fit_prefix(n, a, capacity)
-    off, total = L.packed_offsets(n[:k], a[:k])
-    assert used == total <= capacity
-    if k < n.size:
-        # Stopped at a tensor that does not fit; zero-size ones after the
-        # last fitting tensor were all taken.
-        assert n[k] > 0
-        _, with_next = L.packed_offsets(n[: k + 1], a[: k + 1])
-        assert with_next > capacity
-    # The receiver, given the sender's block sizes, finds the same split.
-    if used > 0:
-        rest = L.packed_offsets(n[k:], a[k:])[1]
-        blocks = [used] + ([rest] if k < n.size else [])
-        g = L.group_by_block(n, a, blocks)
-        assert g.bounds.tolist()[:2] == [0, k]
-
-
-@settings(max_examples=150, deadline=None)
-@given(tensors=tensors_st, capacities=st.lists(st.integers(1, 20_000), min_size=1, max_size=30))
-def test_sender_split_by_fit_prefix_round_trips(tensors, capacities):
-    # The pool's fragmented path: fill free blocks in turn with fit_prefix.
-    n, a = as_arrays(tensors)
-    start, blocks, bounds, offsets = 0, [], [0], []
-    for cap in capacities:
-        if start == n.size:
-            break
-        k, used = L.fit_prefix(n[start:], a[start:], cap)
-        if k == 0 or used == 0:
-            break
-        offsets.extend(L.packed_offsets(n[start : start + k], a[start : start + k])[0].tolist())
-        blocks.append(used)
-        start += k
-        bounds.append(start)
-    if start < n.size or not blocks:
-        return  # did not fit; the pool raises PoolExhaustedError here
-    g = L.group_by_block(n, a, blocks)
-    assert g.bounds.tolist() == bounds
-    assert g.offsets.tolist() == offsets
-
-
-def test_fit_prefix_edges():
-    assert L.fit_prefix([], [], 100) == (0, 0)
-    assert L.fit_prefix([0, 0, 4], [1, 1, 4], 0) == (2, 0)  # leading empties fit anywhere
-    assert L.fit_prefix([4, 0, 0, 4], [4, 4, 4, 4], 4) == (3, 4)  # trailing empties follow
-    assert L.fit_prefix([1, 8], [1, 8], 15) == (1, 1)  # padding counts
-    assert L.fit_prefix([1, 8], [1, 8], 16) == (2, 16)
-    # Larger than the first doubling window.
-    n = np.full(1000, 4, dtype=np.int64)
-    assert L.fit_prefix(n, np.full(1000, 4), 2001) == (500, 2000)
-
-
-# -- import hygiene -----------------------------------------------------------------
-
-
-def test_layout_imports_without_torch():
-    code = (
-        "import sys, tensorferry.layout\n"
-        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "assert not bad, bad\n"
-        "assert 'numpy' in sys.modules\n"
-        "print('ok')\n"
+def test_forged_bodies_with_valid_checksums(n, data):
+    # A hostile peer gets the checksum right: validation alone must hold.
+    codes = data.draw(st.lists(st.one_of(st.integers(0, 20), st.integers(0, 255)), min_size=n, max_size=n))
+    ndims = data.draw(st.lists(st.sampled_from([0, 1, 2, 3, 65]), min_size=n, max_size=n))
+    ndim_total = sum(ndims) if data.draw(st.booleans()) else data.draw(st.integers(0, 40))
+    dims = data.draw(
+        st.lists(st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1)), min_size=ndim_total, max_size=ndim_total)
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    tree = data.draw(st.sampled_from(["random", "list", "dict"]))
+    if tree == "random":
+        ntok = data.draw(st.integers(0, 6))
+        ops = data.draw(st.lists(st.integers(0, 5), min_size=ntok, max_size=ntok))
+        counts = data.draw(st.lists(st.sampled_from([0, 1, 2, 3, n, 2**32 - 1]), min_size=ntok, max_size=ntok))
+        nkeys = data.draw(st.integers(0, 4))
+    else:
+        op = TreeOp.LIST if tree == "list" else TreeOp.DICT
+        ops, counts = ([op, TreeOp.LEAVES], [n, n]) if n else ([op], [0])
+        nkeys = n if tree == "dict" else 0
+    kinds = data.draw(st.lists(st.integers(0, 2), min_size=nkeys, max_size=nkeys))
+    blob = data.draw(st.sampled_from([b"", b"abc", "é🙂".encode(), b"-12", b"\xff\xfe", "²".encode(), b"--5", b"1_0"]))
+    lens = data.draw(st.lists(st.integers(0, len(blob)), min_size=nkeys, max_size=nkeys))
+    got = decode_or_error(forge(codes, ndims, dims, ops, counts, kinds, lens, blob))
+    if got is not None:
+        # Whatever decodes describes real tensors and re-encodes to itself.
+        assert got.num_tensors == n
+        assert (got.nbytes >= 0).all() and (got.numels >= 0).all()
+        assert Layout.from_bytes(got.to_bytes()).same_as(got)
+
+
+def test_forged_regressions():
+    one = dict(ops=[TreeOp.LEAVES], counts=[1])
+    # 2^62 complex128 elements: numel * 16 wrapped to 0 bytes.
+    with pytest.raises(LayoutMismatchError, match="more bytes"):
+        Layout.from_bytes(forge([DTYPES["complex128"][0]], [2], [1 << 31, 1 << 31], **one))
+    # Tensors of 2^60 bytes each, fine alone, whose sum passes 2^63.
+    n = 8
+    with pytest.raises(LayoutMismatchError, match="more bytes"):
+        Layout.from_bytes(
+            forge([DTYPES["uint8"][0]] * n, [2] * n, [1 << 30, 1 << 30] * n, ops=[TreeOp.LIST, TreeOp.LEAVES], counts=[n, n])
+        )
+    assert Layout.from_bytes(forge([DTYPES["uint8"][0]], [2], [1 << 30, 1 << 30], **one)).total_nbytes == 1 << 60
+    dict2 = dict(ops=[TreeOp.DICT, TreeOp.LEAVES], counts=[2, 2])
+    # Key lengths that cut a UTF-8 character in two (raised UnicodeDecodeError).
+    with pytest.raises(LayoutMismatchError, match="UTF-8"):
+        Layout.from_bytes(forge([1, 1], [0, 0], [], kinds=[0, 0], lens=[1, 1], blob="é".encode(), **dict2))
+    dict1 = dict(ops=[TreeOp.DICT, TreeOp.LEAVES], counts=[1, 1])
+    # Integer keys int() cannot read (raised ValueError).
+    for text in ("²", "--5", "1_0", " 5", "", "5" * 33):
+        with pytest.raises(LayoutMismatchError, match="integer key"):
+            Layout.from_bytes(forge([1], [0], [], kinds=[1], lens=[len(text.encode())], blob=text.encode(), **dict1))
+    assert Layout.from_bytes(forge([1], [0], [], kinds=[1], lens=[3], blob=b"-42", **dict1)).keys == (-42,)
+    # Nesting: two roots, a run overflowing its list, too deep, unknown opcode.
+    for ops, counts in (
+        ([0, 0], [1, 1]),
+        ([TreeOp.LIST, 0], [1, 2]),
+        ([TreeOp.LIST] * 300 + [0], [1] * 300 + [1]),
+        ([7], [1]),
+        ([TreeOp.LIST], [2]),
+        ([0], [0]),
+    ):
+        ntensors = sum(c for o, c in zip(ops, counts) if o == TreeOp.LEAVES)
+        with pytest.raises(LayoutMismatchError):
+            Layout.from_bytes(forge([1] * ntensors, [0] * ntensors, [], ops, counts))
+
+
+@pytest.mark.timeout(20)
+def test_header_claiming_4g_tensors_with_a_tiny_body():
+    body = b"\0" * 32
+    for n, dims, ntok, nkeys in ((2**32 - 1, 0, 1, 0), (1, 2**64 - 1, 1, 0), (1, 0, 2**32 - 1, 0), (1, 0, 1, 2**32 - 1)):
+        header = _HEADER.pack(_MAGIC, 1, 2, n, dims, ntok, nkeys, 0, len(body), zlib.crc32(body))
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        with pytest.raises(TicketError):
+            Layout.from_bytes(header + body)
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert elapsed < 0.5
+        assert peak < 256 << 10, peak
+    # Counts that agree with body_n but exceed max_nbytes: rejected before reading.
+    n = 10_000_000
+    header = _HEADER.pack(_MAGIC, 1, 2, n, 0, 1, 0, 0, 2 * n + 5, 0)
+    with pytest.raises(TicketError, match="limit"):
+        Layout.from_bytes(header + body, max_nbytes=1 << 20)
+
+
+@pytest.mark.timeout(30)
+def test_zlib_bomb_is_bounded():
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)  # ~64 KB that inflates to 64 MiB
+    cases = [
+        # Counts say 2 * 100 + 5 bytes; the stream has 64 MiB.
+        _HEADER.pack(_MAGIC, 1, 3, 100, 0, 1, 0, 0, 205, 0),
+        # Counts say an empty body (zlib's max_length=0 means "unlimited").
+        _HEADER.pack(_MAGIC, 1, 3, 0, 0, 0, 0, 0, 0, zlib.crc32(b"")),
+    ]
+    for header in cases:
+        tracemalloc.start()
+        with pytest.raises(TicketError):
+            Layout.from_bytes(header + bomb)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 4 << 20, peak
+    # A body within max_nbytes but over the caller's limit is refused unread.
+    data = compressed_layout_bytes()
+    body_n = struct.unpack_from("<Q", data, _HEADER.size - 12)[0]
+    with pytest.raises(TicketError, match="limit"):
+        Layout.from_bytes(data, max_nbytes=body_n - 1)
+    assert Layout.from_bytes(data, max_nbytes=body_n) is not None
+    assert MAX_LAYOUT_NBYTES >= 4 << 20
+
+
+def test_wrong_version_magic_and_flags():
+    data = bytearray(small_layout_bytes())
+    v2 = bytearray(data)
+    struct.pack_into("<H", v2, 4, 2)
+    with pytest.raises(TicketError, match="version 2 is not supported"):
+        Layout.from_bytes(bytes(v2))
+    bad = bytearray(data)
+    bad[:4] = b"PK\x03\x04"
+    with pytest.raises(TicketError, match="not a tensorferry layout"):
+        Layout.from_bytes(bytes(bad))
+    fl = bytearray(data)
+    struct.pack_into("<H", fl, 6, 0x80)
+    with pytest.raises(TicketError, match="unknown flags"):
+        Layout.from_bytes(bytes(fl))
+    with pytest.raises(TicketError, match="truncated"):
+        Layout.from_bytes(b"")
+    # Every decode error is a TensorferryError and a ValueError.
+    assert issubclass(TicketError, TensorferryError) and issubclass(TicketError, ValueError)
+    assert issubclass(LayoutMismatchError, TensorferryError) and issubclass(LayoutMismatchError, ValueError)
+
+
+# -- aliases (tied tensors) -----------------------------------------------------------------
+
+
+def test_aliases_round_trip_and_take_no_bytes():
+    w = torch.randn(5, 4)
+    obj = {"wte": w, "ln": torch.ones(4), "head": w, "t": w.t(), "t2": w.t(), "e": torch.empty(0), "e2": torch.empty(0)}
+    lay = layout_of(obj)
+    # Zero-size tensors share an address but are not aliases: nothing to share.
+    assert lay.aliases.tolist() == [[2, 0], [4, 3]]
+    assert lay.nbytes.tolist() == [80, 16, 0, 80, 0, 0, 0]
+    back = Layout.from_bytes(lay.to_bytes())
+    assert back.same_as(lay) and back.aliases.tolist() == [[2, 0], [4, 3]]
+    assert back.nbytes.tolist() == lay.nbytes.tolist()
+    # Without aliases the encoding is the one of before (flag unset).
+    plain = layout_of({"a": torch.ones(3), "b": torch.ones(3)})
+    assert plain.aliases.shape == (0, 2)
+    assert struct.unpack_from("<H", plain.to_bytes(), 6)[0] & 4 == 0
+    assert not plain.same_as(layout_of([torch.ones(3), torch.ones(3)]))
+
+
+def _with_aliases(pairs, *, count=None) -> bytes:
+    """A valid 3-tensor layout's bytes with forged alias pairs (checksum fixed)."""
+    lay = direct_layout([8, 8, 4], [(2,), (2,), (2,)])
+    data = bytearray(Layout(lay.dtype_codes, lay.ndims, lay.dims, lay.tree_ops, lay.tree_counts, (), np.array([[1, 0]])).to_bytes())
+    fields = list(_HEADER.unpack_from(data, 0))
+    head = _HEADER.size
+    body = bytes(data[head + 4 :])
+    body = body[:-8] + np.asarray(pairs, dtype="<u4").tobytes()
+    fields[8] = len(body)
+    fields[9] = zlib.crc32(body)
+    return _HEADER.pack(*fields) + struct.pack("<I", len(pairs) if count is None else count) + body
+
+
+@pytest.mark.parametrize(
+    "pairs, count",
+    [
+        ([[0, 1]], None),  # points forward
+        ([[1, 1]], None),  # to itself
+        ([[2, 0]], None),  # another dtype
+        ([[5, 0]], None),  # out of range
+        ([[1, 0], [2, 1]], None),  # an alias of an alias (and dtype)
+        ([[1, 0]], 3),  # count disagrees with the body
+        ([[1, 0]], 0),  # flag set, no aliases
+    ],
+)
+def test_forged_aliases_are_rejected(pairs, count):
+    assert Layout.from_bytes(_with_aliases([[1, 0]])).aliases.tolist() == [[1, 0]]
+    with pytest.raises((TicketError, LayoutMismatchError)):
+        Layout.from_bytes(_with_aliases(pairs, count=count))
+
+
+def test_aliases_of_another_shape_are_rejected():
+    lay = direct_layout([8, 8], [(2, 3), (3, 2)])
+    forged = Layout(lay.dtype_codes, lay.ndims, lay.dims, lay.tree_ops, lay.tree_counts, (), np.array([[1, 0]]))
+    with pytest.raises(LayoutMismatchError, match="another shape"):
+        Layout.from_bytes(forged.to_bytes())

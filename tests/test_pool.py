@@ -27,8 +27,8 @@ from tensorferry import (
     UnsupportedTensorError,
     unpack,
 )
-from tensorferry.layout import BLOCK_ALIGNMENT, packed_offsets
-from tensorferry.spec import DTYPES
+from tensorferry.packing import BLOCK_ALIGNMENT, packed_offsets
+from tensorferry.layout import DTYPES
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:ComplexHalf support is experimental",

@@ -37,7 +37,7 @@ _LAZY = {
     "Block": "tensorferry.pool",
     "PoolStats": "tensorferry.pool",
     "unpack": "tensorferry.pool",
-    "Layout": "tensorferry.spec",
+    "Layout": "tensorferry.layout",
     "Ticket": "tensorferry.ticket",
     "Sender": "tensorferry.sender",
     "Receiver": "tensorferry.receiver",
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
     from .pool import Block, MemoryPool, Packed, PoolStats, unpack
     from .receiver import Receiver
     from .sender import Sender
-    from .spec import Layout
+    from .layout import Layout
     from .ticket import Ticket
 
 

@@ -39,7 +39,7 @@ def _pool_scenario(sd: dict, repeats: int, progress: Any) -> dict:
     import torch
 
     from .pool import MemoryPool, unpack
-    from .spec import Layout
+    from .layout import Layout
 
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     times = []

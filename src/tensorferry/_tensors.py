@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .errors import LayoutMismatchError, UnsupportedTensorError
-from .spec import _NO_ALIASES, DTYPES, Layout, TreeOp
+from .layout import _NO_ALIASES, DTYPES, Layout, TreeOp
 
 __all__ = ["flatten", "unflatten", "match_into", "torch_dtype", "dtype_code", "inspect_leaves", "LeafInfo", "gc_paused"]
 
@@ -32,7 +32,7 @@ _TORCH_BY_CODE: dict[int, torch.dtype] = {code: _TORCH_BY_NAME[name] for name, (
 
 # Nesting beyond this depth is almost certainly a cycle or hostile input.
 _MAX_DEPTH = 256
-# Integer keys travel as decimal text of at most 32 characters (spec.py).
+# Integer keys travel as decimal text of at most 32 characters (layout.py).
 _MAX_INT_KEY = 10**31
 
 

@@ -1,311 +1,490 @@
-"""The wire contract as pure math over numpy integer arrays.
+"""``Layout``: what a receiver needs to rebuild a packed object, as bytes.
 
-Sender and receiver call the same functions on the same metadata, so both
-compute the same byte layout without exchanging per-tensor offsets:
+A layout is columnar: one small integer array per field (dtype code, number of
+dimensions, the dimensions), the nesting as a short token list, and the dict
+keys as one blob. 100k tensors encode to a few hundred KB; a list of 100k
+same-shaped tensors to a few KB, since the body is zlib-compressed when large.
 
-* :func:`packed_offsets` places tensors one after another, each at a multiple
-  of its own alignment (its element size), with no trailing pad;
-* :func:`group_by_block` is the receiver's inverse: given only the byte count of
-  each received block, it finds which consecutive tensors each block holds;
-* :func:`merge_ranges` merges adjacent byte ranges, so one copy or one transfer
-  descriptor covers a whole run of tensors.
+Decoding trusts nothing: the header's counts are bounded, the body's size is
+computed from them and checked before anything is decompressed or allocated,
+and every field is range-checked. No pickle, nothing executed.
 
-Zero-size tensors take no space and never move the cursor: their offset is the
-cursor, unaligned, and they are not part of any block's bytes.
-
-This module imports numpy only (no torch): it is the contract, not the packer.
+Imports numpy only (dtypes are names here; the torch adapter maps them).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Union
 
 import numpy as np
 
-from .errors import LayoutMismatchError
+from .errors import LayoutMismatchError, TicketError
 
 __all__ = [
-    "BLOCK_ALIGNMENT",
-    "align_up",
-    "packed_offsets",
-    "group_by_block",
-    "merge_ranges",
-    "fit_prefix",
-    "BlockGroups",
+    "DTYPES",
+    "Layout",
+    "TreeOp",
+    "MAX_TENSORS",
+    "MAX_NDIM",
+    "MAX_LAYOUT_NBYTES",
 ]
 
-# 16: complex128's element size, the largest of any torch dtype. Every pool
-# block starts on this boundary, so every tensor inside a block is aligned
-# in absolute memory too, and `.view(dtype)` of a received buffer works.
-BLOCK_ALIGNMENT = 16
+# Wire codes of dtypes: name -> (code, element size). Codes are part of the
+# wire format and never change; new dtypes take new codes.
+DTYPES: dict[str, tuple[int, int]] = {
+    "bool": (0, 1),
+    "uint8": (1, 1),
+    "int8": (2, 1),
+    "int16": (3, 2),
+    "int32": (4, 4),
+    "int64": (5, 8),
+    "float16": (6, 2),
+    "bfloat16": (7, 2),
+    "float32": (8, 4),
+    "float64": (9, 8),
+    "complex64": (10, 8),
+    "complex128": (11, 16),
+    "float8_e4m3fn": (12, 1),
+    "float8_e5m2": (13, 1),
+    "float8_e4m3fnuz": (14, 1),
+    "float8_e5m2fnuz": (15, 1),
+    "uint16": (16, 2),
+    "uint32": (17, 4),
+    "uint64": (18, 8),
+    "complex32": (19, 4),
+    "float8_e8m0fnu": (20, 1),
+}
+_NAMES_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+_ELEMENT_SIZE_BY_CODE = np.zeros(max(_NAMES_BY_CODE) + 1, dtype=np.int64)
+for _code, _name in _NAMES_BY_CODE.items():
+    _ELEMENT_SIZE_BY_CODE[_code] = DTYPES[_name][1]
 
-# Tensors per chunk for the vectorized scan of packed_offsets. 64 keeps the
-# sequential steps few and the per-chunk tables (16 residues each) small.
-_CHUNK = 64
+# Bounds a decoder enforces before it allocates anything sized by the header.
+MAX_TENSORS = 1 << 24  # 16M tensors: far above any model's parameter count
+MAX_NDIM = 64  # torch's own limit on dimensions
+MAX_TREE_TOKENS = 1 << 25
+MAX_DIM = 1 << 48  # a dimension above 2^48 elements cannot exist in memory
+MAX_NUMEL = 1 << 62  # keeps numel * element_size inside int64
+MAX_LAYOUT_NBYTES = 64 << 20  # 64 MiB: ~100x a 100k-tensor state dict's layout
+_MAX_DEPTH = 256  # nesting deeper than this is hostile, not a model
+
+_MAGIC = b"TFLY"
+_VERSION = 1
+_FLAG_ZLIB = 1
+_FLAG_DIMS32 = 2
+# Some tensors are the same view as an earlier one (tied weights): a u32
+# count of such pairs follows the header, and the body ends with the pairs.
+_FLAG_ALIASES = 4
+_ALIAS_COUNT = struct.Struct("<I")
+# magic, version, flags, tensors, dims, tree tokens, keys, key blob bytes,
+# body bytes (uncompressed), crc32 of the uncompressed body
+_HEADER = struct.Struct("<4sHHIQIIQQI")
+# Bodies smaller than this are sent raw: compressing them saves nothing.
+_COMPRESS_ABOVE = 4096
+# What str(int(key)) can produce; an integer key on the wire must match it.
+_INT_KEY = re.compile(r"-?[0-9]+")
 
 
-def align_up(value, alignment):
-    """Round ``value`` up to a multiple of ``alignment`` (a power of two).
+class TreeOp:
+    """Opcodes of the nesting tokens: each token is (op, count)."""
 
-    Works on Python ints and on numpy integer arrays alike.
+    LEAVES = 0  # `count` consecutive tensors
+    LIST = 1  # a list of the next `count` items
+    TUPLE = 2  # a tuple of the next `count` items
+    DICT = 3  # a dict of `count` items, keys taken in order from the key list
+
+
+Key = Union[str, int]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Per-tensor dtype and shape, plus the nesting, of one packed object.
+
+    Sender and receiver derive every byte offset from this with
+    :func:`tensorferry.packing.packed_offsets`; nothing else is needed.
+
+    Attributes:
+        dtype_codes: uint8 wire code of each tensor's dtype (see ``DTYPES``).
+        ndims: uint8 number of dimensions of each tensor.
+        dims: int64 dimensions of all tensors, concatenated.
+        tree_ops: uint8 opcode of each nesting token (:class:`TreeOp`).
+        tree_counts: int64 count of each nesting token.
+        keys: the dict keys, in the order the DICT tokens consume them.
+        aliases: int64 ``(k, 2)`` pairs ``(tensor, earlier)``: ``tensor`` is
+            the same view of the same memory as ``earlier`` (tied weights).
+            Its bytes are not packed (``nbytes`` is 0 for it); the receiver
+            gives both positions one tensor.
+        nbytes: bytes each tensor occupies in the packing (0 for an alias).
     """
-    if not isinstance(alignment, np.ndarray) and alignment < 1:
-        raise ValueError(f"alignment must be a positive integer, got {alignment}")
-    return (value + (alignment - 1)) // alignment * alignment
 
+    dtype_codes: np.ndarray
+    ndims: np.ndarray
+    dims: np.ndarray
+    tree_ops: np.ndarray
+    tree_counts: np.ndarray
+    keys: tuple[Key, ...] = ()
+    aliases: np.ndarray = field(default_factory=lambda: _NO_ALIASES)
+    nbytes: np.ndarray = field(init=False, repr=False)
+    alignments: np.ndarray = field(init=False, repr=False)
+    numels: np.ndarray = field(init=False, repr=False)
 
-def _as_int64(name: str, values) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    def __post_init__(self) -> None:
+        numels = _numels(self.ndims, self.dims)
+        alignments = _ELEMENT_SIZE_BY_CODE[self.dtype_codes]
+        object.__setattr__(self, "numels", numels)
+        object.__setattr__(self, "alignments", alignments)
+        nbytes = numels * alignments
+        if self.aliases.size:
+            nbytes[self.aliases[:, 0]] = 0
+        object.__setattr__(self, "nbytes", nbytes)
 
+    # -- views ---------------------------------------------------------------
 
-def _check_inputs(nbytes, alignments) -> tuple[np.ndarray, np.ndarray]:
-    n = _as_int64("nbytes", nbytes)
-    a = _as_int64("alignments", alignments)
-    if n.shape != a.shape:
-        raise ValueError(f"nbytes has {n.size} entries but alignments has {a.size}")
-    if n.size:
-        if int(n.min()) < 0:
-            raise ValueError("nbytes must be non-negative")
-        # Powers of two that divide BLOCK_ALIGNMENT: what every torch dtype has,
-        # and what makes the mod-16 scan below exact.
-        if int(a.min()) < 1 or int(a.max()) > BLOCK_ALIGNMENT or np.any(a & (a - 1)):
-            bad = a[(a < 1) | (a > BLOCK_ALIGNMENT) | ((a & (a - 1)) != 0)][:5].tolist()
-            raise ValueError(
-                f"alignments must be powers of two from 1 to {BLOCK_ALIGNMENT}, got {bad}"
+    @property
+    def num_tensors(self) -> int:
+        return int(self.dtype_codes.size)
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of tensor data (without padding; an alias's bytes once)."""
+        return int(self.nbytes.sum())
+
+    def dtype_names(self) -> list[str]:
+        return [_NAMES_BY_CODE[c] for c in self.dtype_codes.tolist()]
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        n = self.ndims.size
+        if n and self.dims.size == n * int(self.ndims[0]) and (self.ndims == self.ndims[0]).all():
+            # Every tensor has the same number of dims (the common case): one
+            # reshape instead of a slice per tensor.
+            k = int(self.ndims[0])
+            return list(map(tuple, self.dims.reshape(n, k).tolist())) if k else [()] * n
+        dims = self.dims.tolist()
+        out: list[tuple[int, ...]] = []
+        pos = 0
+        for nd in self.ndims.tolist():
+            out.append(tuple(dims[pos : pos + nd]))
+            pos += nd
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Layout(num_tensors={self.num_tensors}, total_nbytes={self.total_nbytes:,}, "
+            f"tree_tokens={self.tree_ops.size}, keys={len(self.keys)})"
+        )
+
+    def same_as(self, other: "Layout") -> bool:
+        """True when both describe the same tensors in the same structure."""
+        return (
+            np.array_equal(self.dtype_codes, other.dtype_codes)
+            and np.array_equal(self.ndims, other.ndims)
+            and np.array_equal(self.dims, other.dims)
+            and np.array_equal(self.tree_ops, other.tree_ops)
+            and np.array_equal(self.tree_counts, other.tree_counts)
+            and self.keys == other.keys
+            and np.array_equal(self.aliases, other.aliases)
+        )
+
+    # -- encoding ------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """Encode as versioned, checksummed bytes (zlib when large)."""
+        dims32 = not self.dims.size or int(self.dims.max()) < (1 << 32)
+        key_kinds, key_lens, key_blob = _encode_keys(self.keys)
+        body = b"".join(
+            (
+                self.dtype_codes.astype(np.uint8).tobytes(),
+                self.ndims.astype(np.uint8).tobytes(),
+                self.dims.astype("<u4" if dims32 else "<i8").tobytes(),
+                self.tree_ops.astype(np.uint8).tobytes(),
+                self.tree_counts.astype("<u4").tobytes(),
+                key_kinds.tobytes(),
+                key_lens.tobytes(),
+                key_blob,
+                self.aliases.astype("<u4").tobytes(),
             )
-    return n, a
+        )
+        flags = _FLAG_DIMS32 if dims32 else 0
+        if self.aliases.size:
+            flags |= _FLAG_ALIASES
+        payload = body
+        if len(body) > _COMPRESS_ABOVE:
+            packed = zlib.compress(body, 1)
+            if len(packed) < len(body):
+                payload, flags = packed, flags | _FLAG_ZLIB
+        header = _HEADER.pack(
+            _MAGIC,
+            _VERSION,
+            flags,
+            self.num_tensors,
+            int(self.dims.size),
+            int(self.tree_ops.size),
+            len(self.keys),
+            len(key_blob),
+            len(body),
+            zlib.crc32(body),
+        )
+        if self.aliases.size:
+            header += _ALIAS_COUNT.pack(len(self.aliases))
+        return header + payload
 
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = MAX_LAYOUT_NBYTES) -> "Layout":
+        """Decode and validate bytes made by :meth:`to_bytes`.
 
-def packed_offsets(nbytes, alignments) -> tuple[np.ndarray, int]:
-    """Place tensors in order, each at a multiple of its alignment.
+        Runs on the receiver, on bytes from the network: every count is
+        bounded and the body size is checked before anything sized by the
+        header is allocated.
 
-    Runs on both sides: the sender to pack, the receiver to unpack. Copies
-    nothing. O(N), vectorized: one cumulative sum when no padding is needed
-    (a model's float32 parameters), a chunked 16-residue scan otherwise.
-
-    Args:
-        nbytes: byte size of each tensor (``numel * element_size``).
-        alignments: alignment of each tensor (its element size), a power of
-            two dividing 16.
-
-    Returns:
-        ``(offsets, total_nbytes)``: int64 start of each tensor, and the end of
-        the last byte (no trailing pad).
-
-    Raises:
-        ValueError: inputs of different lengths, negative sizes, or an
-            alignment that is not a power of two dividing 16.
-    """
-    n, a = _check_inputs(nbytes, alignments)
-    if n.size == 0:
-        return np.zeros(0, dtype=np.int64), 0
-    nonzero = n > 0
-    # Zero-size tensors take no space; the cursor they see is whatever came
-    # before, so only non-empty tensors take part in the placement.
-    if not nonzero.all():
-        idx = np.flatnonzero(nonzero)
-        if not idx.size:
-            return np.zeros(n.size, dtype=np.int64), 0
-        sub_off, total = packed_offsets(n[idx], a[idx])
-        ends = sub_off + n[idx]
-        # Each zero-size tensor sits at the end of the last non-empty one before it.
-        prior = np.cumsum(nonzero) - 1  # index into idx of the last non-empty <= i
-        offsets = np.where(prior >= 0, ends[np.maximum(prior, 0)], 0)
-        offsets[idx] = sub_off
-        return offsets.astype(np.int64, copy=False), int(total)
-
-    starts = np.empty_like(n)
-    starts[0] = 0
-    np.cumsum(n[:-1], out=starts[1:])
-    if not np.any(starts & (a - 1)):
-        return starts, int(starts[-1] + n[-1])
-    return _scan_offsets(n, a)
-
-
-def _scan_offsets(n: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, int]:
-    """Exact placement when padding is needed, vectorized across chunks.
-
-    Placement f_i(x) = align_up(x, a_i) + n_i commutes with adding multiples of
-    16 (every a_i divides 16), so each chunk's effect is fully described by
-    what it does to the 16 possible residues of its start offset. Step 1 runs
-    all chunks for all 16 residues at once; step 2 chains the chunks (one
-    lookup per chunk); step 3 replays each chunk from its true start.
-    """
-    count = n.size
-    nchunks = -(-count // _CHUNK)
-    pad = nchunks * _CHUNK - count
-    # Padding entries: size 0, alignment 1 -> identity placement.
-    n2 = np.concatenate([n, np.zeros(pad, np.int64)]).reshape(nchunks, _CHUNK)
-    a2 = np.concatenate([a, np.ones(pad, np.int64)]).reshape(nchunks, _CHUNK)
-    mask2 = a2 - 1
-
-    # Step 1: end of each chunk for each start residue r in [0, 16).
-    cur = np.broadcast_to(np.arange(BLOCK_ALIGNMENT, dtype=np.int64), (nchunks, BLOCK_ALIGNMENT)).copy()
-    for j in range(_CHUNK):
-        m = mask2[:, j : j + 1]
-        cur = ((cur + m) & ~m) + n2[:, j : j + 1]
-    chunk_end = cur.tolist()  # chunk_end[c][r]: end when the chunk starts at r
-
-    # Step 2: chain chunks. start(c+1) = chunk_end[c][start%16] + start - start%16.
-    starts = [0] * nchunks
-    x = 0
-    for c in range(nchunks):
-        starts[c] = x
-        r = x & (BLOCK_ALIGNMENT - 1)
-        x = chunk_end[c][r] + x - r
-
-    # Step 3: replay each chunk from its real start, recording offsets.
-    offsets = np.empty((nchunks, _CHUNK), dtype=np.int64)
-    pos = np.asarray(starts, dtype=np.int64)
-    for j in range(_CHUNK):
-        m = mask2[:, j]
-        pos = (pos + m) & ~m
-        offsets[:, j] = pos
-        pos = pos + n2[:, j]
-    offsets = offsets.reshape(-1)[:count]
-    return offsets, int(offsets[-1] + n[-1])
-
-
-class BlockGroups(NamedTuple):
-    """Which tensors each block holds, and where inside its block.
-
-    ``bounds`` has one entry more than there are blocks: block ``b`` holds
-    tensors ``bounds[b]:bounds[b + 1]``. ``offsets`` is each tensor's byte
-    offset inside its own block.
-    """
-
-    bounds: np.ndarray
-    offsets: np.ndarray
-
-
-def group_by_block(nbytes, alignments, block_nbytes) -> BlockGroups:
-    """Split tensors into consecutive groups, one per block, from byte counts.
-
-    The receiver's inverse of the sender's packing: each block is packed with
-    :func:`packed_offsets` from offset 0, and a zero-size tensor stays with the
-    block before it (the sender places it where its cursor is). O(N) overall:
-    each block's search window doubles until the block is covered.
-
-    Args:
-        nbytes: byte size of each tensor.
-        alignments: alignment (element size) of each tensor.
-        block_nbytes: byte count of each received block, in order.
-
-    Returns:
-        :class:`BlockGroups` with the tensor bounds of each block and each
-        tensor's offset inside its block.
-
-    Raises:
-        LayoutMismatchError: the block sizes do not add up to a packing of
-            these tensors; the message gives the exact sizes.
-    """
-    n, a = _check_inputs(nbytes, alignments)
-    blocks = _as_int64("block_nbytes", block_nbytes)
-    count = n.size
-    offsets = np.zeros(count, dtype=np.int64)
-    bounds = np.zeros(blocks.size + 1, dtype=np.int64)
-    start = 0
-    for b, want in enumerate(blocks.tolist()):
-        last = b == blocks.size - 1
-        if want <= 0:
-            raise LayoutMismatchError(
-                f"block {b} has {want} bytes; every block must hold at least one byte"
+        Raises:
+            TicketError: truncated, corrupted, oversized or hostile bytes.
+            LayoutMismatchError: fields that cannot describe real tensors.
+        """
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        if len(view) < _HEADER.size:
+            raise TicketError(
+                f"layout is truncated: {len(view)} bytes, the header alone has {_HEADER.size}"
             )
-        # The last block must hold every remaining tensor: look at all of them.
-        window = count - start if last else 64
-        while True:
-            stop = min(count, start + window)
-            off, _ = packed_offsets(n[start:stop], a[start:stop])
-            ends = off + n[start:stop]
-            covered = stop == count or (ends.size and ends[-1] > want)
-            if covered:
-                break
-            window *= 2
-        # Tensors whose end is <= want belong here (zero-size ones too).
-        k = int(np.searchsorted(ends, want, side="right"))
-        end_here = int(ends[k - 1]) if k else 0
-        if end_here != want or (last and start + k != count):
-            got = int(ends[-1]) if ends.size else 0
-            raise LayoutMismatchError(
-                f"block {b} has {want:,} bytes but the tensors from index {start} "
-                f"pack to {end_here:,} bytes at the nearest tensor boundary "
-                f"(tensors {start}..{stop - 1} pack to {got:,} bytes); "
-                f"{blocks.size} blocks of {blocks.sum():,} bytes in all for "
-                f"{count} tensors of {int(n.sum()):,} bytes; sender and receiver "
-                "must use the same layout"
+        magic, version, flags, n, ndims_total, ntok, nkeys, key_blob_n, body_n, crc = _HEADER.unpack_from(view, 0)
+        if magic != _MAGIC:
+            raise TicketError(f"not a tensorferry layout: magic {bytes(magic)!r}, expected {_MAGIC!r}")
+        if version != _VERSION:
+            raise TicketError(
+                f"layout version {version} is not supported (this tensorferry reads "
+                f"version {_VERSION}); use the same tensorferry version on both sides"
             )
-        offsets[start : start + k] = off[:k]
-        start += k
-        bounds[b + 1] = start
-    if start != count:
-        if blocks.size == 0 and not n.any():
-            bounds = np.array([0], dtype=np.int64)
+        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32 | _FLAG_ALIASES):
+            raise TicketError(f"layout has unknown flags {flags:#x}")
+        head = _HEADER.size
+        naliases = 0
+        if flags & _FLAG_ALIASES:
+            if len(view) < head + _ALIAS_COUNT.size:
+                raise TicketError("layout is truncated: its alias count is missing")
+            (naliases,) = _ALIAS_COUNT.unpack_from(view, head)
+            head += _ALIAS_COUNT.size
+            if not 0 < naliases < max(n, 1):
+                raise TicketError(f"layout claims {naliases:,} aliases among {n:,} tensors")
+        if n > MAX_TENSORS or ntok > MAX_TREE_TOKENS or nkeys > MAX_TENSORS or ndims_total > n * MAX_NDIM:
+            raise TicketError(
+                f"layout header claims {n:,} tensors, {ndims_total:,} dims, {ntok:,} tree "
+                f"tokens, {nkeys:,} keys: beyond the bounds ({MAX_TENSORS:,} tensors, "
+                f"{MAX_NDIM} dims each)"
+            )
+        dim_width = 4 if flags & _FLAG_DIMS32 else 8
+        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n + 8 * naliases
+        if expected != body_n or expected > max_nbytes:
+            raise TicketError(
+                f"layout body size {body_n:,} does not match its counts ({expected:,}) "
+                f"or exceeds the limit of {max_nbytes:,} bytes"
+            )
+        payload = view[head:]
+        if flags & _FLAG_ZLIB:
+            dec = zlib.decompressobj()
+            try:
+                # max_length 0 means "no limit" to zlib: ask for one byte when
+                # the body should be empty, so a bomb still stops at once.
+                body = dec.decompress(payload, max(expected, 1))
+            except zlib.error as exc:
+                raise TicketError(f"layout body is corrupted: {exc}") from exc
+            # Bytes after the end of the stream (unused_data) are padding a
+            # raw body would be rejected for too.
+            if len(body) != expected or dec.unconsumed_tail or dec.unused_data or not dec.eof:
+                raise TicketError(
+                    f"layout body decompresses to {len(body):,}+ bytes, expected exactly {expected:,}"
+                )
         else:
+            if len(payload) != expected:
+                raise TicketError(
+                    f"layout body has {len(payload):,} bytes, expected {expected:,} (truncated or padded)"
+                )
+            body = bytes(payload)
+        if zlib.crc32(body) != crc:
+            raise TicketError("layout body fails its checksum: corrupted in transit")
+
+        pos = 0
+
+        def take(count: int, dtype: str) -> np.ndarray:
+            nonlocal pos
+            width = np.dtype(dtype).itemsize
+            if pos % width:
+                # Unaligned: numpy's unaligned cast path is ~100x slower than
+                # copying the bytes to an aligned buffer first.
+                arr = np.frombuffer(bytearray(body[pos : pos + count * width]), dtype=dtype, count=count)
+            else:
+                arr = np.frombuffer(body, dtype=dtype, count=count, offset=pos)
+            pos += count * width
+            return arr
+
+        codes = take(n, "u1")
+        ndims = take(n, "u1")
+        dims = take(ndims_total, "<u4" if dim_width == 4 else "<i8").astype(np.int64)
+        ops = take(ntok, "u1")
+        counts = take(ntok, "<u4").astype(np.int64)
+        key_kinds = take(nkeys, "u1")
+        key_lens = take(nkeys, "<u4").astype(np.int64)
+        key_blob = body[pos : pos + key_blob_n]
+        pos += key_blob_n
+        aliases = take(2 * naliases, "<u4").astype(np.int64).reshape(naliases, 2)
+
+        if n and int(codes.max()) >= _ELEMENT_SIZE_BY_CODE.size or (n and not _ELEMENT_SIZE_BY_CODE[codes].all()):
+            raise LayoutMismatchError("layout names a dtype code this tensorferry does not know")
+        if n and int(ndims.max()) > MAX_NDIM:
+            raise LayoutMismatchError(f"layout has a tensor of {int(ndims.max())} dims (max {MAX_NDIM})")
+        if int(ndims.sum()) != ndims_total:
             raise LayoutMismatchError(
-                f"{count - start} tensors ({int(n[start:].sum()):,} bytes) are left "
-                f"over after {blocks.size} blocks of {int(blocks.sum()):,} bytes; "
-                "sender and receiver must use the same layout"
+                f"layout dims count {ndims_total} does not match the tensors' ndims sum {int(ndims.sum())}"
             )
-    return BlockGroups(bounds, offsets)
+        if dims.size and (int(dims.min()) < 0 or int(dims.max()) > MAX_DIM):
+            raise LayoutMismatchError("layout has a dimension out of range")
+        keys = _decode_keys(key_kinds, key_lens, key_blob)
+        _check_tree(ops, counts, n, nkeys)
+        if naliases:
+            _check_aliases(aliases, codes, ndims, dims)
+        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys, aliases if naliases else _NO_ALIASES)
+        # numel <= MAX_NUMEL alone still lets numel * 16 wrap around int64
+        # (2^62 complex128 elements "are" 0 bytes); bound the bytes in floats.
+        if n and float(layout.numels.astype(np.float64) @ layout.alignments) > MAX_NUMEL:
+            raise LayoutMismatchError("layout has more bytes of tensor data than can exist")
+        return layout
 
 
-def merge_ranges(offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge byte ranges that touch (``offset[i] + length[i] == offset[i+1]``).
-
-    O(N), vectorized. Callers leave zero-length ranges out: one whose offset
-    is not the previous end splits a run.
-
-    Args:
-        offsets: start of each range, in order.
-        lengths: byte count of each range.
-
-    Returns:
-        ``(run_offsets, run_lengths, run_starts)``: each merged run's start and
-        byte count, and the index of the first input range of each run.
-    """
-    off = _as_int64("offsets", offsets)
-    ln = _as_int64("lengths", lengths)
-    if off.shape != ln.shape:
-        raise ValueError(f"offsets has {off.size} entries but lengths has {ln.size}")
-    if off.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    ends = off + ln
-    breaks = np.empty(off.size, dtype=bool)
-    breaks[0] = True
-    breaks[1:] = off[1:] != ends[:-1]
-    run_starts = np.flatnonzero(breaks)
-    run_offsets = off[run_starts]
-    run_stops = np.append(run_starts[1:], off.size) - 1
-    run_lengths = ends[run_stops] - run_offsets
-    return run_offsets, run_lengths, run_starts
+_NO_ALIASES = np.zeros((0, 2), dtype=np.int64)
+_NO_ALIASES.flags.writeable = False
 
 
-def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:
-    """How many leading tensors pack into ``capacity_nbytes`` from offset 0.
+def _check_aliases(aliases: np.ndarray, codes: np.ndarray, ndims: np.ndarray, dims: np.ndarray) -> None:
+    """Each pair names a later tensor and an earlier, non-alias one of the
+    same dtype and shape; each tensor is an alias at most once."""
+    dup, orig = aliases[:, 0], aliases[:, 1]
+    n = codes.size
+    if int(dup.max()) >= n or not (orig < dup).all() or (np.diff(dup) <= 0).any():
+        raise LayoutMismatchError("layout aliases must name a later tensor and an earlier one, in increasing order")
+    if np.isin(orig, dup).any():
+        raise LayoutMismatchError("layout aliases an alias; each must name the tensor itself")
+    if not (codes[dup] == codes[orig]).all() or not (ndims[dup] == ndims[orig]).all():
+        raise LayoutMismatchError("layout aliases tensors of different dtypes or ranks")
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(ndims, out=starts[1:])
+    for d, o in aliases.tolist():
+        if not np.array_equal(dims[starts[d] : starts[d + 1]], dims[starts[o] : starts[o + 1]]):
+            raise LayoutMismatchError(f"layout aliases tensor {d} to tensor {o} of another shape")
 
-    The sender's half of :func:`group_by_block`: zero-size tensors right
-    after the last tensor that fits are taken too, exactly as the receiver
-    assigns them. O(k) for a result of k tensors (doubling windows).
 
-    Returns:
-        ``(count, used_nbytes)``: the number of tensors and the end of the
-        last byte they occupy.
-    """
-    n, a = _check_inputs(nbytes, alignments)
-    count = n.size
-    window = 64
-    while True:
-        stop = min(count, window)
-        off, _ = packed_offsets(n[:stop], a[:stop])
-        ends = off + n[:stop]
-        if stop == count or (ends.size and ends[-1] > capacity_nbytes):
-            break
-        window *= 2
-    k = int(np.searchsorted(ends, capacity_nbytes, side="right"))
-    return k, int(ends[k - 1]) if k else 0
+def _numels(ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    n = ndims.size
+    numels = np.ones(n, dtype=np.int64)
+    if not dims.size:
+        return numels
+    has = ndims > 0
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(ndims[:-1], out=starts[1:])
+    idx = starts[has]
+    # Float products first: a product above MAX_NUMEL is rejected before the
+    # integer product could wrap around.
+    fprod = np.multiply.reduceat(dims.astype(np.float64), idx)
+    if fprod.size and float(fprod.max()) > MAX_NUMEL:
+        raise LayoutMismatchError("layout has a tensor with more elements than can exist")
+    numels[has] = np.multiply.reduceat(dims, idx)
+    return numels
+
+
+def _encode_keys(keys: tuple[Key, ...]) -> tuple[np.ndarray, np.ndarray, bytes]:
+    kinds = np.zeros(len(keys), dtype=np.uint8)
+    parts: list[bytes] = []
+    for i, k in enumerate(keys):
+        if isinstance(k, str):
+            parts.append(k.encode("utf-8", "surrogatepass"))
+        else:
+            kinds[i] = 1
+            parts.append(str(int(k)).encode("ascii"))
+    lens = np.fromiter((len(p) for p in parts), dtype="<u4", count=len(parts))
+    return kinds, lens, b"".join(parts)
+
+
+def _decode_keys(kinds: np.ndarray, lens: np.ndarray, blob: bytes) -> tuple[Key, ...]:
+    if int(lens.sum()) != len(blob):
+        raise LayoutMismatchError("layout key lengths do not add up to the key blob")
+    if kinds.size and int(kinds.max()) > 1:
+        raise LayoutMismatchError("layout has a key of unknown kind")
+    try:
+        text = blob.decode("utf-8", "surrogatepass")
+        if len(text) == len(blob):  # all ASCII: byte lengths are character lengths
+            ends = np.cumsum(lens).tolist()
+            starts = [0] + ends[:-1]
+            strs = [text[s:e] for s, e in zip(starts, ends)]
+        else:
+            # Forged lengths may cut a character in two: decode each key alone.
+            strs, pos = [], 0
+            for ln in lens.tolist():
+                strs.append(blob[pos : pos + ln].decode("utf-8", "surrogatepass"))
+                pos += ln
+    except UnicodeDecodeError as exc:
+        raise LayoutMismatchError(f"layout keys are not valid UTF-8: {exc}") from exc
+    if not kinds.any():
+        return tuple(strs)
+    out: list[Key] = []
+    for kind, s in zip(kinds.tolist(), strs):
+        if kind == 1:
+            # ASCII digits only: str.isdigit() also accepts "²", and
+            # lstrip("-") accepts "--5", both of which int() rejects.
+            if len(s) > 32 or not _INT_KEY.fullmatch(s):
+                raise LayoutMismatchError(f"layout has a malformed integer key {s[:40]!r}")
+            out.append(int(s))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _check_tree(ops: np.ndarray, counts: np.ndarray, num_tensors: int, num_keys: int) -> None:
+    """Walk the tokens once, as unflatten will, without building anything."""
+    if ops.size and int(ops.max()) > TreeOp.DICT:
+        raise LayoutMismatchError("layout has an unknown nesting opcode")
+    leaves = keys = 0
+    # Stack of remaining item counts of the open containers.
+    stack: list[int] = []
+    tok = 0
+    ntok = ops.size
+    opl, cl = ops.tolist(), counts.tolist()
+    roots = 0
+    while tok < ntok:
+        if not stack:
+            roots += 1
+            if roots > 1:
+                raise LayoutMismatchError("layout nesting has more than one root")
+        op, c = opl[tok], cl[tok]
+        tok += 1
+        if op == TreeOp.LEAVES:
+            if c == 0:
+                raise LayoutMismatchError("layout nesting has an empty leaf run")
+            leaves += c
+            consumed = c
+        else:
+            if op == TreeOp.DICT:
+                keys += c
+            consumed = 1
+        # This token fills `consumed` slots of the innermost open container
+        # (a leaf run may span several slots, never past the container's end).
+        if stack:
+            if consumed > stack[-1]:
+                raise LayoutMismatchError("layout leaf run overflows its container")
+            stack[-1] -= consumed
+        elif op == TreeOp.LEAVES and c != 1:
+            raise LayoutMismatchError("layout root is a run of several tensors")
+        if op != TreeOp.LEAVES:
+            if len(stack) >= _MAX_DEPTH:
+                raise LayoutMismatchError(f"layout nesting is deeper than {_MAX_DEPTH}")
+            stack.append(c)
+        while stack and stack[-1] == 0:
+            stack.pop()
+    if stack or roots != 1:
+        raise LayoutMismatchError("layout nesting is incomplete")
+    if leaves != num_tensors or keys != num_keys:
+        raise LayoutMismatchError(
+            f"layout nesting holds {leaves} tensors and {keys} keys, the header says "
+            f"{num_tensors} and {num_keys}"
+        )

@@ -24,12 +24,12 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from . import layout as _layout
+from . import packing
 from ._allocator import Allocator, Extent
 from ._copy import copy_bytes, memmove_runs
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves, torch_dtype, unflatten
 from .errors import LayoutMismatchError, PoolExhaustedError
-from .spec import Layout
+from .layout import Layout
 
 __all__ = ["Block", "Packed", "PoolStats", "MemoryPool", "unpack"]
 
@@ -122,7 +122,7 @@ class MemoryPool:
     ) -> None:
         if capacity_nbytes <= 0:
             raise ValueError(f"capacity_nbytes must be positive, got {capacity_nbytes}")
-        capacity_nbytes = _layout.align_up(int(capacity_nbytes), _layout.BLOCK_ALIGNMENT)
+        capacity_nbytes = packing.align_up(int(capacity_nbytes), packing.BLOCK_ALIGNMENT)
         self.device = torch.device(device)
         self.capacity_nbytes = capacity_nbytes
         # Distinguishes this pool from any earlier one at a recycled address.
@@ -143,7 +143,7 @@ class MemoryPool:
             self.buffer = torch.empty(capacity_nbytes, dtype=torch.uint8, device=self.device)
             if prefault:
                 self.buffer.zero_()
-        self._allocator = Allocator(capacity_nbytes, _layout.BLOCK_ALIGNMENT)
+        self._allocator = Allocator(capacity_nbytes, packing.BLOCK_ALIGNMENT)
         self._lock = threading.Lock()
         self._live: dict[int, Packed] = {}
         self._packs = 0
@@ -241,16 +241,16 @@ class MemoryPool:
             self._packed_nbytes += packed.nbytes
         return packed
 
-    def _allocate(self, nbytes: np.ndarray, alignments: np.ndarray) -> tuple[list[Block], _layout.BlockGroups]:
+    def _allocate(self, nbytes: np.ndarray, alignments: np.ndarray) -> tuple[list[Block], packing.BlockGroups]:
         """Plan and take the blocks for tensors of these sizes, all or none."""
-        offsets, total = _layout.packed_offsets(nbytes, alignments)
+        offsets, total = packing.packed_offsets(nbytes, alignments)
         count = nbytes.size
         if total == 0:
-            return [], _layout.BlockGroups(np.zeros(1, np.int64), offsets)
+            return [], packing.BlockGroups(np.zeros(1, np.int64), offsets)
         try:
             ext = self._allocator.allocate(total)
             bounds = np.array([0, count], dtype=np.int64)
-            return [Block(ext.offset, total)], _layout.BlockGroups(bounds, offsets)
+            return [Block(ext.offset, total)], packing.BlockGroups(bounds, offsets)
         except PoolExhaustedError:
             pass
         # No single free block holds it: fill the largest free blocks in turn,
@@ -263,10 +263,10 @@ class MemoryPool:
             for ext in self._allocator.free_extents(largest_first=True):
                 if start == count:
                     break
-                k, used = _layout.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
+                k, used = packing.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
                 if k == 0 or used == 0:
                     break
-                off, _ = _layout.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
+                off, _ = packing.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
                 rel[start : start + k] = off
                 plan.append(Block(ext.offset, used))
                 start += k
@@ -285,7 +285,7 @@ class MemoryPool:
                         f"tensor is {biggest:,})"
                     ),
                 )
-            rounded = [Extent(b.offset, _layout.align_up(b.nbytes, _layout.BLOCK_ALIGNMENT)) for b in plan]
+            rounded = [Extent(b.offset, packing.align_up(b.nbytes, packing.BLOCK_ALIGNMENT)) for b in plan]
             try:
                 self._allocator.reserve(rounded)
             except ValueError:
@@ -293,14 +293,14 @@ class MemoryPool:
                 # the free extents and now. Its allocation succeeded, so this
                 # retry is progress, not a livelock: plan again.
                 continue
-            return plan, _layout.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
+            return plan, packing.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
 
     def _copy_in(
         self,
         leaves: Sequence[torch.Tensor],
         info: LeafInfo,
         blocks: Sequence[Block],
-        groups: _layout.BlockGroups,
+        groups: packing.BlockGroups,
     ) -> tuple[int, int]:
         """Copy leaves into their blocks; returns (copy runs, strided copies)."""
         count = len(leaves)
@@ -462,14 +462,14 @@ def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
             raise LayoutMismatchError(
                 f"block {b} must be a contiguous 1-D uint8 tensor, got {blk.dtype} of shape {tuple(blk.shape)}"
             )
-        if blk.data_ptr() % _layout.BLOCK_ALIGNMENT:
+        if blk.data_ptr() % packing.BLOCK_ALIGNMENT:
             raise LayoutMismatchError(
                 f"block {b} starts at address {blk.data_ptr():#x}, not on a "
-                f"{_layout.BLOCK_ALIGNMENT}-byte boundary; receive into 16-byte aligned memory "
+                f"{packing.BLOCK_ALIGNMENT}-byte boundary; receive into 16-byte aligned memory "
                 "(a MemoryPool, or torch.empty) so typed views are possible"
             )
         sizes.append(blk.numel())
-    groups = _layout.group_by_block(layout.nbytes, layout.alignments, sizes)
+    groups = packing.group_by_block(layout.nbytes, layout.alignments, sizes)
     with gc_paused():
         leaves = _views(blocks, layout, groups)
         return unflatten(layout, leaves)
@@ -491,7 +491,7 @@ def _same_shape_as_previous(layout: Layout, shapes: list[tuple[int, ...]]) -> np
     return same
 
 
-def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: _layout.BlockGroups) -> list[torch.Tensor]:
+def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.BlockGroups) -> list[torch.Tensor]:
     """One view per tensor, made in bulk by C++ loops.
 
     Runs of same-dtype tensors that touch are cut at once: all-1-D runs with

@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 import torch
 
-from . import layout as _layout
+from . import packing
 from ._copy import StagedCopy, copy_from_blocks, copy_staged, new_host_bytes
 from ._tensors import gc_paused, match_into
 from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .pool import MemoryPool, unpack
-from .spec import Layout
+from .layout import Layout
 from .ticket import Ticket
 
 __all__ = ["Receiver"]
@@ -232,7 +232,7 @@ class Receiver:
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         layout = ticket.layout
-        packed_nbytes = _layout.packed_offsets(layout.nbytes, layout.alignments)[1]
+        packed_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
         if ticket.total_nbytes != packed_nbytes:
             raise TicketError(f"ticket says {ticket.total_nbytes:,} bytes, its layout packs into {packed_nbytes:,}")
         if zero_copy and (into is not None or ticket.streamed):
@@ -315,7 +315,7 @@ class Receiver:
         per-tensor receive call: with 100k tensors this was ~3x faster than
         scattering straight into them, for one extra memcpy of the bytes."""
         sizes = [n for _, n in blocks]
-        groups = _layout.group_by_block(layout.nbytes, layout.alignments, sizes)
+        groups = packing.group_by_block(layout.nbytes, layout.alignments, sizes)
         sink = StagedCopy(sizes, groups.bounds, groups.offsets, layout.nbytes, targets)
         self._stream(ch, ticket_id, piece, blocks, sink, deadline)
         sink.finish()
@@ -429,14 +429,14 @@ class Receiver:
     def _views(self, blocks: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
         from .pool import _views
 
-        groups = _layout.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
+        groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
         with gc_paused():
             return _views(blocks, layout, groups)
 
     def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
         """Destination blocks (16-aligned), from the receive pool if it has
         room; and whether they are new memory (not the pool's)."""
-        total = sum(_layout.align_up(n, _layout.BLOCK_ALIGNMENT) for n in sizes)
+        total = sum(packing.align_up(n, packing.BLOCK_ALIGNMENT) for n in sizes)
         if self.pool is not None:
             try:
                 ext = self.pool._allocator.allocate(total)
@@ -509,7 +509,7 @@ def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[tor
     """The byte stream of the blocks as a list of destination segments:
     each target tensor's own memory where it is dense, a scratch buffer for
     alignment gaps and for targets that are not (copied after)."""
-    groups = _layout.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
+    groups = packing.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
     nbytes = layout.nbytes.tolist()
     offsets = groups.offsets.tolist()
     bounds = groups.bounds.tolist()
@@ -560,13 +560,13 @@ def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     out, pos = [], 0
     for n in sizes:
         out.append(base[pos : pos + n])
-        pos += _layout.align_up(n, _layout.BLOCK_ALIGNMENT)
+        pos += packing.align_up(n, packing.BLOCK_ALIGNMENT)
     return out
 
 
 def _copy_out(blocks: list[torch.Tensor], layout: Layout, targets: list[torch.Tensor]) -> None:
     """Copy a received object from its blocks into ``into=`` targets (matched by ``match_into``)."""
-    groups = _layout.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
+    groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
     copy_from_blocks(blocks, groups.bounds, groups.offsets, layout.nbytes, targets)
 
 

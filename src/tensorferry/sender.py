@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import _protocol as P
-from . import layout as _layout
+from . import packing
 from ._copy import copy_bytes
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
 from .errors import PoolExhaustedError, TransferTimeoutError
@@ -363,7 +363,7 @@ class Sender:
         self.pool = pool if pool is not None else MemoryPool(capacity_nbytes, prefault=prefault)
         self.lease_seconds = float(lease_seconds)
         cap = self.pool.capacity_nbytes
-        self.piece_nbytes = _layout.align_up(int(piece_nbytes or max(16, cap // 2)), _layout.BLOCK_ALIGNMENT)
+        self.piece_nbytes = packing.align_up(int(piece_nbytes or max(16, cap // 2)), packing.BLOCK_ALIGNMENT)
         if self.piece_nbytes > cap:
             raise ValueError(f"piece_nbytes {self.piece_nbytes:,} exceeds the pool's {cap:,} bytes")
         token_b = token.encode() if isinstance(token, str) else (token or b"")
@@ -425,7 +425,7 @@ class Sender:
             pool_generation=self.pool.generation,
             layout_bytes=packed.layout.to_bytes(),
             blocks=[(b.offset, b.nbytes) for b in packed.blocks],
-            total_nbytes=_layout.packed_offsets(packed.layout.nbytes, packed.layout.alignments)[1],
+            total_nbytes=packing.packed_offsets(packed.layout.nbytes, packed.layout.alignments)[1],
             piece_nbytes=0,
             num_pieces=1,
             readers=0 if readers == _UNLIMITED else readers,
@@ -444,7 +444,7 @@ class Sender:
         with gc_paused():
             leaves, ops, counts, keys, _ = flatten(obj)
             info = inspect_leaves(obj, leaves, ops, counts, keys)
-        offsets, total = _layout.packed_offsets(info.layout.nbytes, info.layout.alignments)
+        offsets, total = packing.packed_offsets(info.layout.nbytes, info.layout.alignments)
         size = self.piece_nbytes
         pieces = [
             _Piece(voffset=s, nbytes=min(size, total - s), readers=readers)

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .errors import TicketError
-from .spec import MAX_LAYOUT_NBYTES, Layout
+from .layout import MAX_LAYOUT_NBYTES, Layout
 
 __all__ = ["Ticket", "MAX_TICKET_NBYTES"]
 
