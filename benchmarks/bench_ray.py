@@ -254,8 +254,8 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
             from tensorferry.ray import _transport as tft
 
             proc = tft._PROCESS
-            if proc is not None and proc.sender is not None:
-                out["tensorferry_pool_used_nbytes"] = proc.sender.pool.stats().used_nbytes
+            if proc is not None and proc.segments is not None:
+                out["tensorferry_pool_used_nbytes"] = proc.segments.stats()["used_nbytes"]
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             out["tensorferry_error"] = repr(exc)
         if pool_expected:

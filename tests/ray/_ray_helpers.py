@@ -110,11 +110,12 @@ def mismatches(got: Any, want: Any, path: str = "obj") -> list[str]:
 
 
 def sender_stats(actor_self: Any) -> dict | None:
-    """The actor's Ray transport Sender stats (None before its first RDT return)."""
+    """The actor's Ray transport pool stats, summed over its segments (None
+    before its first RDT return)."""
     from tensorferry.ray._transport import _process
 
     proc = _process()
-    return None if proc.sender is None else proc.sender.stats()
+    return None if proc.segments is None else proc.segments.stats()
 
 
 def gets_by_transport(actor_self: Any = None) -> dict:
@@ -125,13 +126,17 @@ def gets_by_transport(actor_self: Any = None) -> dict:
 
 
 def sender_connections(actor_self: Any) -> dict:
-    """Receiver connections open to the actor's Ray transport Sender, per transport."""
+    """Receiver connections open to the actor's Ray transport segments, per transport."""
     from tensorferry.ray._transport import _process
 
     proc = _process()
-    if proc.sender is None:
+    if proc.segments is None:
         return {}
-    return {name: len(server._conns) for name, server in proc.sender.servers.items()}
+    out: dict = {}
+    for servers in proc.segments.servers():
+        for name, server in servers.items():
+            out[name] = out.get(name, 0) + len(server._conns)
+    return out
 
 
 def node_id(actor_self: Any = None) -> str:

@@ -2,8 +2,9 @@
 
 Ray creates one :class:`TensorferryTransport` per process with no arguments,
 so everything it needs is read from the environment (see :func:`settings`)
-and created lazily: the source actor's Sender (shm, with tcp beside it on the
-same pool) and the destination actor's Receiver.
+and created lazily: the source actor's pool segments (each a Sender over shm,
+with tcp beside it on the same pool; see ``_segments``) and the destination
+actor's Receiver.
 
 One-sided: Ray never calls ``send_multiple_tensors``. On the source, Ray
 calls ``extract_tensor_transport_metadata`` right after the method returns;
@@ -17,10 +18,9 @@ connection, which releases its hold.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 from ray.experimental.rdt.tensor_transport_manager import (
     CommunicatorMetadata,
@@ -28,56 +28,19 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
+from ._settings import Settings, settings
+
 __all__ = ["TensorferryTransport", "TensorferryTransportMetadata", "Settings", "settings", "NAME"]
 
 NAME = "tensorferry"
 
-
-class Settings(NamedTuple):
-    """Per-process configuration, read from the environment.
-
-    Attributes:
-        pool_nbytes: size of each source actor's pool
-            (``TENSORFERRY_RAY_POOL_BYTES``, default 1 GiB; a memfd costs
-            memory only for pages that were written).
-        transport: ``auto`` (shm on one node, tcp across nodes), ``shm``,
-            ``tcp`` or ``nixl`` (``TENSORFERRY_RAY_TRANSPORT``).
-        host: address the tcp server binds and advertises
-            (``TENSORFERRY_RAY_HOST``, default 127.0.0.1; set the node's IP
-            and a token for multi-host clusters).
-        token: shared secret (``TENSORFERRY_TOKEN``).
-        zero_copy: same-node receivers get views of the source's pool instead
-            of a copy (``TENSORFERRY_RAY_ZERO_COPY=1``); the source keeps the
-            blocks until those views are collected.
-        timeout_seconds: per-get timeout (``TENSORFERRY_RAY_TIMEOUT``).
-        recv_pool_nbytes: a prefaulted receive pool per destination actor
-            (``TENSORFERRY_RAY_RECV_POOL_BYTES``, default 0: none). Received
-            tensors are then views of it, and their block returns when the
-            last view is collected; a get that does not fit uses new memory.
-            It saves the page faults of new memory (0.3-0.4 s per GiB here)
-            at the price of that much resident memory per actor.
-    """
-
-    pool_nbytes: int
-    transport: str
-    host: str
-    token: str
-    zero_copy: bool
-    timeout_seconds: float
-    recv_pool_nbytes: int = 0
-
-
-def settings() -> Settings:
-    env = os.environ
-    return Settings(
-        pool_nbytes=int(env.get("TENSORFERRY_RAY_POOL_BYTES", str(1 << 30))),
-        transport=env.get("TENSORFERRY_RAY_TRANSPORT", "auto"),
-        host=env.get("TENSORFERRY_RAY_HOST", "127.0.0.1"),
-        token=env.get("TENSORFERRY_TOKEN", ""),
-        zero_copy=env.get("TENSORFERRY_RAY_ZERO_COPY", "0") not in ("", "0", "false", "no"),
-        timeout_seconds=float(env.get("TENSORFERRY_RAY_TIMEOUT", "60")),
-        recv_pool_nbytes=int(env.get("TENSORFERRY_RAY_RECV_POOL_BYTES", "0")),
-    )
+# Ray's own metadata classes, by the transport that makes them: named in the
+# error when one of them reaches this transport.
+_RAY_METADATA = {
+    "NixlTransportMetadata": "nixl",
+    "CollectiveTransportMetadata": "gloo or nccl",
+    "CudaIpcTransportMetadata": "cuda_ipc",
+}
 
 
 @dataclass
@@ -96,26 +59,31 @@ def _node_id() -> str:
 
 
 class _Process:
-    """This process's Sender and Receiver, made on first use."""
+    """This process's pool segments (source side) and Receiver, made on first use."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.sender: Any = None
+        self.segments: Any = None
         self.receiver: Any = None
-        self.tickets: dict[str, Any] = {}  # obj_id -> Ticket (source side)
+        self.tickets: dict[str, tuple[Any, Any]] = {}  # obj_id -> (Sender, Ticket) (source side)
         self.gets_by_transport: dict[str, int] = {}  # destination side: which path each get took
         self.settings = settings()
 
-    def get_sender(self) -> Any:
+    def get_segments(self) -> Any:
         with self.lock:
-            if self.sender is None:
+            if self.segments is None:
                 from ..sender import Sender
+                from ._segments import Segments
 
                 s = self.settings
                 primary = "nixl" if s.transport == "nixl" else ("tcp" if s.transport == "tcp" else "shm")
                 extra = ("tcp",) if primary == "shm" and s.transport == "auto" else ()
-                self.sender = Sender(primary, capacity_nbytes=s.pool_nbytes, host=s.host, token=s.token or None, extra_transports=extra)
-            return self.sender
+
+                def make(capacity_nbytes: int) -> Any:
+                    return Sender(primary, capacity_nbytes=capacity_nbytes, host=s.host, token=s.token or None, extra_transports=extra)
+
+                self.segments = Segments(make, s.pool_nbytes, s.pool_max_nbytes)
+            return self.segments
 
     def get_receiver(self) -> Any:
         with self.lock:
@@ -168,38 +136,24 @@ class TensorferryTransport(TensorTransportManager):
     def extract_tensor_transport_metadata(self, obj_id: str, rdt_object: List[Any]) -> TensorferryTransportMetadata:
         import torch
 
-        from ..errors import PoolExhaustedError
-
         tensors = list(rdt_object)
         meta = [(t.shape, t.dtype) for t in tensors]
         device = tensors[0].device.type if tensors else None
         proc = _process()
-        sender = proc.get_sender()
+        segments = proc.get_segments()
         if device == "cuda":
             torch.cuda.synchronize()
-        try:
-            # One shot, never streamed: a ticket for any number of readers
-            # keeps every piece until garbage_collect, so the pieces after
-            # the first pool-full would never be packed and readers would hang.
-            ticket = sender.put(tensors, readers=None, one_shot=True)
-        except PoolExhaustedError as exc:
-            raise PoolExhaustedError(
-                exc.requested_nbytes,
-                exc.free_nbytes,
-                exc.largest_free_nbytes,
-                exc.capacity_nbytes,
-                detail=(
-                    "this actor's tensorferry pool holds every RDT object it returned until its refs are freed; "
-                    "free refs you no longer need, or give the actor a larger pool: "
-                    "runtime_env={'env_vars': tensorferry.ray.env_vars(pool_nbytes=...)} (TENSORFERRY_RAY_POOL_BYTES)"
-                ),
-            ) from exc
+        # One shot, never streamed: a ticket for any number of readers keeps
+        # every piece until garbage_collect, so the pieces after the first
+        # pool-full would never be packed and readers would hang. An object
+        # that fits in no segment gets a new one instead.
+        sender, ticket = segments.put(tensors)
         tickets = {ticket.transport: ticket.to_bytes()}
         for name in sender.servers:
             if name != ticket.transport:
                 tickets[name] = sender.ticket_for(ticket, name).to_bytes()
         with proc.lock:
-            proc.tickets[obj_id] = ticket
+            proc.tickets[obj_id] = (sender, ticket)
         return TensorferryTransportMetadata(
             tensor_meta=meta,
             tensor_device=device,
@@ -218,9 +172,20 @@ class TensorferryTransport(TensorTransportManager):
         communicator_metadata: CommunicatorMetadata,
         target_buffers: Optional[List[Any]] = None,
     ) -> List[Any]:
+        from ..errors import TransferError
         from ..ticket import Ticket
 
         meta = tensor_transport_metadata
+        if not isinstance(meta, TensorferryTransportMetadata):
+            kind = type(meta)
+            made_by = _RAY_METADATA.get(kind.__name__)
+            source = f"Ray's {made_by} transport" if made_by else f"{kind.__module__}.{kind.__qualname__}"
+            raise TransferError(
+                f"object {obj_id} reached tensorferry's Ray transport with metadata of another transport "
+                f"({kind.__name__}, made by {source}); return it with @ray.method(tensor_transport=\"tensorferry\") "
+                f"(or ray.put(..., _tensor_transport=\"tensorferry\")) to send it through tensorferry, or read it "
+                "through the transport that produced it"
+            )
         if not meta.tickets:
             return []
         proc = _process()
@@ -228,8 +193,6 @@ class TensorferryTransport(TensorTransportManager):
         order = ("shm", "tcp", "nixl") if same_node else ("tcp", "nixl")
         name = next((n for n in order if n in meta.tickets), None)
         if name is None:
-            from ..errors import TransferError
-
             raise TransferError(
                 f"no usable ticket for object {obj_id}: the source serves {sorted(meta.tickets)} "
                 f"and is on {'this' if same_node else 'another'} node; set TENSORFERRY_RAY_TRANSPORT=auto"
@@ -252,9 +215,9 @@ class TensorferryTransport(TensorTransportManager):
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: List[Any]) -> None:
         proc = _process()
         with proc.lock:
-            ticket = proc.tickets.pop(obj_id, None)
-        if ticket is not None and proc.sender is not None:
-            proc.sender.discard(ticket)
+            held = proc.tickets.pop(obj_id, None)
+        if held is not None and proc.segments is not None:
+            proc.segments.discard(*held)
 
     def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
         # Nothing to undo on either side: a destination that failed dropped

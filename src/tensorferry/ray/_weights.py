@@ -59,7 +59,7 @@ def _default_state_dict(actor: Any) -> Any:
 class _Publisher:
     def __init__(self, capacity_nbytes: int) -> None:
         from ..sender import Sender
-        from ._transport import settings
+        from ._settings import settings
 
         s = settings()
         # Prefaulted: every version is written into this pool, and page faults
@@ -154,7 +154,7 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     import ray
 
     from ..receiver import Receiver
-    from ._transport import settings
+    from ._settings import settings
 
     with _STATE_LOCK:
         if _RECEIVER is None:
