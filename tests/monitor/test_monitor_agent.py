@@ -82,7 +82,7 @@ def test_reread_no_more_often_than_cost_over_budget(proc_tree: Path) -> None:
         if len(backend.reads) > before:
             read_times.append(second)
         s = snap.samples[0]
-        assert s.uss_source == "exact"
+        assert s.uss_source == "smaps_rollup"
         # The age is measured on the agent's clock since the last read.
         assert s.exact_age_seconds == pytest.approx(second - read_times[-1])
     # 5 ms per read at 0.1% of a core: one read per 5 s.
@@ -127,7 +127,7 @@ def test_never_walks_a_process_that_would_stall_too_long(proc_tree: Path) -> Non
         Selection(pids=(500,)), AgentConfig(max_stall_seconds=0.001, force_exact=True),
         backend=backend, clock=clock,
     )
-    assert forced.tick().samples[0].uss_source == "exact"
+    assert forced.tick().samples[0].uss_source == "smaps_rollup"
     assert backend.reads == [500]
 
 
@@ -142,7 +142,7 @@ def test_measured_cost_over_the_limit_stops_rereads_but_keeps_aged_figures(proc_
         snap = agent.tick()
     assert backend.reads == [500]
     s = snap.samples[0]
-    assert s.uss_source == "exact" and s.exact_age_seconds == pytest.approx(clock.now)
+    assert s.uss_source == "smaps_rollup" and s.exact_age_seconds == pytest.approx(clock.now)
     assert snap.stall_skipped_pids == frozenset({500})
 
 
@@ -237,7 +237,7 @@ def test_grouping_by_ray_title_and_bounded_groups(proc_tree: Path) -> None:
     assert groups[-1].name == "other" and groups[-1].count == 20 - 3
     # A group sums USS only when every member has one.
     assert groups[0].uss_bytes is None and groups[0].exact_count == 0
-    exact = [w._replace(uss_bytes=MIB, pss_bytes=2 * MIB, uss_source="exact", exact_age_seconds=float(i))
+    exact = [w._replace(uss_bytes=MIB, pss_bytes=2 * MIB, uss_source="smaps_rollup", exact_age_seconds=float(i))
              for i, w in enumerate(workers)]
     g = group_samples(exact)[0]
     assert (g.uss_bytes, g.pss_bytes, g.max_exact_age_seconds) == (10 * MIB, 20 * MIB, 9.0)
@@ -320,7 +320,7 @@ def test_run_ticks_for_duration_and_background_thread_stops(start_target) -> Non
     assert 0.4 <= time.monotonic() - start < 2.0
     assert 4 <= len(snaps) <= 6
     assert snaps[-1].samples[0].rss_bytes >= 32 * MIB
-    assert snaps[0].samples[0].uss_source == "exact"  # small process, budget allows
+    assert snaps[0].samples[0].uss_source == "pagemap"  # small process, budget allows
     agent.start()
     time.sleep(0.3)
     agent.stop()

@@ -137,7 +137,7 @@ def test_with_exact_keeps_the_status_age(proc_tree: Path) -> None:
     b.cheap_reusing(100)
     s = b.cheap_reusing(100)
     e = with_exact(s, ExactMemory(1, 2, 0, 0.001), 3.0)
-    assert (e.uss_bytes, e.pss_bytes, e.uss_source, e.exact_age_seconds) == (1, 2, "exact", 3.0)
+    assert (e.uss_bytes, e.pss_bytes, e.uss_source, e.exact_age_seconds) == (1, 2, "smaps_rollup", 3.0)
     assert e.status_age_seconds == s.status_age_seconds > 0
     assert e._replace(uss_bytes=None, pss_bytes=None, uss_source="none",
                       exact_age_seconds=None, exact_cost_seconds=None) == s

@@ -65,10 +65,10 @@ def test_monitor_json_lines(capsys, start_target) -> None:  # type: ignore[no-un
     for rec in records:
         (proc,) = rec["processes"]
         assert proc["pid"] == t.pid and proc["rss_bytes"] >= 16 << 20
-        assert proc["uss_source"] in ("exact", "none")
+        assert proc["uss_source"] in ("pagemap", "smaps_rollup", "none")
         assert set(rec["errors"]) == {"vanished", "zombie", "denied"}
         assert rec["monitor"]["rss_bytes"] > 0
-    assert records[0]["processes"][0]["uss_source"] == "exact"
+    assert records[0]["processes"][0]["uss_source"] == "pagemap"
     assert records[-1]["monitor"]["ticks"] == len(records)
 
 

@@ -35,7 +35,8 @@ def value(samples: list, metric: str, /, **labels: str) -> float:
 
 def test_group_metrics_match_the_snapshot(start_target) -> None:
     t = start_target("big", "48")
-    agent = Agent(Selection(pids=(t.pid, os.getpid())), AgentConfig(interval_seconds=0.2))
+    # A budget of a whole core: both walks finish within the first tick.
+    agent = Agent(Selection(pids=(t.pid, os.getpid())), AgentConfig(interval_seconds=0.2, cpu_budget_fraction=1.0))
     snap = agent.tick()
     with serve_prometheus(agent, host="127.0.0.1", port=0) as server:
         assert server.host == "127.0.0.1" and server.port > 0

@@ -3,18 +3,22 @@ CPU budget on exact figures without stalling any of them too long.
 
 Cheap figures (stat every tick, status when stat shows RSS or VmSize moved
 or at least every 10 s; ~8-17 µs a process with the files held open) are
-taken for every selected process every tick. Exact figures (smaps_rollup) make the kernel
-walk the target's page tables while holding its mmap lock, so the target's
-mmap/munmap/page faults on new memory wait for the walk. The agent therefore:
+taken for every selected process every tick. Exact figures need a walk of
+the target's page tables, during which its mmap/munmap wait. On Linux the
+agent walks ``pagemap`` one slice of address space per step (the slice sized
+from ``max_stall_seconds``), so a process of any size gets exact figures and
+no step stalls it longer than the limit; a walk may span ticks. Where
+pagemap is not readable it reads ``smaps_rollup``, one walk under the lock,
+and never for a process whose walk it estimates above ``max_stall_seconds``
+(unless ``force_exact``). Either way the agent:
 
 - spends at most ``cpu_budget_fraction`` of a core on them over time (a
-  token bucket refilled at that rate);
+  token bucket refilled at that rate, charged per step);
 - re-reads a process no more often than ``cost / budget`` (a 5 ms walk at
   0.1% of a core: every 5 s), sooner when its RSS moved by more than
   ``rss_change_fraction``;
-- never reads a process whose walk it estimates (from RSS and page-table
-  size) above ``max_stall_seconds`` unless ``force_exact``;
-- reports with every sample how old its exact figures are.
+- reports with every sample how old its exact figures are (from when their
+  walk finished) and which source they came from.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
 
 from ._cgroup import CgroupMemory, CgroupReader
 from ._group import GroupMemory, group_samples
+from ._pagemap import WALK_SECONDS_PER_PAGE, PagemapWalk, WalkUnstable, slice_nbytes_for_stall
 from ._sample import Backend, default_backend, with_exact
 from ._types import ExactMemory, ProcessMemory
 
@@ -85,17 +90,21 @@ class AgentConfig:
     jitter_fraction: float = 0.1
     """Each interval is drawn from interval * [1 - jitter, 1 + jitter], so agents on many nodes do not tick in step."""
     exact: bool = True
-    """Read exact USS/PSS (smaps_rollup) at all, within the budget."""
+    """Read exact USS/PSS (pagemap, else smaps_rollup) at all, within the budget."""
     cpu_budget_fraction: float = 0.001
     """CPU spent on exact reads, as a fraction of one core over time (0.001 = 0.1%)."""
     max_stall_seconds: float = 0.02
-    """Never read exact figures of a process whose walk is estimated above this (it stalls the target as long)."""
+    """The longest a walk may stall its target at once: a pagemap walk's slice is sized
+    so that one slice takes at most this; a process that only smaps_rollup can read
+    (one walk under its lock) is not read if its walk is estimated above this."""
     force_exact: bool = False
-    """Read exact figures even where the walk would exceed max_stall_seconds (still within the budget)."""
+    """Read smaps_rollup even where the walk would exceed max_stall_seconds (still within the budget)."""
     rss_change_fraction: float = 0.10
     """Re-read exact figures before cost/budget allows when RSS moved by more than this fraction."""
     walk_seconds_per_page: float = _DEFAULT_WALK_SECONDS_PER_PAGE
-    """Estimated walk cost of one resident 4 KiB page, for processes not read yet."""
+    """Estimated smaps_rollup cost of one resident 4 KiB page, for processes not read yet."""
+    pagemap_seconds_per_page: float = WALK_SECONDS_PER_PAGE
+    """Estimated pagemap walk cost of one resident 4 KiB page, for processes not read yet."""
     walk_base_seconds: float = 0.0002
     """Estimated walk cost of a small process (its mappings, the file itself)."""
     cgroups: bool = False
@@ -128,7 +137,7 @@ class AgentConfig:
             raise ValueError(f"max_stall_seconds must be > 0, got {self.max_stall_seconds}")
         if not self.rss_change_fraction > 0:
             raise ValueError(f"rss_change_fraction must be > 0, got {self.rss_change_fraction}")
-        if self.walk_seconds_per_page < 0 or self.walk_base_seconds < 0:
+        if self.walk_seconds_per_page < 0 or self.walk_base_seconds < 0 or self.pagemap_seconds_per_page < 0:
             raise ValueError("walk cost estimates must be >= 0")
         if self.max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {self.max_groups}")
@@ -150,11 +159,11 @@ class AgentStats(NamedTuple):
     sample_seconds: float
     """Wall time spent in cheap samples."""
     exact_reads: int
-    """smaps_rollup reads."""
+    """Exact figures taken (finished pagemap walks and smaps_rollup reads)."""
     exact_seconds: float
-    """Wall time spent in smaps_rollup reads (~ the stall they caused, summed)."""
+    """Wall time spent walking, all steps of all walks (finished or not)."""
     exact_skipped_stall: int
-    """Exact reads not done because the walk would stall the target too long."""
+    """smaps_rollup reads not done because the walk would stall the target too long."""
     exact_denied: int
     """Exact reads refused (another user's process)."""
     errors: dict[str, int]
@@ -165,6 +174,12 @@ class AgentStats(NamedTuple):
     """This process's RSS now."""
     budget_tokens_seconds: float
     """Exact-read budget left in the bucket (may be negative after an expensive read)."""
+    exact_steps: int = 0
+    """Steps taken (a pagemap slice, or a whole smaps_rollup read)."""
+    exact_unstable: int = 0
+    """pagemap walks given up because the target's mappings kept changing (retried later)."""
+    walks_in_progress: int = 0
+    """pagemap walks started and not finished yet."""
 
 
 class Snapshot:
@@ -230,8 +245,15 @@ class Snapshot:
 class _ExactState:
     exact: ExactMemory | None
     read_at: float
+    """When the figures' walk finished (the agent's clock)."""
     rss_at_read: int
     denied: bool = False
+    tried_at: float | None = None
+    """When a walk last finished or failed; re-reads are paced from here."""
+    walk: PagemapWalk | None = None
+    """A pagemap walk in progress."""
+    rollup_only: bool = False
+    """pagemap is not readable for this process: smaps_rollup, under the stall limit."""
 
 
 @dataclass
@@ -243,6 +265,8 @@ class _Counters:
     exact_seconds: float = 0.0
     exact_skipped_stall: int = 0
     exact_denied: int = 0
+    exact_steps: int = 0
+    exact_unstable: int = 0
     errors: dict[str, int] = field(default_factory=lambda: {"vanished": 0, "zombie": 0, "denied": 0})
 
 
@@ -299,6 +323,9 @@ class Agent:
         # stat shows RSS and VmSize unchanged (ProcfsBackend.cheap_reusing).
         self._cheap_reusing = getattr(self.backend, "cheap_reusing", None)
         self._retain = getattr(self.backend, "retain", None)
+        # Linux: resumable pagemap walks (ProcfsBackend.start_walk).
+        self._start_walk = getattr(self.backend, "start_walk", None) if getattr(self.backend, "pagemap", False) else None
+        self._slice_nbytes = slice_nbytes_for_stall(self.config.max_stall_seconds)
         self._sampled: set[int] = set()
         self._counters = _Counters()
         cap = max(self.config.max_stall_seconds, self.config.cpu_budget_fraction * self.config.interval_seconds)
@@ -388,11 +415,17 @@ class Agent:
         """
         return self._estimate(sample, self._exact.get((sample.pid, sample.create_time)))
 
+    def _uses_pagemap(self, state: _ExactState | None) -> bool:
+        return self._start_walk is not None and not (state is not None and state.rollup_only)
+
     def _estimate(self, sample: ProcessMemory, state: _ExactState | None) -> float:
         if state is not None and state.exact is not None:
             growth = sample.rss_bytes / state.rss_at_read if state.rss_at_read else 1.0
             return state.exact.cost_seconds * max(growth, 1.0)
         pages = sample.rss_bytes // _SMALL_PAGE_NBYTES
+        if self._uses_pagemap(state):
+            # pagemap reads every resident page, huge or not.
+            return self.config.walk_base_seconds + pages * self.config.pagemap_seconds_per_page
         if sample.page_table_bytes:
             pages = min(pages, sample.page_table_bytes // _PTE_NBYTES)
         return self.config.walk_base_seconds + pages * self.config.walk_seconds_per_page
@@ -408,7 +441,7 @@ class Agent:
             return (0, est)
         if state.denied:
             return None
-        age = now - state.read_at
+        age = now - (state.tried_at if state.tried_at is not None else state.read_at)
         if state.rss_at_read and abs(sample.rss_bytes - state.rss_at_read) > (
             self.config.rss_change_fraction * state.rss_at_read
         ):
@@ -421,15 +454,21 @@ class Agent:
     def _exact_pass(self, samples: list[ProcessMemory], now: float) -> set[int]:
         cfg = self.config
         stall_skipped: set[int] = set()
+        # (order, sample, estimated cost of what is left): walks in progress
+        # first (oldest first), then due processes.
         due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
         states, estimate, is_due = self._exact, self._estimate, self._due
         max_stall = math.inf if cfg.force_exact else cfg.max_stall_seconds
         for s in samples:
-            if s.kernel_thread or s.uss_source == "exact":
+            if s.kernel_thread or s.uss_source != "none":
                 continue
             state = states.get((s.pid, s.create_time))
             est = estimate(s, state)
-            if est > max_stall:
+            if state is not None and state.walk is not None:
+                left = max(est - state.walk.cost_seconds, cfg.walk_base_seconds)
+                due.append(((-1, -(now - (state.tried_at or 0.0))), s, left))
+                continue
+            if not self._uses_pagemap(state) and est > max_stall:
                 stall_skipped.add(s.pid)
                 self._counters.exact_skipped_stall += 1
                 continue
@@ -438,25 +477,100 @@ class Agent:
                 due.append((when, s, est))
         due.sort(key=lambda d: d[0])
         for _, s, est in due:
-            # A full bucket may pay for a walk larger than itself (the debt is
-            # repaid before the next read); otherwise the estimate must fit.
-            if self._tokens < est and self._tokens < self._bucket_cap:
+            if not self._read_exact(s, now, est, max_stall, stall_skipped):
                 break
-            key = (s.pid, s.create_time)
-            try:
-                exact = self.backend.exact(s.pid)
-            except AccessDenied:
-                self._exact[key] = _ExactState(None, now, s.rss_bytes, denied=True)
-                self._counters.exact_denied += 1
-                continue
-            except NoSuchProcess:
-                continue
-            cost = exact.cost_seconds if exact is not None else 0.0
-            self._tokens -= cost
-            self._counters.exact_reads += 1
-            self._counters.exact_seconds += cost
-            self._exact[key] = _ExactState(exact, now, s.rss_bytes)
         return stall_skipped
+
+    def _affordable(self, est: float) -> bool:
+        # A full bucket may pay for a step larger than itself (the debt is
+        # repaid before the next one); otherwise the estimate must fit.
+        return self._tokens >= est or self._tokens >= self._bucket_cap
+
+    def _charge(self, cost: float) -> None:
+        self._tokens -= cost
+        self._counters.exact_seconds += cost
+        self._counters.exact_steps += 1
+
+    def _read_exact(
+        self, s: ProcessMemory, now: float, est: float, max_stall: float, stall_skipped: set[int]
+    ) -> bool:
+        """Spend budget on ``s``'s exact figures: steps of its walk, or one
+        smaps_rollup read. False when the budget ran out."""
+        key = (s.pid, s.create_time)
+        state = self._exact.get(key)
+        c = self._counters
+        try:
+            if self._uses_pagemap(state):
+                walk = state.walk if state is not None else None
+                if walk is None:
+                    if not self._affordable(min(est, self.config.max_stall_seconds)):
+                        return False
+                    walk = self._start_walk(s.pid, slice_nbytes=self._slice_nbytes)  # type: ignore[misc]
+                    if walk is None:
+                        # No pagemap for it: smaps_rollup, under the stall limit.
+                        state = self._state(key, s, now)
+                        state.rollup_only = True
+                        est = self._estimate(s, state)
+                        if est > max_stall:
+                            stall_skipped.add(s.pid)
+                            c.exact_skipped_stall += 1
+                            return True
+                        return self._read_rollup(s, state, now, est)
+                    state = self._state(key, s, now)
+                    state.walk = walk
+                    self._charge(walk.cost_seconds)
+                return self._step_walk(s, state, walk, now, est)
+            state = self._state(key, s, now)
+            return self._read_rollup(s, state, now, est)
+        except AccessDenied:
+            st = self._state(key, s, now)
+            st.denied, st.walk = True, None
+            c.exact_denied += 1
+        except NoSuchProcess:
+            self._exact.pop(key, None)
+        return True
+
+    def _state(self, key: tuple[int, float], s: ProcessMemory, now: float) -> _ExactState:
+        state = self._exact.get(key)
+        if state is None:
+            state = self._exact[key] = _ExactState(None, now, s.rss_bytes, tried_at=now)
+        return state
+
+    def _step_walk(self, s: ProcessMemory, state: _ExactState, walk: PagemapWalk, now: float, est: float) -> bool:
+        max_step = self.config.max_stall_seconds
+        while not walk.done:
+            if not self._affordable(min(max(est - walk.cost_seconds, 0.0), max_step)):
+                return False
+            spent = walk.cost_seconds
+            try:
+                walk.step()
+            except WalkUnstable:
+                # The target kept mapping and unmapping while walked: no
+                # figure this time, the last one stands with its age.
+                self._charge(walk.cost_seconds - spent)
+                state.walk, state.tried_at = None, now
+                self._counters.exact_unstable += 1
+                return True
+            except BaseException:
+                self._charge(walk.cost_seconds - spent)
+                raise
+            self._charge(walk.cost_seconds - spent)
+        state.walk = None
+        state.tried_at = state.read_at = now
+        state.rss_at_read = s.rss_bytes
+        if walk.result is not None:
+            state.exact = walk.result
+            self._counters.exact_reads += 1
+        return True
+
+    def _read_rollup(self, s: ProcessMemory, state: _ExactState, now: float, est: float) -> bool:
+        if not self._affordable(est):
+            return False
+        exact = self.backend.exact(s.pid)
+        self._charge(exact.cost_seconds if exact is not None else 0.0)
+        self._counters.exact_reads += 1
+        state.exact, state.read_at, state.tried_at, state.rss_at_read = exact, now, now, s.rss_bytes
+        return True
 
     # -- ticking -----------------------------------------------------------------
 
@@ -520,12 +634,14 @@ class Agent:
                 del fds_cache[pid]
         alive_keys = {(s.pid, s.create_time) for s in samples}
         for key in [k for k in self._exact if k not in alive_keys]:
-            del self._exact[key]
+            gone = self._exact.pop(key)
+            if gone.walk is not None:
+                gone.walk.close()
         stall_skipped = self._exact_pass(samples, now) if self.config.exact else set()
         out: list[ProcessMemory] = []
         for s in samples:
             state = self._exact.get((s.pid, s.create_time))
-            if state is not None and state.exact is not None and s.uss_source != "exact":
+            if state is not None and state.exact is not None and s.uss_source == "none":
                 s = with_exact(s, state.exact, now - state.read_at)
             out.append(s)
         out.sort(key=lambda s: s.rss_bytes, reverse=True)
@@ -562,6 +678,9 @@ class Agent:
             cpu_seconds=time.process_time() - self._cpu_start,
             rss_bytes=self.backend.self_rss_bytes(),
             budget_tokens_seconds=self._tokens,
+            exact_steps=c.exact_steps,
+            exact_unstable=c.exact_unstable,
+            walks_in_progress=sum(1 for st in self._exact.values() if st.walk is not None),
         )
 
     @property
@@ -615,7 +734,13 @@ class Agent:
             self._thread.join(timeout_seconds)
             self._thread = None
         close = getattr(self.backend, "close", None)
-        if close is not None:
-            # The files cheap_reusing keeps open; a later tick reopens them.
-            with self._lock:
+        with self._lock:
+            # Walks in progress hold their target's pagemap open; a later
+            # tick starts them again.
+            for state in self._exact.values():
+                if state.walk is not None:
+                    state.walk.close()
+                    state.walk = None
+            if close is not None:
+                # The files cheap_reusing keeps open; a later tick reopens them.
                 close()

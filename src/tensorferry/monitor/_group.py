@@ -62,7 +62,7 @@ def group_key(sample: ProcessMemory) -> str:
 
 
 def _sum(name: str, members: list[ProcessMemory]) -> GroupMemory:
-    exact = [m for m in members if m.uss_source == "exact"]
+    exact = [m for m in members if m.uss_source != "none"]
     complete = len(exact) == len(members)
     ages = [m.exact_age_seconds for m in exact if m.exact_age_seconds is not None]
     return GroupMemory(
@@ -74,7 +74,8 @@ def _sum(name: str, members: list[ProcessMemory]) -> GroupMemory:
         shmem_bytes=sum(m.shmem_bytes for m in members),
         swap_bytes=sum(m.swap_bytes for m in members),
         uss_bytes=sum(m.uss_bytes or 0 for m in members) if complete else None,
-        pss_bytes=sum(m.pss_bytes or 0 for m in members) if complete else None,
+        pss_bytes=sum(m.pss_bytes or 0 for m in members)
+        if complete and all(m.pss_bytes is not None for m in members) else None,
         exact_count=len(exact),
         max_exact_age_seconds=max(ages) if ages else None,
         cpu_user_seconds=sum(m.cpu_user_seconds for m in members),

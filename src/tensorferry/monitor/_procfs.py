@@ -1,9 +1,11 @@
 """Linux: read process memory from /proc, as bytes, from a configurable root.
 
 Cheap files (``statm``, ``status``, ``stat``) are served from counters the
-kernel keeps per process and cost ~10 µs whatever the process's size. Only
-``smaps_rollup`` walks the page tables (and blocks the target's mmap for the
-walk); it is read only when asked. ``smaps`` is never read.
+kernel keeps per process and cost ~10 µs whatever the process's size. Exact
+figures (USS, PSS) come from ``pagemap``, walked a bounded slice at a time
+(``_pagemap``), and from ``smaps_rollup`` (one walk that blocks the target's
+mmap for its whole length) only where pagemap is not readable or the
+target's mappings kept changing during the walk. ``smaps`` is never read.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import time
 import warnings
 from collections.abc import Iterable
 
-from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
+from tensorferry.errors import NoSuchProcess, ZombieProcess
 
+from ._oserror import translate as _translate
+from ._pagemap import PagemapWalk, WalkUnstable, slice_nbytes_for_stall
 from ._types import ExactMemory, ProcessMemory
 
 # PF_KTHREAD in include/linux/sched.h: the flags field of /proc/PID/stat.
@@ -44,6 +48,8 @@ _VM_BLOCK_RE = re.compile(
 )
 # CAP_SYS_PTRACE in include/uapi/linux/capability.h: lets root list any process's fds.
 _CAP_SYS_PTRACE = 19
+# sample(pid, exact=True) walks with the slice the agent's default stall limit gives.
+DEFAULT_MAX_STALL_SECONDS = 0.02
 
 
 def _status_block_figures(status: bytes) -> tuple[int, ...] | None:
@@ -76,15 +82,6 @@ def _is_kernel_proc(proc_root: str) -> bool:
         return False
 
 
-def _translate(exc: OSError, pid: int, name: str | None = None) -> Exception:
-    # Where OS errors enter, they become the monitor's errors (psutil's way).
-    if isinstance(exc, PermissionError):
-        return AccessDenied(pid, name)
-    if isinstance(exc, (FileNotFoundError, ProcessLookupError)):
-        return NoSuchProcess(pid, name)
-    return exc
-
-
 class ProcfsBackend:
     """Reads processes' figures from a /proc tree (the real one or a fixture).
 
@@ -109,6 +106,9 @@ class ProcfsBackend:
             unchanged. None: only on a kernel /proc, where stat's RSS and
             VmSize are status's VmRSS and VmSize (the same counters); a
             fixture tree need not keep that invariant.
+        pagemap: take exact figures from pagemap where it is readable
+            (False: always smaps_rollup). None: only on a kernel /proc (a
+            fixture tree has no pagemap).
     """
 
     def __init__(
@@ -118,13 +118,18 @@ class ProcfsBackend:
         count_fds: bool = True,
         keep_open: bool | None = None,
         carry_status: bool | None = None,
+        pagemap: bool | None = None,
     ) -> None:
         self.proc_root = proc_root
+        # None: not opened yet; -1: not readable here (no PSS from pagemap).
+        self._kpagecount_fd: int | None = None
         self.count_fds = count_fds
-        if keep_open is None or carry_status is None:
+        if keep_open is None or carry_status is None or pagemap is None:
             kernel = _is_kernel_proc(proc_root)
             keep_open = kernel if keep_open is None else keep_open
             carry_status = kernel if carry_status is None else carry_status
+            pagemap = kernel if pagemap is None else pagemap
+        self.pagemap = pagemap
         self.keep_open = keep_open
         self.carry_status = carry_status
         self._page_nbytes = os.sysconf("SC_PAGE_SIZE")
@@ -207,6 +212,9 @@ class ProcfsBackend:
         for pid in list(self._handles):
             self._close_handle(pid)
         self._last.clear()
+        if self._kpagecount_fd is not None and self._kpagecount_fd >= 0:
+            os.close(self._kpagecount_fd)
+            self._kpagecount_fd = None
 
     def __del__(self) -> None:
         try:
@@ -540,8 +548,72 @@ class ProcfsBackend:
             now - read_at,
         )
 
-    def exact(self, pid: int) -> ExactMemory | None:
-        """USS and PSS of ``pid`` from smaps_rollup; walks its page tables.
+    def _kpagecount(self) -> int | None:
+        fd = self._kpagecount_fd
+        if fd is None:
+            try:
+                fd = os.open(f"{self.proc_root}/kpagecount", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1  # root only: pagemap gives USS, no PSS
+            self._kpagecount_fd = fd
+        return fd if fd >= 0 else None
+
+    def start_walk(
+        self, pid: int, *, slice_nbytes: int, expect_start_ticks: int | None = None
+    ) -> PagemapWalk | None:
+        """A resumable pagemap walk of ``pid`` (see :class:`PagemapWalk`), or None
+        where pagemap is off or not there (then :meth:`exact_rollup` is the source).
+
+        A kernel thread's walk is done at once, with no figures.
+
+        Raises:
+            NoSuchProcess, ZombieProcess: the process is gone or exited.
+            AccessDenied: another user's process.
+            ValueError: ``slice_nbytes`` is smaller than a page.
+        """
+        if not self.pagemap:
+            return None
+        try:
+            return PagemapWalk(
+                self.proc_root, pid, stat=self.stat, slice_nbytes=slice_nbytes,
+                kpagecount_fd=self._kpagecount(), expect_start_ticks=expect_start_ticks,
+            )
+        except FileNotFoundError:
+            # The process exists (the walk checked) but has no pagemap: a
+            # kernel without CONFIG_PROC_PAGE_MONITOR, or a fixture tree.
+            if self.pagemap:
+                self._warn_once("no-pagemap", f"{self.proc_root}/{pid}/pagemap does not exist; "
+                                "exact figures come from smaps_rollup (one walk under the target's mmap lock)")
+                self.pagemap = False
+            return None
+
+    def exact(self, pid: int, *, max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> ExactMemory | None:
+        """USS and PSS of ``pid``: from pagemap in slices where readable, else smaps_rollup.
+
+        The pagemap walk reads one slice of address space at a time (sized so
+        that one slice takes at most ``max_stall_seconds``); smaps_rollup is
+        the fallback where pagemap is not there, and for a process whose
+        mappings kept changing during the walk. ``source`` of the result says
+        which. Returns None for a process without user memory (a kernel thread).
+
+        Raises:
+            NoSuchProcess, ZombieProcess: the process is gone or exited.
+            AccessDenied: another user's process (statm stays readable).
+            ValueError: ``max_stall_seconds`` is not positive.
+        """
+        walk = self.start_walk(pid, slice_nbytes=slice_nbytes_for_stall(max_stall_seconds))
+        if walk is not None:
+            try:
+                while not walk.step():
+                    pass
+                return walk.result
+            except WalkUnstable:
+                pass
+        return self.exact_rollup(pid)
+
+    def exact_rollup(self, pid: int) -> ExactMemory | None:
+        """USS and PSS of ``pid`` from smaps_rollup; one walk of its page tables
+        under its mmap lock (the target's mmap/munmap wait for all of it).
 
         Returns None for a process without user memory (a kernel thread: the
         kernel answers ESRCH or nothing).
@@ -588,6 +660,8 @@ class ProcfsBackend:
             pss_bytes=kb[b"Pss"],
             swap_pss_bytes=kb.get(b"SwapPss", 0),
             cost_seconds=cost,
+            source="smaps_rollup",
+            max_step_seconds=cost,
         )
 
     def self_rss_bytes(self) -> int:

@@ -126,7 +126,7 @@ class PsutilBackend:
             num_threads=threads,
             num_fds=fds,
             uss_bytes=uss,
-            uss_source="exact" if uss is not None else "none",
+            uss_source="platform" if uss is not None else "none",
             exact_age_seconds=0.0 if uss is not None else None,
         )
 
@@ -143,6 +143,9 @@ class PsutilBackend:
         return ExactMemory(
             uss_bytes=full.uss, pss_bytes=pss, swap_pss_bytes=getattr(full, "swap", 0),
             cost_seconds=cost,
+            # On Linux psutil walks smaps_rollup (or smaps) for these.
+            source="smaps_rollup" if sys.platform.startswith("linux") else "platform",
+            max_step_seconds=cost,
         )
 
     def self_rss_bytes(self) -> int:

@@ -24,6 +24,7 @@ class Backend(Protocol):
     def cheap(self, pid: int, *, count_fds: bool | None = None) -> ProcessMemory: ...
 
     def exact(self, pid: int) -> ExactMemory | None: ...
+    """Exact figures in one call (a pagemap backend walks all slices at once)."""
 
     def self_rss_bytes(self) -> int: ...
 
@@ -63,7 +64,7 @@ def with_exact(cheap: ProcessMemory, exact: ExactMemory | None, age_seconds: flo
     return tuple.__new__(
         ProcessMemory,
         cheap[:_EXACT_FIELDS_START]
-        + (exact.uss_bytes, exact.pss_bytes, "exact", age_seconds, exact.cost_seconds)
+        + (exact.uss_bytes, exact.pss_bytes, exact.source, age_seconds, exact.cost_seconds)
         + cheap[_EXACT_FIELDS_END:],
     )
 
@@ -73,10 +74,11 @@ def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> 
 
     The cheap figures (RSS and its anon/file/shmem split, swap, peak, CPU,
     threads, fds) cost ~20 µs and do not disturb the target. ``exact=True``
-    also reads USS and PSS from ``smaps_rollup``, which walks the target's page
-    tables and blocks its mmap/munmap for the walk (~0.2 ms small, ~10 ms per
-    GiB of 4 KiB pages); to watch processes continuously use :class:`Agent`,
-    which bounds that cost.
+    also reads USS and PSS: on Linux from ``pagemap``, one slice of address
+    space at a time (the target's mmap/munmap wait for at most one slice;
+    PSS only as root), else from ``smaps_rollup`` (one walk that blocks them
+    for all of it: ~0.2 ms small, ~10 ms per GiB of 4 KiB pages). The source
+    is the same the :class:`Agent` uses; ``uss_source`` says which it was.
 
     Args:
         pid: the process.
@@ -97,6 +99,6 @@ def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> 
             _DEFAULT = default_backend()
         backend = _DEFAULT
     cheap = backend.cheap(pid)
-    if not exact or cheap.uss_source == "exact":
+    if not exact or cheap.uss_source != "none":
         return cheap
     return with_exact(cheap, backend.exact(pid), 0.0)

@@ -9,22 +9,36 @@ __all__ = ["ExactMemory", "ProcessMemory", "UssSource"]
 
 from typing import Literal, NamedTuple
 
-UssSource = Literal["exact", "none"]
-"""Where a sample's USS came from: ``exact`` (smaps_rollup, or the platform's
-private-bytes counter), ``none`` (not read; anonymous RSS is NOT a USS)."""
+UssSource = Literal["pagemap", "smaps_rollup", "platform", "none"]
+"""Where a sample's USS came from: ``pagemap`` (Linux: /proc/PID/pagemap walked
+in bounded slices), ``smaps_rollup`` (Linux: one walk under the target's mmap
+lock; where pagemap is not readable), ``platform`` (macOS, Windows: the
+platform's private-bytes counter), ``none`` (not read; anonymous RSS is NOT a
+USS)."""
 
 
 class ExactMemory(NamedTuple):
-    """Figures that cost the target a page-table walk (Linux: smaps_rollup)."""
+    """Figures that cost a page-table walk (Linux: pagemap slices or smaps_rollup)."""
 
     uss_bytes: int
-    """Private_Clean + Private_Dirty: what exiting the process would free."""
-    pss_bytes: int
-    """Pss: resident memory with each shared page divided among its sharers."""
-    swap_pss_bytes: int
-    """SwapPss: swapped-out memory with shared swap divided among its sharers."""
+    """Pages present and mapped by this process alone (smaps' Private_Clean +
+    Private_Dirty): what exiting the process would free."""
+    pss_bytes: int | None
+    """Pss: resident memory with each shared page divided among its sharers. None
+    from pagemap where /proc/kpagecount or the page frame numbers are not readable
+    (they need root)."""
+    swap_pss_bytes: int | None
+    """SwapPss: swapped-out memory with shared swap divided among its sharers; None
+    from pagemap (which cannot divide swap; the cheap ``swap_bytes`` has VmSwap)."""
     cost_seconds: float
-    """Wall time the read took; the target's mmap calls were blocked about as long."""
+    """Wall time the monitor spent on the walk, all steps together."""
+    source: UssSource = "smaps_rollup"
+    """Which source the figures came from (never ``none``)."""
+    max_step_seconds: float | None = None
+    """The longest single step: what the walk could have stalled the target at
+    most. A whole smaps_rollup read is one step."""
+    steps: int = 1
+    """Steps (reads of a slice of address space) the walk took."""
 
 
 class ProcessMemory(NamedTuple):
@@ -32,7 +46,7 @@ class ProcessMemory(NamedTuple):
 
     Cheap figures come from counters the kernel keeps (statm, status, stat) and
     cost the target nothing. ``uss_bytes`` and ``pss_bytes`` are only set when
-    exact figures were read (``uss_source == "exact"``); ``anon_bytes`` is what
+    exact figures were read (``uss_source != "none"``); ``anon_bytes`` is what
     tools that compute "RSS - shared" call USS, and it is not: it counts
     copy-on-write pages a forked child still shares with its parent and leaves
     out shared memory (/dev/shm) the process alone maps.
@@ -80,15 +94,17 @@ class ProcessMemory(NamedTuple):
     kernel_thread: bool = False
     """A kernel thread: it has no user memory, every memory figure is 0."""
     uss_bytes: int | None = None
-    """Unique set size (Private_Clean + Private_Dirty); None unless uss_source is ``exact``."""
+    """Unique set size (smaps' Private_Clean + Private_Dirty); None when uss_source is ``none``."""
     pss_bytes: int | None = None
-    """Proportional set size; None unless exact figures were read."""
+    """Proportional set size; None unless exact figures were read (and, from pagemap,
+    unless /proc/kpagecount was readable)."""
     uss_source: UssSource = "none"
     """Where uss_bytes came from; ``none`` means it was not measured."""
     exact_age_seconds: float | None = None
-    """How old uss_bytes/pss_bytes are (the agent reuses them between reads); None if unset."""
+    """How old uss_bytes/pss_bytes are, counted from when their walk finished (the agent
+    reuses them between walks, and a pagemap walk may span ticks); None if unset."""
     exact_cost_seconds: float | None = None
-    """What the read of the exact figures cost (and about how long it stalled the target)."""
+    """What the walk for the exact figures cost the monitor, all its steps together."""
     status_age_seconds: float = 0.0
     """How old anon/file/shmem/swap/peak/page-table figures are (from status): 0.0 when
     read with this sample. The agent re-reads status only when stat shows RSS or VmSize
