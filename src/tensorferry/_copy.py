@@ -25,13 +25,27 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import torch
 
+from . import packing
 from .errors import ConfigurationError
 
-__all__ = ["StagedCopy", "copy_bytes", "copy_from_blocks", "copy_staged", "copy_threads", "dense_host_mask", "memmove_runs", "new_host_bytes"]
+__all__ = [
+    "CopyPlan",
+    "StagedCopy",
+    "copy_bytes",
+    "copy_from_blocks",
+    "copy_staged",
+    "copy_threads",
+    "dense_host_mask",
+    "executor",
+    "memmove_runs",
+    "new_host_bytes",
+    "run_parts",
+]
 
 # Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
 _RAW_MIN_NBYTES = 1 << 16
@@ -55,11 +69,13 @@ _HUGE_ENV = "TENSORFERRY_HUGE_PAGES"
 _ENV = "TENSORFERRY_COPY_THREADS"
 
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 _pool_lock = threading.Lock()
-_worker = threading.local()
 
-
+# Threads of the one pool every background copy of this process runs on:
+# parallel memcpy parts, the copy-out of streamed chunks, moving the bytes
+# while views are built. A wait never blocks on a part that has not started
+# (it runs it itself, see run_parts), so nested use cannot deadlock.
+_POOL_THREADS = 8
 def copy_threads() -> int:
     """How many threads one large copy uses (``TENSORFERRY_COPY_THREADS``)."""
     raw = os.environ.get(_ENV, "").strip()
@@ -78,30 +94,50 @@ def copy_threads() -> int:
     return max(1, min(_MAX_DEFAULT_THREADS, cpus))
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+def executor() -> ThreadPoolExecutor:
+    """The process's one pool of copy threads (made on first use)."""
+    global _pool
     with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            old = _pool
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tensorferry-copy", initializer=_mark_worker)
-            _pool_size = workers
-            if old is not None:
-                old.shutdown(wait=False)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="tensorferry-copy")
         return _pool
-
-
-def _mark_worker() -> None:
-    _worker.active = True
 
 
 def _forget_pool_in_child() -> None:
     # A forked child has the pool object but none of its threads.
-    global _pool, _pool_size, _pool_lock
-    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def run_parts(fn: Any, parts: Sequence[tuple[Any, ...]]) -> None:
+    """``fn(*part)`` for every part at once: the first on this thread, the
+    rest on the copy threads. Returns when all are done; the first error is
+    raised. A part no thread has started by the time this thread gets to it
+    is run here instead (cancelled in the pool): a wait never depends on a
+    free thread, so a part may itself call run_parts."""
+    pool = executor()
+    futures = [pool.submit(fn, *part) for part in parts[1:]]
+    errors: list[BaseException] = []
+    try:
+        fn(*parts[0])
+    except BaseException as exc:  # still wait: the caller frees the memory on return
+        errors.append(exc)
+    for part, f in zip(parts[1:], futures):
+        if f.cancel():
+            try:
+                fn(*part)
+            except BaseException as exc:
+                errors.append(exc)
+        else:
+            exc2 = f.exception()
+            if exc2 is not None:
+                errors.append(exc2)
+    if errors:
+        raise errors[0]
 
 
 def _memmove_serial(dst: Sequence[int], src: Sequence[int], lengths: Sequence[int]) -> None:
@@ -150,7 +186,6 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
     if (
         threads == 1
         or total < _PARALLEL_MIN_MEAN_RUN * count
-        or getattr(_worker, "active", False)
         or (count > 1 and _destinations_overlap(dst, lengths))
     ):
         # In order, on this thread: where two runs write the same bytes
@@ -159,16 +194,7 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
         _memmove_serial(dst.tolist(), src.tolist(), lengths.tolist())
         return
     parts = _parts(dst.astype(np.int64, copy=False), src.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False), threads)
-    pool = _executor(threads - 1)
-    futures = [pool.submit(_memmove_serial, *part) for part in parts[1:]]
-    try:
-        _memmove_serial(*parts[0])
-    finally:
-        # Always wait: the caller may free or reuse the memory on return.
-        errors = [f.exception() for f in futures]
-    for error in errors:
-        if error is not None:
-            raise error
+    run_parts(_memmove_serial, parts)
 
 
 def new_host_bytes(nbytes: int) -> torch.Tensor:
@@ -218,18 +244,81 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _merge_adjacent(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge each run that continues the previous one on both sides into it."""
-    if lengths.size < 2:
-        return dst, src, lengths
-    joins = np.zeros(lengths.size, dtype=bool)
-    joins[1:] = (dst[1:] == dst[:-1] + lengths[:-1]) & (src[1:] == src[:-1] + lengths[:-1])
-    if not joins.any():
-        return dst, src, lengths
-    heads = np.flatnonzero(~joins)
-    ends = np.cumsum(lengths)
-    stops = np.append(heads[1:], lengths.size) - 1
-    return dst[heads], src[heads], ends[stops] - (ends[heads] - lengths[heads])
+class CopyPlan:
+    """One copy of many tensors: merged runs, plus the tensors copied value by value.
+
+    Built in O(N), vectorised, from one (destination, source, byte count)
+    per tensor; executing it is O(runs). Tensors that are adjacent on both
+    sides become one run (:func:`packing.merge_runs`, the one merger); a
+    model's parameters as views of one flat buffer are one memcpy. Plain
+    data: a plan can be kept and executed again (same addresses), or
+    executed a window at a time as a stream arrives.
+
+    Attributes:
+        dst, src, nbytes: int64 per run, in the plan's coordinates
+            (addresses, or offsets that :meth:`execute` shifts by a base).
+        heads: int64 index of the first tensor of each run.
+        elementwise: int64 indices of the tensors that cannot be copied as
+            raw bytes (strided, conjugated, negated, on a device): the
+            caller copies those value by value.
+    """
+
+    __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_src_end")
+
+    def __init__(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, elementwise: np.ndarray) -> None:
+        self.dst, self.src, self.nbytes, self.heads, self.elementwise = dst, src, nbytes, heads, elementwise
+        self._src_end: np.ndarray | None = None
+
+    @classmethod
+    def build(cls, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, *, raw: np.ndarray | None = None, breaks: np.ndarray | None = None) -> "CopyPlan":
+        """The plan of copying ``nbytes[i]`` bytes from ``src[i]`` to ``dst[i]``.
+
+        Zero-byte entries are left out. ``raw`` (bool per tensor, default
+        all) says which may be copied as bytes; the rest are listed in
+        ``elementwise``. ``breaks`` (bool per tensor) starts a run where
+        something else changes (a storage, a region).
+        """
+        n = np.asarray(nbytes, dtype=np.int64)
+        live = n > 0
+        elementwise = _EMPTY
+        if raw is not None:
+            raw = np.asarray(raw, dtype=bool)
+            elementwise = np.flatnonzero(live & ~raw)
+            live = live & raw
+        sel = np.flatnonzero(live)
+        if sel.size == n.size:
+            runs = packing.merge_runs(dst, src, n, breaks)
+            return cls(runs.dst, runs.src, runs.nbytes, runs.heads, elementwise)
+        br = None if breaks is None else np.asarray(breaks, dtype=bool)[sel]
+        runs = packing.merge_runs(np.asarray(dst)[sel], np.asarray(src)[sel], n[sel], br)
+        return cls(runs.dst, runs.src, runs.nbytes, sel[runs.heads], elementwise)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.nbytes.size)
+
+    def execute(self, dst_base: int = 0, src_base: int = 0) -> None:
+        """Copy every run by address (host memory), on several threads when large."""
+        memmove_runs(self.dst + dst_base, self.src + src_base, self.nbytes)
+
+    def execute_window(self, lo: int, hi: int, dst_base: int, src_base: int) -> None:
+        """Copy the parts of the runs whose sources lie in ``[lo, hi)``.
+
+        Sources must ascend (a stream); ``O(log runs + runs in the window)``.
+        """
+        if self._src_end is None:
+            self._src_end = self.src + self.nbytes
+        first = int(np.searchsorted(self._src_end, lo, side="right"))
+        last = int(np.searchsorted(self.src, hi, side="left"))
+        if first >= last:
+            return
+        s0 = self.src[first:last]
+        s = np.maximum(s0, lo)
+        e = np.minimum(self._src_end[first:last], hi)
+        memmove_runs(self.dst[first:last] + (s - s0) + dst_base, s + src_base, e - s)
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 _get_is_cpu = attrgetter("is_cpu")
@@ -278,11 +367,8 @@ class StagedCopy:
             staged = torch.empty(int(n[i]), dtype=torch.uint8)
             dst[i] = staged.data_ptr()
             self._fixups.append((staged, targets[i]))
-        live = np.flatnonzero(n > 0)
-        # Stream order: starts ascend, and so do ends (tensors never overlap).
-        self._start = start[live]
-        self._end = self._start + n[live]
-        self._dst = dst[live]
+        # In stream coordinates: sources ascend (tensors never overlap).
+        self.plan = CopyPlan.build(dst, start, n)
 
     @classmethod
     def into_blocks(cls, dests: Sequence[torch.Tensor]) -> "StagedCopy":
@@ -291,14 +377,7 @@ class StagedCopy:
         return cls(sizes.tolist(), np.arange(sizes.size + 1), np.zeros(sizes.size, dtype=np.int64), sizes, dests)
 
     def __call__(self, pos: int, k: int, base: int) -> None:
-        lo = int(np.searchsorted(self._end, pos, side="right"))
-        hi = int(np.searchsorted(self._start, pos + k, side="left"))
-        if lo >= hi:
-            return
-        start = self._start[lo:hi]
-        s = np.maximum(start, pos)
-        e = np.minimum(self._end[lo:hi], pos + k)
-        memmove_runs(*_merge_adjacent(self._dst[lo:hi] + (s - start), base + (s - pos), e - s))
+        self.plan.execute_window(pos, pos + k, 0, base - pos)
 
     def finish(self) -> None:
         """Copy the staged bytes of targets that could not be written by address."""
@@ -330,16 +409,16 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
     for b, blk in enumerate(blocks):
         lo, hi = int(bounds[b]), int(bounds[b + 1])
         src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
-    live = nbytes > 0
     if all(blk.device.type == "cpu" for blk in blocks):
         ok = dense_host_mask(targets)
     else:
         ok = np.zeros(count, dtype=bool)
-    raw = np.flatnonzero(ok & live)
-    if raw.size:
-        dst = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[raw]
-        memmove_runs(*_merge_adjacent(dst, src[raw], nbytes[raw].astype(np.int64, copy=False)))
-    rest = np.flatnonzero(~ok & live)
+    dst = np.zeros(count, dtype=np.int64)
+    if ok.any():
+        dst[ok] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[ok]
+    plan = CopyPlan.build(dst, src, nbytes, raw=ok)
+    plan.execute()
+    rest = plan.elementwise
     if rest.size:
         block_of = np.searchsorted(bounds, rest, side="right") - 1
         with torch.no_grad():

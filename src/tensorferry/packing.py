@@ -7,7 +7,8 @@ compute the same byte layout without exchanging per-tensor offsets:
   of its own alignment (its element size), with no trailing pad;
 * :func:`group_by_block` is the receiver's inverse: given only the byte count of
   each received block, it finds which consecutive tensors each block holds;
-* :func:`merge_ranges` merges adjacent byte ranges, so one copy or one transfer
+* :func:`merge_runs` merges copies adjacent on both sides (and
+  :func:`merge_ranges` adjacent byte ranges), so one copy or one transfer
   descriptor covers a whole run of tensors.
 
 Zero-size tensors take no space and never move the cursor: their offset is the
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import LayoutMismatchError
+from .errors import ConfigurationError, LayoutMismatchError
 
 __all__ = [
     "BLOCK_ALIGNMENT",
@@ -30,6 +31,8 @@ __all__ = [
     "packed_offsets",
     "group_by_block",
     "merge_ranges",
+    "merge_runs",
+    "Runs",
     "fit_prefix",
     "BlockGroups",
 ]
@@ -50,16 +53,16 @@ def align_up(value, alignment):
     Works on Python ints and on numpy integer arrays alike.
     """
     if not isinstance(alignment, np.ndarray) and alignment < 1:
-        raise ValueError(f"alignment must be a positive integer, got {alignment}")
+        raise ConfigurationError(f"alignment must be a positive integer, got {alignment}")
     return (value + (alignment - 1)) // alignment * alignment
 
 
 def _as_int64(name: str, values) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+        raise ConfigurationError(f"{name} must be one-dimensional, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        raise ConfigurationError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -67,15 +70,15 @@ def _check_inputs(nbytes, alignments) -> tuple[np.ndarray, np.ndarray]:
     n = _as_int64("nbytes", nbytes)
     a = _as_int64("alignments", alignments)
     if n.shape != a.shape:
-        raise ValueError(f"nbytes has {n.size} entries but alignments has {a.size}")
+        raise ConfigurationError(f"nbytes has {n.size} entries but alignments has {a.size}")
     if n.size:
         if int(n.min()) < 0:
-            raise ValueError("nbytes must be non-negative")
+            raise ConfigurationError("nbytes must be non-negative")
         # Powers of two that divide BLOCK_ALIGNMENT: what every torch dtype has,
         # and what makes the mod-16 scan below exact.
         if int(a.min()) < 1 or int(a.max()) > BLOCK_ALIGNMENT or np.any(a & (a - 1)):
             bad = a[(a < 1) | (a > BLOCK_ALIGNMENT) | ((a & (a - 1)) != 0)][:5].tolist()
-            raise ValueError(
+            raise ConfigurationError(
                 f"alignments must be powers of two from 1 to {BLOCK_ALIGNMENT}, got {bad}"
             )
     return n, a
@@ -254,15 +257,60 @@ def group_by_block(nbytes, alignments, block_nbytes) -> BlockGroups:
     return BlockGroups(bounds, offsets)
 
 
+class Runs(NamedTuple):
+    """Merged copy runs: run ``r`` copies ``nbytes[r]`` bytes from ``src[r]``
+    to ``dst[r]``; ``heads[r]`` is the index of its first input range."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    nbytes: np.ndarray
+    heads: np.ndarray
+
+
+def merge_runs(dst, src, nbytes, breaks=None) -> Runs:
+    """Merge copies that continue the previous one on both sides into it.
+
+    The one range merger of tensorferry: pool packing, ``into=`` copies,
+    shm block copies, NIXL descriptor lists and view building all merge
+    through it. O(N), vectorized. Range ``i`` joins range ``i - 1`` when
+    ``dst[i] == dst[i-1] + nbytes[i-1]`` and ``src[i] == src[i-1] +
+    nbytes[i-1]`` and ``breaks[i]`` (if given) is false: a caller breaks
+    runs where something else changes (a storage, a dtype, a region).
+    Callers leave zero-length ranges out.
+
+    Args:
+        dst: destination of each range (an address or an offset).
+        src: source of each range.
+        nbytes: byte count of each range.
+        breaks: optional bool per range: start a new run here regardless.
+
+    Returns:
+        :class:`Runs`, one entry per merged run.
+    """
+    d = _as_int64("dst", dst)
+    s = _as_int64("src", src)
+    n = _as_int64("nbytes", nbytes)
+    if not d.shape == s.shape == n.shape:
+        raise ValueError(f"dst, src and nbytes have {d.size}, {s.size} and {n.size} entries; they must match")
+    if n.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty, empty)
+    starts = np.empty(n.size, dtype=bool)
+    starts[0] = True
+    if n.size > 1:
+        starts[1:] = (d[1:] != d[:-1] + n[:-1]) | (s[1:] != s[:-1] + n[:-1])
+        if breaks is not None:
+            starts[1:] |= np.asarray(breaks, dtype=bool)[1:]
+    heads = np.flatnonzero(starts)
+    if heads.size == n.size:
+        return Runs(d, s, n, heads)
+    return Runs(d[heads], s[heads], np.add.reduceat(n, heads), heads)
+
+
 def merge_ranges(offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge byte ranges that touch (``offset[i] + length[i] == offset[i+1]``).
 
-    O(N), vectorized. Callers leave zero-length ranges out: one whose offset
-    is not the previous end splits a run.
-
-    Args:
-        offsets: start of each range, in order.
-        lengths: byte count of each range.
+    One-sided :func:`merge_runs`. Callers leave zero-length ranges out.
 
     Returns:
         ``(run_offsets, run_lengths, run_starts)``: each merged run's start and
@@ -271,19 +319,9 @@ def merge_ranges(offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     off = _as_int64("offsets", offsets)
     ln = _as_int64("lengths", lengths)
     if off.shape != ln.shape:
-        raise ValueError(f"offsets has {off.size} entries but lengths has {ln.size}")
-    if off.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    ends = off + ln
-    breaks = np.empty(off.size, dtype=bool)
-    breaks[0] = True
-    breaks[1:] = off[1:] != ends[:-1]
-    run_starts = np.flatnonzero(breaks)
-    run_offsets = off[run_starts]
-    run_stops = np.append(run_starts[1:], off.size) - 1
-    run_lengths = ends[run_stops] - run_offsets
-    return run_offsets, run_lengths, run_starts
+        raise ConfigurationError(f"offsets has {off.size} entries but lengths has {ln.size}")
+    runs = merge_runs(off, off, ln)
+    return runs.dst, runs.nbytes, runs.heads
 
 
 def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:
