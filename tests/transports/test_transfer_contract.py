@@ -1,7 +1,8 @@
 """The transfer contract, run against every transport (shm, tcp, nixl).
 
 Real pools, real sockets, real processes; nothing is mocked. nixl is skipped
-only where the extra or tensorferry's nixl transport cannot be imported.
+only where the nixl package is not installed; an import error in tensorferry's
+nixl transport fails.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import tensorferry.receiver as receiver_module
 
 from _transfer_helpers import (
+    COMPLEX_HALF_WARNING,
     DTYPES,
     TRANSPORTS,
     Worker,
@@ -53,7 +55,7 @@ from tensorferry import (
     TransferTimeoutError,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings(COMPLEX_HALF_WARNING)]
 
 MiB = 1 << 20
 
