@@ -1,0 +1,245 @@
+"""Exact figures from pagemap against the kernel's own smaps_rollup, on real
+processes: 2 GiB of 4 KiB pages, THP, copy-on-write children before and after
+writing, MAP_SHARED anonymous memory, /dev/shm, memfd, hugetlbfs, a process
+mapping and unmapping while walked; and the races (exit mid-walk, mappings
+added mid-walk, mappings that keep changing, kernel threads)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+from monitor_helpers import rollup_truth
+
+from tensorferry.errors import NoSuchProcess
+from tensorferry.monitor import sample
+from tensorferry.monitor._pagemap import PagemapWalk, WalkUnstable, _subtract, _union, slice_nbytes_for_stall
+from tensorferry.monitor._procfs import ProcfsBackend
+
+MIB = 1 << 20
+ROOT = os.geteuid() == 0
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="no /proc/PID/pagemap here")
+
+
+def walk(backend: ProcfsBackend, pid: int, slice_nbytes: int = 64 * MIB):
+    w = backend.start_walk(pid, slice_nbytes=slice_nbytes)
+    assert w is not None
+    while not w.step():
+        pass
+    return w
+
+
+def assert_agrees(pid: int, *, slice_nbytes: int = 64 * MIB, tolerance: float = 0.01) -> tuple[int, int | None]:
+    """pagemap's USS and PSS within ``tolerance`` (or 256 KiB) of smaps_rollup read right after."""
+    b = ProcfsBackend()
+    e = walk(b, pid, slice_nbytes).result
+    truth = rollup_truth(pid)
+    uss = truth["Private_Clean"] + truth["Private_Dirty"]
+    assert e is not None and e.source == "pagemap"
+    assert abs(e.uss_bytes - uss) <= max(tolerance * uss, 256 * 1024), (e, truth)
+    if ROOT:
+        assert e.pss_bytes is not None
+        assert abs(e.pss_bytes - truth["Pss"]) <= max(tolerance * truth["Pss"], 256 * 1024), (e, truth)
+    else:
+        assert e.pss_bytes is None
+    return e.uss_bytes, e.pss_bytes
+
+
+def test_two_gib_of_small_pages_in_many_slices(start_target) -> None:
+    t = start_target("big", "2048")
+    b = ProcfsBackend()
+    w = walk(b, t.pid, slice_nbytes=256 * MIB)
+    assert w.steps >= 8  # 2 GiB in 256 MiB slices, plus the opening and closing reads
+    uss, _ = assert_agrees(t.pid)
+    assert uss >= 2048 * MIB
+
+
+def test_thp_backed_memory(start_target) -> None:
+    t = start_target("thp", "256")
+    truth = rollup_truth(t.pid)
+    if truth.get("AnonHugePages", 0) < 128 * MIB:
+        pytest.skip("transparent huge pages not given here (THP disabled or memory fragmented)")
+    uss, _ = assert_agrees(t.pid)
+    assert uss >= 256 * MIB
+
+
+@pytest.mark.parametrize("write_mib", [0, 48])
+def test_forked_children_share_copy_on_write_before_and_after_writes(start_target, write_mib: int) -> None:
+    t = start_target("cow", "96", str(write_mib))
+    child = int(t.facts["child"])
+    child_uss, child_pss = assert_agrees(child)
+    parent_uss, _ = assert_agrees(t.pid)
+    # Shared pages are nobody's USS; the child's writes made its own copies.
+    assert write_mib * MIB <= child_uss <= (write_mib + 16) * MIB
+    assert parent_uss >= (write_mib - 1) * MIB
+    if ROOT:
+        assert child_pss is not None
+        shared = (96 - write_mib) * MIB
+        assert child_pss >= child_uss + shared // 2 - 4 * MIB
+
+
+def test_shared_anonymous_memory_of_forked_workers(start_target) -> None:
+    t = start_target("sharedanon", "64")
+    child = int(t.facts["child"])
+    for pid in (t.pid, child):
+        uss, pss = assert_agrees(pid)
+        # Mapped by both: in neither's USS, half of it in each one's PSS.
+        assert uss < 32 * MIB
+        if ROOT:
+            assert pss is not None and pss >= uss + 30 * MIB
+
+
+def test_dev_shm_one_mapper_then_two(start_target) -> None:
+    name = f"tensorferry-test-{uuid.uuid4().hex}"
+    try:
+        a = start_target("shm", name, "64")
+        alone, _ = assert_agrees(a.pid)
+        assert alone >= 64 * MIB  # the only mapper: private, as smaps counts it
+        start_target("shm", name, "64")
+        shared, pss = assert_agrees(a.pid)
+        assert shared <= alone - 60 * MIB
+        if ROOT:
+            assert pss is not None and pss >= shared + 30 * MIB
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_memfd_mapper(start_target) -> None:
+    t = start_target("memfd", "64")
+    uss, _ = assert_agrees(t.pid)
+    assert uss >= 64 * MIB
+
+
+def hugepages_free() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("HugePages_Free:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(hugepages_free() < 4, reason="needs 4 free huge pages (vm.nr_hugepages)")
+def test_hugetlbfs_pages_are_left_out_as_smaps_rollup_does(start_target) -> None:
+    t = start_target("hugetlb", "8")
+    truth = rollup_truth(t.pid)
+    assert truth["Private_Hugetlb"] >= 8 * MIB  # smaps_rollup reports them apart
+    uss, pss = assert_agrees(t.pid)
+    assert uss < truth["Rss"] + 1 * MIB
+
+
+def test_process_mapping_and_unmapping_while_walked(start_target) -> None:
+    t = start_target("big", "256")
+    t.proc.stdin.write("churn 3\n")  # type: ignore[union-attr]
+    t.proc.stdin.flush()  # type: ignore[union-attr]
+    b = ProcfsBackend()
+    walks = 0
+    results = []
+    try:
+        for _ in range(5):
+            try:
+                results.append(walk(b, t.pid, slice_nbytes=16 * MIB).result)
+            except WalkUnstable:
+                continue
+            walks += 1
+    finally:
+        t.proc.stdout.readline()  # type: ignore[union-attr]
+    assert walks >= 1
+    truth = rollup_truth(t.pid)
+    uss = truth["Private_Clean"] + truth["Private_Dirty"]
+    # The loop maps and unmaps 256 KiB: each walk sees it there or not.
+    for e in results:
+        assert abs(e.uss_bytes - uss) <= max(0.01 * uss, MIB), (e, truth)
+
+
+def test_mapping_added_mid_walk_is_walked_too(start_target) -> None:
+    t = start_target("big", "64")
+    b = ProcfsBackend()
+    w = b.start_walk(t.pid, slice_nbytes=2 * MIB)
+    assert w is not None
+    w.step()
+    t.proc.stdin.write("map 32\n")  # type: ignore[union-attr]
+    t.proc.stdin.flush()  # type: ignore[union-attr]
+    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]
+    while not w.step():
+        pass
+    truth = rollup_truth(t.pid)
+    uss = truth["Private_Clean"] + truth["Private_Dirty"]
+    assert w.result is not None and w.result.uss_bytes >= 96 * MIB
+    assert abs(w.result.uss_bytes - uss) <= 256 * 1024
+
+
+def test_mappings_that_keep_changing_give_no_figure(start_target) -> None:
+    t = start_target("sleep")
+    t.proc.stdin.write("grow 10\n")  # type: ignore[union-attr]
+    t.proc.stdin.flush()  # type: ignore[union-attr]
+    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]
+    b = ProcfsBackend()
+    try:
+        w = b.start_walk(t.pid, slice_nbytes=1 * MIB)
+        assert w is not None
+        with pytest.raises(WalkUnstable) as info:
+            # 1 MiB slices of a process mapping a new region thousands of
+            # times a second: every re-read of maps finds many MiB more.
+            while not w.step():
+                pass
+        assert info.value.changed_nbytes > MIB
+        assert w.done and w.result is None
+    finally:
+        os.kill(t.pid, signal.SIGKILL)
+
+
+def test_exit_mid_walk_raises_no_such_process(start_target) -> None:
+    t = start_target("big", "64")
+    b = ProcfsBackend()
+    w = b.start_walk(t.pid, slice_nbytes=2 * MIB)
+    assert w is not None
+    w.step()
+    os.kill(t.pid, signal.SIGKILL)
+    t.proc.wait(10)
+    with pytest.raises(NoSuchProcess):
+        while not w.step():
+            pass
+    assert w.done and w.result is None
+    with pytest.raises(NoSuchProcess):
+        b.start_walk(t.pid, slice_nbytes=2 * MIB)
+
+
+def test_kernel_thread_walk_is_done_without_figures() -> None:
+    try:
+        with open("/proc/2/stat") as f:
+            flags = int(f.read().rpartition(")")[2].split()[6])
+    except OSError:
+        pytest.skip("pid 2 not visible (pid namespace)")
+    if not flags & 0x00200000:
+        pytest.skip("pid 2 is not a kernel thread here (pid namespace)")
+    w = ProcfsBackend().start_walk(2, slice_nbytes=2 * MIB)
+    assert w is not None and w.done and w.result is None and w.kernel_thread
+
+
+def test_sample_exact_uses_pagemap(start_target) -> None:
+    t = start_target("big", "64")
+    s = sample(t.pid, exact=True)
+    assert s.uss_source == "pagemap"
+    assert s.uss_bytes is not None and s.uss_bytes >= 64 * MIB
+    off = ProcfsBackend(pagemap=False)
+    assert sample(t.pid, exact=True, backend=off).uss_source == "smaps_rollup"
+
+
+def test_slice_follows_the_stall_limit() -> None:
+    assert slice_nbytes_for_stall(0.02) > slice_nbytes_for_stall(0.002) >= 2 * MIB
+    assert slice_nbytes_for_stall(1e-9) == 2 * MIB
+    assert slice_nbytes_for_stall(0.02) % (2 * MIB) == 0
+    with pytest.raises(ValueError):
+        slice_nbytes_for_stall(0)
+
+
+def test_range_arithmetic() -> None:
+    walked = [(0, 10), (20, 30)]
+    assert _subtract([(0, 40)], walked) == [(10, 20), (30, 40)]
+    assert _subtract([(5, 8), (25, 35)], walked) == [(30, 35)]
+    assert _subtract(walked, walked) == []
+    assert _union(walked, [(10, 20), (50, 60)]) == [(0, 30), (50, 60)]
