@@ -22,7 +22,15 @@ Measures (see docs/monitor.md for the reading):
      every 15 s), with the default status carry-over and with status read
      every tick (the cost when every target's RSS moves every tick).
 
-Run: .venv/bin/python benchmarks/bench_monitor.py [--quick]
+  4. exact figures of a 4 GiB process (4 KiB pages): the worst call of a
+     victim while a monitor takes exact figures at 1 Hz (pagemap slices,
+     smaps_rollup, psutil memory_full_info), for a victim mapping and
+     unmapping 256 KiB and one allocating 8 MiB tensors in a loop; the
+     monitor's CPU per exact figure per GiB resident; how often the agent's
+     default budget gives it a figure (ticks at 1 Hz on a simulated clock,
+     each walk step's real cost charged).
+
+Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only]
 Writes benchmarks/results/bench_monitor.json and prints a table.
 """
 
@@ -225,6 +233,125 @@ def _interference_rows(victim: Target, seconds: float) -> dict[str, dict[str, fl
     return out
 
 
+def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str, object]:
+    """Section 4: pagemap slices against smaps_rollup and memory_full_info."""
+    backend = ProcfsBackend(count_fds=False)
+    rss = backend.cheap(victim.pid).rss_bytes
+    gib = rss / 2**30
+    # Monitor CPU per exact figure (this process's CPU time, median of 3).
+    cpu: dict[str, float] = {}
+    p = psutil.Process(victim.pid)
+    methods = {
+        "pagemap slices": lambda: backend.exact(victim.pid),
+        "smaps_rollup": lambda: backend.exact_rollup(victim.pid),
+        "psutil memory_full_info": p.memory_full_info,
+    }
+    figures = {}
+    for name, fn in methods.items():
+        runs = []
+        for _ in range(3):
+            c0 = time.process_time()
+            out = fn()
+            runs.append(time.process_time() - c0)
+        cpu[name] = statistics.median(runs)
+        figures[name] = getattr(out, "uss_bytes", getattr(out, "uss", None))
+    pm = backend.exact(victim.pid)
+    rows: dict[str, dict[str, object]] = {}
+    restore, victim_cpu = pin_apart(victim)
+    try:
+        for load in ("churn", "alloc"):
+            def run(label: str, fn) -> None:
+                stop = threading.Event()
+                count = [0]
+
+                def loop() -> None:
+                    while not stop.is_set():
+                        t0 = time.perf_counter()
+                        fn()
+                        count[0] += 1
+                        stop.wait(max(0.0, 1.0 - (time.perf_counter() - t0)))
+
+                th = threading.Thread(target=loop, daemon=True) if fn is not None else None
+                if th is not None:
+                    th.start()
+                try:
+                    victim.proc.stdin.write(f"{load} {seconds}\n")
+                    victim.proc.stdin.flush()
+                    r = json.loads(victim.proc.stdout.readline())
+                finally:
+                    stop.set()
+                    if th is not None:
+                        th.join(30)
+                r["figures"] = count[0]
+                rows[f"{load}: {label}"] = r
+                print(f"  exact: {load}: {label}", file=sys.stderr, flush=True)
+
+            run("no monitor", None)
+            for name, fn in methods.items():
+                run(name, fn)
+    finally:
+        os.sched_setaffinity(0, restore)
+    # How often the default budget gives this process a figure: 1 Hz ticks
+    # on a simulated clock (no sleeping), each step's real cost charged.
+    clock = [0.0]
+    agent = Agent(Selection(pids=(victim.pid,)), AgentConfig(), backend=backend, clock=lambda: clock[0])
+    finished: list[float] = []
+    last = None
+    for second in range(sim_seconds):
+        clock[0] = float(second)
+        s = agent.tick().samples[0]
+        if s.uss_source == "pagemap" and s.exact_age_seconds == 0.0 and last != second:
+            finished.append(float(second))
+            last = second
+    st = agent.stats()
+    return {
+        "rss_bytes": rss,
+        "victim_cpu": victim_cpu,
+        "cpu_seconds_per_figure": cpu,
+        "cpu_seconds_per_figure_per_gib": {k: v / gib for k, v in cpu.items()},
+        "uss_bytes": figures,
+        "pagemap_steps": pm.steps if pm else None,
+        "pagemap_max_step_seconds": pm.max_step_seconds if pm else None,
+        "interference": rows,
+        "agent_simulated_seconds": sim_seconds,
+        "agent_figures": len(finished),
+        "agent_figure_times": finished,
+        "agent_seconds_per_figure": (sim_seconds / len(finished)) if finished else None,
+        "agent_steps": st.exact_steps,
+        "agent_exact_seconds": st.exact_seconds,
+        "agent_stall_skips": st.exact_skipped_stall,
+    }
+
+
+def print_exact(ex: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(width=200)
+    t = Table(title=f"exact figures of a {ex['rss_bytes'] / 2**30:.1f} GiB process (4 KiB pages), monitor at 1 Hz")
+    for h in ("victim loop", "monitor", "figures", "p50 µs", "p99.9 µs", "worst µs", "worst / no monitor",
+              "iterations > 5 ms"):
+        t.add_column(h, justify="right")
+    rows = ex["interference"]
+    for name, r in rows.items():
+        base = rows[name.split(":")[0] + ": no monitor"]["worst_seconds"]
+        t.add_row(*name.split(": "), str(r["figures"]), f"{r['p50_seconds'] * 1e6:.0f}",
+                  f"{r['p999_seconds'] * 1e6:.0f}", f"{r['worst_seconds'] * 1e6:.0f}",
+                  f"{r['worst_seconds'] / base:.2f}x", str(r["slow_iterations"]))
+    c.print(t)
+    t = Table(title="monitor CPU per exact figure")
+    for h in ("source", "CPU ms", "CPU ms per GiB resident", "vs smaps_rollup"):
+        t.add_column(h, justify="right")
+    ref = ex["cpu_seconds_per_figure"]["smaps_rollup"]
+    for k, v in ex["cpu_seconds_per_figure"].items():
+        t.add_row(k, f"{v * 1e3:.1f}", f"{ex['cpu_seconds_per_figure_per_gib'][k] * 1e3:.1f}", f"{v / ref:.2f}x")
+    c.print(t)
+    c.print(f"default budget (0.1% of a core, 1 Hz): {ex['agent_figures']} pagemap figures in "
+            f"{ex['agent_simulated_seconds']} simulated s (one per {ex['agent_seconds_per_figure'] or 0:.0f} s), "
+            f"{ex['agent_steps']} steps, {ex['agent_exact_seconds'] * 1e3:.0f} ms walking; "
+            f"a pagemap figure took {ex['pagemap_steps']} steps, the longest {ex['pagemap_max_step_seconds'] * 1e3:.1f} ms")
+
+
 AGENT_CODE = r"""
 import json, sys, time, resource
 sys.path.insert(0, sys.argv[4])
@@ -336,7 +463,21 @@ def print_tables(costs, interf, self_cost) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller targets, shorter phases (a smoke run)")
+    ap.add_argument("--exact-only", action="store_true", help="only section 4 (exact figures of a 4 GiB process)")
     args = ap.parse_args()
+    if args.exact_only:
+        victim = Target("4G RSS", "big", "1024" if args.quick else "4096")
+        try:
+            ex = exact_figures(victim, 3.0 if args.quick else 8.0, 300 if args.quick else 900)
+        finally:
+            victim.close()
+        print_exact(ex)
+        out = RESULTS.with_name("bench_monitor_exact.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"kernel": os.uname().release, "exact": ex, "load_average_at_end": os.getloadavg()},
+                                  indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     big = (256, 1024) if args.quick else (1024, 4096)
     churn_seconds = 3.0 if args.quick else 10.0
     self_seconds = 5.0 if args.quick else 30.0
@@ -353,6 +494,7 @@ def main() -> int:
         costs = sample_costs(targets, args.quick)
         victim = targets[5]
         interf = interference(victim, churn_seconds)
+        exact = exact_figures(victim, churn_seconds, 900)
     finally:
         for t in targets:
             t.close()
@@ -390,11 +532,13 @@ def main() -> int:
         "wall_seconds": time.monotonic() - t_start,
     }
     print_tables(costs, interf, self_cost)
+    print_exact(exact)
     print(json.dumps(summary, indent=2))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(
         {"quick": args.quick, "kernel": os.uname().release, "cpus": os.cpu_count(),
-         "sample_costs": costs, "interference": interf, "agent_self_cost": self_cost, "summary": summary},
+         "sample_costs": costs, "interference": interf, "agent_self_cost": self_cost, "exact": exact,
+         "summary": summary},
         indent=2,
     ))
     print(f"wrote {RESULTS}", file=sys.stderr)
