@@ -1,0 +1,104 @@
+"""Receiver on its own (receiver.py): arguments, what a get checks before it
+connects, one receiver for several transports, close.
+
+Gets over every transport, into= and zero copy are the contract suite's
+(tests/transports/). Real senders on loopback; tickets pointing nowhere are
+real tickets with the address changed.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import msgspec
+import pytest
+import torch
+
+from tensorferry import LayoutMismatchError, Receiver, Sender, TicketError, TransferError
+
+MiB = 1 << 20
+NOWHERE = "@no-such-tensorferry-sender"  # an abstract socket name nobody binds
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def obj(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(8, 4, generator=g), "n": [torch.arange(3)]}
+
+
+@pytest.fixture(scope="module")
+def shm_ticket():
+    """A real shm ticket, never redeemed, whose sender is gone."""
+    with Sender("shm", capacity_nbytes=1 * MiB) as s:
+        t = s.put(obj())
+    return msgspec.structs.replace(t, address=NOWHERE)
+
+
+def test_an_unknown_transport_is_refused():
+    with pytest.raises(ValueError, match="bogus"):
+        Receiver("bogus")
+
+
+def test_bytes_that_are_no_ticket_are_a_ticket_error():
+    with Receiver("shm", timeout=2.0) as r:
+        for data in (b"", b"hello", b"TFTK\x01\x00\xff"):
+            with pytest.raises(TicketError):
+                r.get(data)
+
+
+def test_a_ticket_of_another_transport_is_refused_before_connecting(shm_ticket):
+    with Receiver("tcp", timeout=2.0) as r:
+        with pytest.raises(TicketError, match="shm transport, this receiver speaks tcp"):
+            r.get(shm_ticket)
+
+
+def test_a_ticket_whose_size_disagrees_with_its_layout_is_refused_before_connecting(shm_ticket):
+    forged = msgspec.structs.replace(shm_ticket, total_nbytes=shm_ticket.total_nbytes + 16)
+    with Receiver("shm", timeout=2.0) as r:
+        with pytest.raises(TicketError, match="its layout packs into"):
+            r.get(forged)
+
+
+def test_into_is_matched_before_connecting(shm_ticket):
+    with Receiver("shm", timeout=2.0) as r:
+        with pytest.raises(LayoutMismatchError, match=r"obj\['w'\]"):
+            r.get(shm_ticket, into={"w": torch.empty(4, 8), "n": [torch.empty(3, dtype=torch.int64)]})
+        with pytest.raises(TransferError, match="zero_copy"):
+            r.get(shm_ticket, into=obj(), zero_copy=True)
+
+
+def test_zero_copy_needs_shm():
+    with Sender("tcp", capacity_nbytes=1 * MiB) as s, Receiver("tcp", timeout=5.0) as r:
+        t = s.put(obj())
+        with pytest.raises(TransferError, match="shm"):
+            r.get(t, zero_copy=True)
+        got = r.get(t)  # the slot was not taken by the refused get
+        assert torch.equal(got["w"], obj()["w"]) and torch.equal(got["n"][0], torch.arange(3))
+
+
+def test_one_receiver_for_any_transport():
+    with Sender("shm", capacity_nbytes=1 * MiB) as a, Sender("tcp", capacity_nbytes=1 * MiB) as b:
+        with Receiver(timeout=5.0) as r:
+            for i, s in enumerate((a, b, a)):
+                got = r.get(s.put(obj(i)).to_bytes())
+                assert torch.equal(got["w"], obj(i)["w"])
+
+
+def test_a_closed_receiver_refuses_gets_and_keeps_nothing_open():
+    with Sender("tcp", capacity_nbytes=1 * MiB) as s:
+        t = s.put(obj(), readers=2)
+        fds = open_fds()
+        r = Receiver("tcp", timeout=5.0)
+        r.get(t)
+        assert open_fds() > fds  # its connection
+        r.close()
+        r.close()
+        gc.collect()
+        assert open_fds() <= fds
+        with pytest.raises(TransferError, match="closed"):
+            r.get(t)
+        s.discard(t)
