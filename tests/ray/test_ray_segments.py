@@ -136,7 +136,7 @@ def test_segments_under_a_cap_give_up_idle_segments_before_refusing():
         sender, ticket = segments.put(torch.zeros(six // 4))
         assert segments.stats()["segments"] == 2
         segments.discard(sender, ticket)
-        H.wait_until(lambda: sender.ledger.live_entries(), lambda n: n == 0, seconds=20)
+        H.wait_until(lambda: sender.stats()["live_tickets"], lambda n: n == 0, seconds=20)
         # Ten MiB fit in no segment, and a third would break the cap: the
         # idle six-MiB segment is given up for it.
         sender2, ticket2 = segments.put(torch.ones(ten // 4))

@@ -186,3 +186,25 @@ def test_pool_smaller_than_one_version_fails_with_the_numbers(workers):
     assert "pool cannot hold" in str(info.value) and "capacity_nbytes" in str(info.value)
     assert sync.version == 0
     ray.kill(trainer)
+
+
+@pytest.mark.timeout(120)
+def test_the_trainers_pool_is_made_when_the_weight_sync_is_created(workers):
+    import time
+
+    nbytes = _state_nbytes()
+    trainer = Trainer.remote()
+    assert ray.get(trainer.__ray_call__.remote(_publisher_stats)) is None
+    sync = tfr.WeightSync(trainer, workers)
+    # Made in the background on the trainer, before any version: room for two.
+    deadline = time.monotonic() + 60
+    stats = ray.get(trainer.__ray_call__.remote(_publisher_stats))
+    while stats is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = ray.get(trainer.__ray_call__.remote(_publisher_stats))
+    assert stats is not None and stats["capacity_nbytes"] >= 2 * nbytes and stats["used_nbytes"] == 0, stats
+    assert sync.version == 0
+    expected = ray.get(trainer.step.remote(7))
+    assert sync.sync().version == 1
+    _assert_all_equal(trainer, workers, expected)
+    ray.kill(trainer)

@@ -415,8 +415,8 @@ class Segments:
         for seg in self._segments:
             if seg.keep or seg.putting:
                 continue
-            sender = seg.sender
-            if sender.ledger.live_entries() or sender.pool.stats().used_nbytes:
+            stats = seg.sender.stats()
+            if stats["live_tickets"] or stats["used_nbytes"]:
                 seg.idle_since = None
                 continue
             if seg.idle_since is None:
