@@ -1,5 +1,6 @@
-"""Faults and hostile input: dying peers, leaks under load, fuzzed tickets,
-hostile bytes on the TCP port, authentication.
+"""Faults and hostile input: dying peers, leaks under load, corrupted and
+forged tickets redeemed against a live sender, hostile bytes on the TCP port,
+authentication. (Ticket decoding alone: tests/test_ticket.py.)
 
 Real processes (``spawn``), real sockets on 127.0.0.1 only, nothing mocked.
 Processes are ended only by the pid of the process the test started.
@@ -53,11 +54,8 @@ from tensorferry import (
     Sender,
     TensorferryError,
     Ticket,
-    TicketError,
-    TransferError,
 )
 from tensorferry import _protocol as P
-from tensorferry.ticket import MAX_TICKET_NBYTES
 from tensorferry.transports import _base
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings(COMPLEX_HALF_WARNING)]
@@ -319,56 +317,7 @@ def test_eight_concurrent_receivers(transport):
         assert grew < 64 * MiB, f"RSS grew by {grew / MiB:.1f} MiB"
 
 
-# -- fuzzed tickets --------------------------------------------------------------------------
-
-
-def _valid_ticket_bytes() -> list[bytes]:
-    with Sender("shm", capacity_nbytes=16 * MiB, piece_nbytes=1 * MiB) as s:
-        out = [s.put(o).to_bytes() for o in (state_dict(60), {}, torch.tensor(1.0))]
-        out.append(s.put([torch.zeros(5 * MiB // 4)] * 4).to_bytes())  # streamed
-        out.append(s.put([torch.ones(3)] * 20, readers=None).to_bytes())
-    return out
-
-
-VALID = _valid_ticket_bytes()
-
-
-def _decode_only_tensorferry_errors(data: bytes) -> None:
-    try:
-        t = Ticket.from_bytes(data)
-        t.layout  # decoded on access: must be as careful
-        t.streamed
-    except TensorferryError:
-        pass
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=512))
-def test_fuzz_random_ticket_bytes(data):
-    with pytest.raises(TicketError):
-        Ticket.from_bytes(data)  # no magic: never a ticket
-    _decode_only_tensorferry_errors(b"TFTK\x01\x00" + data)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.sampled_from(VALID), st.data())
-def test_fuzz_truncated_and_corrupted_tickets(valid, data):
-    cut = data.draw(st.integers(0, len(valid) - 1))
-    with pytest.raises(TicketError):
-        Ticket.from_bytes(valid[:cut])
-    buf = bytearray(valid)
-    for _ in range(data.draw(st.integers(1, 8))):
-        i = data.draw(st.integers(0, len(buf) - 1))
-        buf[i] = data.draw(st.integers(0, 255))
-    _decode_only_tensorferry_errors(bytes(buf))
-
-
-def test_oversized_ticket_rejected_before_decoding():
-    data = VALID[0] + b"\0" * (MAX_TICKET_NBYTES + 1 - len(VALID[0]))
-    t0 = time.monotonic()
-    with pytest.raises(TicketError, match="exceeds"):
-        Ticket.from_bytes(data)
-    assert time.monotonic() - t0 < 1.0
+# -- corrupted and forged tickets, redeemed ---------------------------------------------
 
 
 def test_fuzz_corrupted_tickets_against_a_live_sender():
@@ -691,15 +640,3 @@ def test_shm_trusts_the_same_user_without_a_token():
     with Sender("shm", capacity_nbytes=1 * MiB) as sender, Receiver("shm", timeout=5.0) as r:
         assert sender.address.startswith("@")  # abstract: nothing on the file system
         assert_same(r.get(sender.put(state_dict(65))), state_dict(65))
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.1"])
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_non_loopback_bind_without_token_is_refused_before_binding(transport, host):
-    threads = threading.active_count()
-    fds = open_fds()
-    with pytest.raises(ValueError, match="token"):
-        Sender(transport, capacity_nbytes=1 * MiB, host=host)
-    gc.collect()
-    assert open_fds() <= fds, "a socket (or the pool) was left open"
-    assert wait_until(lambda: threading.active_count() <= threads, 3.0), "a server thread was left running"
