@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorferry import packing as L
-from tensorferry.errors import LayoutMismatchError, TensorferryError
+from tensorferry.errors import ConfigurationError, LayoutMismatchError, TensorferryError, TicketError
 
 ALIGNMENTS = (1, 2, 4, 8, 16)
 
@@ -184,10 +184,12 @@ def test_packed_offsets_rejects_bad_input():
         L.packed_offsets([[1]], [[1]])
     with pytest.raises(ValueError, match="integers"):
         L.packed_offsets([1.5], [1])
-    # Not a TensorferryError: bad arguments are the caller's bug, not the peer's.
-    with pytest.raises(ValueError) as info:
+    # A caller's bad argument is a ConfigurationError: a TensorferryError
+    # (not a peer's TicketError or LayoutMismatchError) and still a ValueError.
+    with pytest.raises(ConfigurationError) as info:
         L.packed_offsets([1], [3])
-    assert not isinstance(info.value, TensorferryError)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TensorferryError)
+    assert not isinstance(info.value, (TicketError, LayoutMismatchError))
 
 
 def test_padded_path_chunk_boundaries():

@@ -146,6 +146,7 @@ def test_all_is_exactly_the_public_api():
         "Receiver",
         "TensorferryError",
         "PoolExhaustedError",
+        "PoolCreationError",
         "LayoutMismatchError",
         "UnsupportedTensorError",
         "TicketError",

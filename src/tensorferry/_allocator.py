@@ -13,7 +13,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Sequence
 
-from .errors import PoolExhaustedError
+from .errors import ConfigurationError, PoolExhaustedError
 
 __all__ = ["Extent", "AllocatorStats", "Allocator"]
 
@@ -50,9 +50,9 @@ class Allocator:
 
     def __init__(self, capacity_nbytes: int, alignment: int = 16) -> None:
         if alignment < 1 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two, got {alignment}")
+            raise ConfigurationError(f"alignment must be a power of two, got {alignment}")
         if capacity_nbytes < 0:
-            raise ValueError(f"capacity_nbytes must be >= 0, got {capacity_nbytes}")
+            raise ConfigurationError(f"capacity_nbytes must be >= 0, got {capacity_nbytes}")
         self.alignment = alignment
         self.capacity_nbytes = capacity_nbytes - capacity_nbytes % alignment
         self._lock = threading.Lock()
@@ -125,7 +125,7 @@ class Allocator:
         rounded = [self._round(s) for s in sizes]
         for s in sizes:
             if s <= 0:
-                raise ValueError(f"every size must be positive, got {s}")
+                raise ConfigurationError(f"every size must be positive, got {s}")
         with self._locked():
             order = sorted(range(len(rounded)), key=lambda i: -rounded[i])
             taken: list[tuple[int, Extent]] = []
@@ -237,7 +237,7 @@ class Allocator:
     def _carve(self, ext: Extent) -> None:
         off, nbytes = ext
         if nbytes <= 0 or off % self.alignment or nbytes % self.alignment:
-            raise ValueError(f"extent {ext} is not a positive multiple of {self.alignment} bytes")
+            raise ConfigurationError(f"extent {ext} is not a positive multiple of {self.alignment} bytes")
         # The free extent that contains `off`: the one whose start is the
         # greatest start <= off. Found through the size list only when the
         # carve does not start at a free extent's start (rare: plans start there).
@@ -249,7 +249,7 @@ class Allocator:
                     host, host_off = size, start
                     break
         if host is None or off + nbytes > host_off + host:
-            raise ValueError(f"extent {ext} is not entirely free")
+            raise ConfigurationError(f"extent {ext} is not entirely free")
         self._remove_free(host_off, host)
         if off > host_off:
             self._insert_free(host_off, off - host_off)

@@ -238,7 +238,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     n = dst.numel()
     if n >= _RAW_MIN_NBYTES and dst.device.type == "cpu" and src.device.type == "cpu":
         if src.numel() != n:
-            raise ValueError(f"copy of {src.numel():,} bytes into {n:,}")
+            raise ConfigurationError(f"copy_bytes: the source holds {src.numel():,} bytes, the destination {n:,}; pass views of one size")
         memmove_runs(np.array([dst.data_ptr()], dtype=np.int64), np.array([src.data_ptr()], dtype=np.int64), np.array([n], dtype=np.int64))
     else:
         dst.copy_(src)

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "TensorferryError",
     "PoolExhaustedError",
+    "PoolCreationError",
     "LayoutMismatchError",
     "UnsupportedTensorError",
     "TicketError",
@@ -72,6 +73,27 @@ def _rebuild_pool_exhausted(cls, args, detail):
     return cls(*args, detail=detail)
 
 
+class PoolCreationError(TensorferryError, MemoryError):
+    """A pool's buffer could not be made: the host or the device refused the memory.
+
+    Carries ``capacity_nbytes`` and ``device``; the message adds what the
+    machine has and the fix. The refusal itself (an ``OSError`` of the memfd
+    or mapping, a CUDA out-of-memory) is the ``__cause__``.
+    """
+
+    def __init__(self, capacity_nbytes: int, device: str, detail: str) -> None:
+        self.capacity_nbytes = capacity_nbytes
+        self.device = device
+        self.detail = detail
+        super().__init__(
+            f"cannot create a {capacity_nbytes:,}-byte pool on {device}: {detail}; "
+            "create the pool with a smaller capacity_nbytes"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.capacity_nbytes, self.device, self.detail))
+
+
 class LayoutMismatchError(TensorferryError, ValueError):
     """Sender and receiver disagree about the layout of a transfer."""
 
@@ -109,7 +131,12 @@ class BackendUnavailableError(TensorferryError, ImportError):
 
 
 class ConfigurationError(TensorferryError, ValueError):
-    """A setting (argument or ``TENSORFERRY_*`` variable) has a value that cannot work."""
+    """A setting (argument or ``TENSORFERRY_*`` variable) has a value that cannot work.
+
+    Also raised for an object used after it was closed, as Python's files raise
+    ``ValueError`` for I/O on a closed file. The message names the argument or
+    variable, its value, and what would work.
+    """
 
 
 class MonitorError(TensorferryError):

@@ -291,7 +291,7 @@ def merge_runs(dst, src, nbytes, breaks=None) -> Runs:
     s = _as_int64("src", src)
     n = _as_int64("nbytes", nbytes)
     if not d.shape == s.shape == n.shape:
-        raise ValueError(f"dst, src and nbytes have {d.size}, {s.size} and {n.size} entries; they must match")
+        raise ConfigurationError(f"dst, src and nbytes have {d.size}, {s.size} and {n.size} entries; they must match")
     if n.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Runs(empty, empty, empty, empty)

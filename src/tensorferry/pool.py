@@ -28,7 +28,13 @@ from . import packing
 from ._allocator import Allocator, Extent
 from ._copy import copy_bytes, memmove_runs
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves, torch_dtype, unflatten
-from .errors import LayoutMismatchError, PoolExhaustedError
+from .errors import (
+    BackendUnavailableError,
+    ConfigurationError,
+    LayoutMismatchError,
+    PoolCreationError,
+    PoolExhaustedError,
+)
 from .layout import Layout
 
 __all__ = ["Block", "Packed", "PoolStats", "MemoryPool", "unpack"]
@@ -109,7 +115,11 @@ class MemoryPool:
         name: a label for the memfd (shown in /proc/PID/maps).
 
     Raises:
-        ValueError: a capacity that is not positive.
+        ConfigurationError: a capacity that is not a positive int, or a
+            device that is neither ``"cpu"`` nor a CUDA device of this machine.
+        BackendUnavailableError: a CUDA device on a build or machine without CUDA.
+        PoolCreationError: the host (memfd, mapping) or the device refused
+            the memory; the message gives the numbers.
     """
 
     def __init__(
@@ -120,27 +130,40 @@ class MemoryPool:
         prefault: bool = False,
         name: str = "tensorferry-pool",
     ) -> None:
-        if capacity_nbytes <= 0:
-            raise ValueError(f"capacity_nbytes must be positive, got {capacity_nbytes}")
+        if isinstance(capacity_nbytes, bool) or not isinstance(capacity_nbytes, (int, np.integer)) or capacity_nbytes <= 0:
+            raise ConfigurationError(
+                f"MemoryPool(capacity_nbytes={capacity_nbytes!r}): the capacity must be a positive int of bytes, "
+                "for example 256 << 20"
+            )
         capacity_nbytes = packing.align_up(int(capacity_nbytes), packing.BLOCK_ALIGNMENT)
-        self.device = torch.device(device)
+        self.device = _pool_device(device)
         self.capacity_nbytes = capacity_nbytes
         # Distinguishes this pool from any earlier one at a recycled address.
         self.generation = secrets.randbits(63)
         self.fd: int | None = None
         self._mmap: mmap.mmap | None = None
         if self.device.type == "cpu":
-            self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            try:
+                self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            except OSError as exc:
+                raise PoolCreationError(capacity_nbytes, "cpu", f"memfd_create failed ({exc})") from exc
             try:
                 os.ftruncate(self.fd, capacity_nbytes)
                 flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
                 self._mmap = mmap.mmap(self.fd, capacity_nbytes, flags=flags)
-            except BaseException:
+            except BaseException as exc:
                 os.close(self.fd)
+                if isinstance(exc, OSError):
+                    raise PoolCreationError(capacity_nbytes, "cpu", f"{exc.strerror or exc}; {_host_memory()}") from exc
                 raise
             self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
         else:
-            self.buffer = torch.empty(capacity_nbytes, dtype=torch.uint8, device=self.device)
+            try:
+                self.buffer = torch.empty(capacity_nbytes, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError as exc:
+                free, total = torch.cuda.mem_get_info(self.device)
+                detail = f"the device has {free:,} of {total:,} bytes free"
+                raise PoolCreationError(capacity_nbytes, str(self.device), detail) from exc
             if prefault:
                 self.buffer.zero_()
         self._allocator = Allocator(capacity_nbytes, packing.BLOCK_ALIGNMENT)
@@ -377,7 +400,7 @@ class MemoryPool:
             ValueError: ``packed`` belongs to another pool.
         """
         if packed.pool is not self:
-            raise ValueError("this Packed belongs to another pool; call its own release()")
+            raise ConfigurationError("free(packed): this Packed belongs to another pool; call packed.release()")
         with self._lock:
             if packed._released:
                 return
@@ -394,7 +417,7 @@ class MemoryPool:
         of them is gone, whichever view outlives the others.
         """
         if self._mmap is None:
-            raise ValueError("lease_view needs a CPU pool")
+            raise ConfigurationError(f"lease_view needs a CPU pool; this pool is on {self.device}")
         arr = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
         view = torch.from_numpy(arr)
         view._tf_owner = arr  # type: ignore[attr-defined]
@@ -415,7 +438,8 @@ class MemoryPool:
         """
         self._check_open()
         if packed.pool is not self or packed._released:
-            raise ValueError("cannot unpack a Packed that was released or belongs to another pool")
+            state = "was released" if packed._released else "belongs to another pool"
+            raise ConfigurationError(f"unpack(packed): this Packed {state}; unpack a live Packed of this pool")
         return unpack([self.view(b) for b in packed.blocks], packed.layout)
 
     def stats(self) -> PoolStats:
@@ -434,7 +458,36 @@ class MemoryPool:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("this MemoryPool is closed")
+            raise ConfigurationError("this MemoryPool is closed; create a new one")
+
+
+def _pool_device(device: str | torch.device) -> torch.device:
+    """The pool's device, checked: CPU, or a CUDA device this process can use."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"MemoryPool(device={device!r}) is not a device; use 'cpu' or 'cuda[:N]'") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ConfigurationError(f"MemoryPool(device={device!r}): a pool lives on 'cpu' or a CUDA device, not {dev.type}")
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise BackendUnavailableError(
+            f"MemoryPool(device={device!r}): {why}; use device='cpu', or a CUDA build of torch on a machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigurationError(f"MemoryPool(device={device!r}): this machine has {count} CUDA device(s), 0 to {count - 1}")
+    return dev
+
+
+def _host_memory() -> str:
+    """What the host has, for the message of a refused pool mapping."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    free = os.sysconf("SC_AVPHYS_PAGES") * page
+    return f"this host has {total:,} bytes of memory, {free:,} of them free"
 
 
 def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
