@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from . import packing
+from ._args import positive_seconds
 from ._copy import StagedCopy, copy_from_blocks, copy_staged, new_host_bytes
 from ._tensors import gc_paused, match_into
 from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
@@ -120,7 +121,7 @@ class Receiver:
             channel_class(transport)  # fail early on an unknown name
         _huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         self.token = token.encode() if isinstance(token, str) else (token or b"")
-        self.timeout = float(timeout)
+        self.timeout = positive_seconds("Receiver(timeout)", timeout)
         self._own_pool = False
         if pool is None and transport == "nixl":
             pool = MemoryPool(capacity_nbytes)
@@ -229,7 +230,7 @@ class Receiver:
             ticket = Ticket.from_bytes(ticket)
         if self.transport is not None and ticket.transport != self.transport:
             raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else positive_seconds("get(timeout)", timeout)
         deadline = time.monotonic() + timeout
         layout = ticket.layout
         packed_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)[1]

@@ -27,9 +27,10 @@ import torch
 
 from . import _protocol as P
 from . import packing
+from ._args import positive_seconds, reader_count
 from ._copy import copy_bytes
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
-from .errors import PoolExhaustedError, TransferTimeoutError
+from .errors import ConfigurationError, PoolExhaustedError, TransferError, TransferTimeoutError
 from .pool import Block, MemoryPool, Packed
 from .ticket import Ticket
 
@@ -276,21 +277,24 @@ class Ledger:
 def _pack_range(pool: MemoryPool, entry: _Entry, piece: _Piece) -> Packed:
     """Copy bytes [voffset, voffset + nbytes) of an object's one-block layout
     into one pool block. Runs of source bytes that touch are one copy each."""
-    assert entry.leaves is not None and entry.info is not None and entry.offsets is not None
+    # Only streamed entries reach the packer, and put() sets these for them.
+    leaves, info, offsets = entry.leaves or [], entry.info, entry.offsets
+    if info is None or offsets is None:
+        raise TransferError(f"ticket {entry.ticket_id} is not streamed, but its piece {piece.voffset:,} was queued to pack")
     start, stop = piece.voffset, piece.voffset + piece.nbytes
     ext = pool._allocator.allocate(piece.nbytes)
     try:
-        n = entry.info.layout.nbytes
-        off = entry.offsets
+        n = info.layout.nbytes
+        off = offsets
         hit = np.flatnonzero((off < stop) & (off + n > start) & (n > 0))
         buf = pool.buffer
         runs = staged = 0
         with torch.no_grad():
             for i in hit.tolist():
-                t = entry.leaves[i]
+                t = leaves[i]
                 lo = max(start, int(off[i])) - int(off[i])
                 hi = min(stop, int(off[i] + n[i])) - int(off[i])
-                if entry.info.raw[i]:
+                if info.raw[i]:
                     src = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
                 else:
                     src = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
@@ -303,7 +307,7 @@ def _pack_range(pool: MemoryPool, entry: _Entry, piece: _Piece) -> Packed:
         raise
     packed = Packed(
         blocks=(Block(ext.offset, piece.nbytes),),
-        layout=entry.info.layout,
+        layout=info.layout,
         nbytes=piece.nbytes,
         num_tensors=int(hit.size),
         copy_runs=runs,
@@ -327,6 +331,13 @@ class Sender:
         capacity_nbytes: size of the pool the sender makes.
         host: tcp/nixl: the address to bind (loopback by default).
         port: tcp/nixl: the port to bind (0: any free port).
+        advertise_host: tcp/nixl: the address tickets tell receivers to
+            connect to. Default: ``host``, unless it is a wildcard
+            (``"0.0.0.0"``, ``"::"``, ``""``); then the host's primary
+            address: the source address of its default route (a UDP socket
+            ``connect`` to a documentation address, which sends nothing), else
+            what the host name resolves to, else loopback. Set it when peers
+            reach this host by another name (NAT, several interfaces).
         token: shared secret receivers must present; required when binding
             to anything but loopback.
         lease_seconds: default time a ticket's unredeemed slots are kept.
@@ -337,7 +348,9 @@ class Sender:
             ``("tcp",)`` beside shm); see :meth:`ticket_for`.
 
     Raises:
-        ValueError: an unknown transport, or a non-loopback bind without a token.
+        ConfigurationError: an unknown transport, a non-loopback bind without
+            a token, an address or port that cannot be bound, a lease that is
+            not a positive number of seconds, pieces larger than the pool.
     """
 
     def __init__(
@@ -348,6 +361,7 @@ class Sender:
         capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
         host: str = "127.0.0.1",
         port: int = 0,
+        advertise_host: str | None = None,
         token: str | bytes | None = None,
         lease_seconds: float = 60.0,
         piece_nbytes: int | None = None,
@@ -356,8 +370,7 @@ class Sender:
     ) -> None:
         from .transports import make_server
 
-        if lease_seconds <= 0:
-            raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
+        lease_seconds = positive_seconds("Sender(lease_seconds)", lease_seconds, allow_inf=True)
         self.transport = transport
         self._own_pool = pool is None
         self.pool = pool if pool is not None else MemoryPool(capacity_nbytes, prefault=prefault)
@@ -365,14 +378,20 @@ class Sender:
         cap = self.pool.capacity_nbytes
         self.piece_nbytes = packing.align_up(int(piece_nbytes or max(16, cap // 2)), packing.BLOCK_ALIGNMENT)
         if self.piece_nbytes > cap:
-            raise ValueError(f"piece_nbytes {self.piece_nbytes:,} exceeds the pool's {cap:,} bytes")
+            raise ConfigurationError(
+                f"Sender(piece_nbytes={piece_nbytes!r}): pieces of {self.piece_nbytes:,} bytes exceed the pool's {cap:,}; "
+                "pass at most the pool's capacity, or leave it unset (half the pool)"
+            )
         token_b = token.encode() if isinstance(token, str) else (token or b"")
         self.ledger = Ledger(self.pool)
         self.servers: dict[str, Any] = {}
         try:
             for name in (transport, *extra_transports):
                 if name not in self.servers:
-                    self.servers[name] = make_server(name, self.ledger, token=token_b, host=host, port=port if name == transport else 0)
+                    self.servers[name] = make_server(
+                        name, self.ledger, token=token_b, host=host, port=port if name == transport else 0,
+                        advertise_host=advertise_host,
+                    )
         except BaseException:
             for server in self.servers.values():
                 server.close()
@@ -401,10 +420,11 @@ class Sender:
         Raises:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
             PoolExhaustedError: ``one_shot`` and it does not fit; nothing held.
+            ConfigurationError: ``readers`` below 1, or ``lease_seconds`` not
+                a positive number of seconds (as for the Sender's own).
         """
-        if readers is not None and readers < 1:
-            raise ValueError(f"readers must be at least 1 (or None: until discard), got {readers}")
-        lease = float(lease_seconds if lease_seconds is not None else self.lease_seconds)
+        readers = reader_count(readers)
+        lease = self.lease_seconds if lease_seconds is None else positive_seconds("put(lease_seconds)", lease_seconds, allow_inf=True)
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
         if readers is None:
@@ -477,7 +497,10 @@ class Sender:
         """The same ticket, redeemable over another transport this sender serves."""
         server = self.servers.get(transport)
         if server is None:
-            raise ValueError(f"this sender serves {', '.join(self.servers)}, not {transport!r}")
+            raise ConfigurationError(
+                f"ticket_for(transport={transport!r}): this sender serves {', '.join(self.servers)}; "
+                "create it with extra_transports=(...) to serve more"
+            )
         return msgspec.structs.replace(ticket, transport=transport, address=server.address)
 
     def wait_released(self, ticket: Ticket, timeout: float | None = None) -> None:

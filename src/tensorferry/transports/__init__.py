@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigurationError
+
 __all__ = ["TRANSPORTS", "make_server", "channel_class", "available"]
 
 TRANSPORTS = ("shm", "tcp", "nixl")
@@ -15,17 +17,21 @@ TRANSPORTS = ("shm", "tcp", "nixl")
 
 def _check(name: str) -> None:
     if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
+        raise ConfigurationError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
 
 
-def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int) -> Any:
-    """Start the sender-side server of transport ``name``."""
+def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int, advertise_host: str | None = None) -> Any:
+    """Start the sender-side server of transport ``name``.
+
+    ``advertise_host`` (tcp, nixl) is the host tickets name; see
+    :func:`tensorferry.transports._tcp.advertised_host` for the default.
+    """
     _check(name)
     if name in ("tcp", "nixl"):
         from ._tcp import is_loopback
 
         if not is_loopback(host) and not token:
-            raise ValueError(
+            raise ConfigurationError(
                 f"binding the {name} transport to {host!r} (not loopback) needs a token: "
                 "pass token=... to the Sender and the same to each Receiver"
             )
@@ -36,10 +42,10 @@ def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int) -
     if name == "tcp":
         from ._tcp import TcpServer
 
-        return TcpServer(ledger, token=token, host=host, port=port)
+        return TcpServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
     from ._nixl import NixlServer
 
-    return NixlServer(ledger, token=token, host=host, port=port)
+    return NixlServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
 
 
 def channel_class(name: str) -> type:

@@ -39,13 +39,15 @@ def _agent_name(side: str) -> str:
 class NixlServer(TcpServer):
     transport = "nixl"
 
-    def __init__(self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+    ) -> None:
         pool = ledger.pool
         self.endpoint = NixlEndpoint(_agent_name("s"), progress_interval_seconds=_SERVER_PROGRESS_SECONDS)
         try:
             self.endpoint.register(pool.buffer)  # once, for the pool's life
             self._metadata = self.endpoint.metadata()
-            super().__init__(ledger, token=token, host=host, port=port)
+            super().__init__(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
         except BaseException:
             self.endpoint.close()
             raise

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..errors import (
     BackendUnavailableError,
+    ConfigurationError,
     PeerGoneError,
     ProtocolError,
     TransferError,
@@ -141,7 +142,7 @@ class _Regions:
     def locate(self, addr: np.ndarray, nbytes: np.ndarray, *, side: str, owner: str) -> np.ndarray:
         """Index of the region holding each range; raises naming the first that none holds."""
         if not self.regions:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{side} ranges cannot be read: {owner} has no registered memory; "
                 "register the buffer (NixlEndpoint.register) before sending its metadata"
             )
@@ -156,7 +157,7 @@ class _Regions:
             a, n = int(addr[i]), int(nbytes[i])
             near = ", ".join(f"[{r.addr:#x}, {r.addr + r.nbytes:#x})" for r in self.regions[:4])
             more = f" and {len(self.regions) - 4} more" if len(self.regions) > 4 else ""
-            raise ValueError(
+            raise ConfigurationError(
                 f"{side} range {i} [{a:#x}, {a + n:#x}) ({n:,} bytes) is not inside one region {owner} "
                 f"registered ({int(bad.sum()):,} of {len(addr):,} ranges are outside); registered: {near}{more}; "
                 "ranges are absolute addresses (base address + offset) and must not cross a region's end"
@@ -203,14 +204,14 @@ def _as_ranges(ranges: Sequence[tuple[int, int]] | np.ndarray, side: str) -> np.
     if arr.size == 0:
         return np.zeros((0, 2), dtype=np.uint64)
     if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ValueError(f"{side}_ranges must be (address, nbytes) pairs, an (N, 2) array; got shape {arr.shape}")
+        raise ConfigurationError(f"{side}_ranges must be (address, nbytes) pairs, an (N, 2) array; got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"{side}_ranges must hold integers (addresses and byte counts); got dtype {arr.dtype}")
+        raise ConfigurationError(f"{side}_ranges must hold integers (addresses and byte counts); got dtype {arr.dtype}")
     if arr.dtype.kind == "i":
         neg = arr < 0
         if neg.any():
             i = int(np.flatnonzero(neg.any(axis=1))[0])
-            raise ValueError(f"{side} range {i} is ({int(arr[i, 0])}, {int(arr[i, 1])}): addresses and byte counts cannot be negative")
+            raise ConfigurationError(f"{side} range {i} is ({int(arr[i, 0])}, {int(arr[i, 1])}): addresses and byte counts cannot be negative")
     return arr.astype(np.uint64, copy=False)
 
 
@@ -308,11 +309,11 @@ class NixlEndpoint:
         progress_interval_seconds: float | None = _PROGRESS_INTERVAL_SECONDS,
     ) -> None:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= _MAX_NAME_NBYTES:
-            raise ValueError(f"agent name must be a non-empty str of at most {_MAX_NAME_NBYTES} UTF-8 bytes; got {name!r}")
+            raise ConfigurationError(f"agent name must be a non-empty str of at most {_MAX_NAME_NBYTES} UTF-8 bytes; got {name!r}")
         if error_handling not in ("peer", "none"):
-            raise ValueError(f"error_handling must be 'peer' or 'none'; got {error_handling!r}")
+            raise ConfigurationError(f"error_handling must be 'peer' or 'none'; got {error_handling!r}")
         if progress_interval_seconds is not None and not (0 < progress_interval_seconds < math.inf):
-            raise ValueError(f"progress_interval_seconds must be a positive number of seconds; got {progress_interval_seconds!r}")
+            raise ConfigurationError(f"progress_interval_seconds must be a positive number of seconds; got {progress_interval_seconds!r}")
         self.name = name
         self.backend = backend
         self._lock = threading.RLock()
@@ -384,14 +385,14 @@ class NixlEndpoint:
         import torch
 
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"register() takes a torch.Tensor, not {type(tensor).__name__}")
+            raise ConfigurationError(f"register() takes a torch.Tensor, not {type(tensor).__name__}")
         if not tensor.is_contiguous():
-            raise ValueError("register() needs a contiguous tensor: call .contiguous() or register the pool's flat buffer")
+            raise ConfigurationError("register() needs a contiguous tensor: call .contiguous() or register the pool's flat buffer")
         if tensor.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"register() takes CPU or CUDA memory; this tensor is on {tensor.device}")
+            raise ConfigurationError(f"register() takes CPU or CUDA memory; this tensor is on {tensor.device}")
         addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         if nbytes == 0:
-            raise ValueError("register() needs at least one byte; this tensor is empty")
+            raise ConfigurationError("register() needs at least one byte; this tensor is empty")
         mem: Literal["DRAM", "VRAM"] = "VRAM" if tensor.is_cuda else "DRAM"
         region = Region(addr, nbytes, mem, max(tensor.get_device(), 0))
         with self._lock:
@@ -401,7 +402,7 @@ class NixlEndpoint:
             for other in self._registrations.values():
                 o = other.region
                 if addr < o.addr + o.nbytes and o.addr < addr + nbytes:
-                    raise ValueError(
+                    raise ConfigurationError(
                         f"[{addr:#x}, +{nbytes:,}) overlaps registered region [{o.addr:#x}, +{o.nbytes:,}); "
                         "register each buffer once, whole, and read sub-ranges of it"
                     )
@@ -495,7 +496,7 @@ class NixlEndpoint:
         """
         peer, regions, nixl_md = _decode(metadata)
         if peer == self.name:
-            raise ValueError(f"metadata names agent {peer!r}, this endpoint itself: load the peer's metadata, not our own")
+            raise ConfigurationError(f"metadata names agent {peer!r}, this endpoint itself: load the peer's metadata, not our own")
         with self._lock:
             self._check_open()
             if peer in self._peers:
@@ -585,16 +586,16 @@ class NixlEndpoint:
             TransferError: NIXL rejected or failed the transfer; the endpoint is closed.
         """
         if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-            raise ValueError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
+            raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
         deadline = time.monotonic() + timeout
         rr = _as_ranges(remote_ranges, "remote")
         lr = _as_ranges(local_ranges, "local")
         if len(rr) != len(lr):
-            raise ValueError(f"{len(remote_ranges)} remote ranges but {len(local_ranges)} local ranges: pass one local range per remote range")
+            raise ConfigurationError(f"{len(remote_ranges)} remote ranges but {len(local_ranges)} local ranges: pass one local range per remote range")
         unequal = rr[:, 1] != lr[:, 1]
         if unequal.any():
             i = int(np.flatnonzero(unequal)[0])
-            raise ValueError(f"pair {i} reads {int(rr[i, 1]):,} remote bytes into a {int(lr[i, 1]):,}-byte local range: byte counts must match")
+            raise ConfigurationError(f"pair {i} reads {int(rr[i, 1]):,} remote bytes into a {int(lr[i, 1]):,}-byte local range: byte counts must match")
         keep = rr[:, 1] > 0
         if not keep.all():
             rr, lr = rr[keep], lr[keep]
@@ -606,7 +607,7 @@ class NixlEndpoint:
             self._check_open()
             peer = self._peers.get(remote)
             if peer is None:
-                raise ValueError(f"unknown peer {remote!r}: call add_remote(metadata) first (known: {', '.join(self._peers) or 'none'})")
+                raise ConfigurationError(f"unknown peer {remote!r}: call add_remote(metadata) first (known: {', '.join(self._peers) or 'none'})")
             nbytes = rr[:, 1]
             l_idx = self._local.locate(lr[:, 0], nbytes, side="local", owner=f"this endpoint ({self.name!r})")
             r_idx = peer.locate(rr[:, 0], nbytes, side="remote", owner=f"peer {remote!r}")
@@ -623,7 +624,7 @@ class NixlEndpoint:
             return regions.mems[0]
         kinds = {regions.mems[i] for i in np.unique(idx).tolist()}
         if len(kinds) > 1:
-            raise ValueError(f"{side} ranges span {' and '.join(sorted(kinds))} memory; one read moves one memory kind per side: split it")
+            raise ConfigurationError(f"{side} ranges span {' and '.join(sorted(kinds))} memory; one read moves one memory kind per side: split it")
         return kinds.pop()
 
     def _read_locked(

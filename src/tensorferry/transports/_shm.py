@@ -21,7 +21,7 @@ import torch
 
 from .. import _protocol as P
 from .._copy import copy_bytes
-from ..errors import AuthenticationError, ProtocolError
+from ..errors import AuthenticationError, ConfigurationError, ProtocolError
 from ._base import Channel, Connection, ControlServer
 
 __all__ = ["ShmServer", "ShmChannel"]
@@ -34,7 +34,7 @@ class ShmServer(ControlServer):
 
     def _listen(self) -> socket.socket:
         if self.ledger.pool.fd is None:
-            raise ValueError("the shm transport needs a CPU MemoryPool (a memfd); this pool is on " + str(self.ledger.pool.device))
+            raise ConfigurationError("the shm transport needs a CPU MemoryPool (a memfd); this pool is on " + str(self.ledger.pool.device))
         self._name = f"tensorferry-{os.getpid()}-{secrets.token_hex(6)}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind("\0" + self._name)  # abstract namespace: gone with the process

@@ -15,13 +15,18 @@ import socket
 import time
 
 from .. import _protocol as P
-from ..errors import PeerGoneError, ProtocolError, TransferError
+from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ._base import Channel, Connection, ControlServer
 
-__all__ = ["TcpServer", "TcpChannel", "is_loopback", "parse_address"]
+__all__ = ["TcpServer", "TcpChannel", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
 # Large socket buffers keep a 2-core machine's loopback near memory speed.
 _SOCK_BUF = 4 << 20
+
+# Documentation addresses (RFC 5737, RFC 3849): a UDP connect() to one only
+# asks the routing table which source address would be used; no packet is
+# sent, and nothing answers there anyway.
+_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
 
 
 def is_loopback(host: str) -> bool:
@@ -29,6 +34,69 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def is_wildcard(host: str) -> bool:
+    """True for the addresses that bind every interface: "", 0.0.0.0, ::."""
+    if host == "":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _route_source(family: socket.AddressFamily) -> str | None:
+    """The source address of this host's default route, without sending anything."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((_ROUTE_PROBES[family], 9))
+            addr = probe.getsockname()[0]
+    except OSError:
+        return None  # no route of that family (an isolated host or container)
+    return None if is_wildcard(addr) else addr
+
+
+def _name_address(family: socket.AddressFamily) -> str | None:
+    """What this host's name resolves to, if it is not loopback."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, family, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for info in infos:
+        addr = str(info[4][0])
+        if not is_loopback(addr) and not is_wildcard(addr):
+            return addr
+    return None
+
+
+def advertised_host(host: str, advertise_host: str | None, *, dual_stack: bool = False) -> str:
+    """The host a ticket names for a server bound to ``host``.
+
+    ``advertise_host`` if given; else ``host`` unless it is a wildcard; else
+    the host's primary address: the source address of its default route (of
+    the bind's family, then IPv4 when an IPv6 wildcard also accepts IPv4),
+    else what the host name resolves to, else loopback (the host has no
+    other address, so only local peers could connect anyway).
+
+    Raises:
+        ConfigurationError: ``advertise_host`` is empty, a wildcard, or not a str.
+    """
+    if advertise_host is not None:
+        if not isinstance(advertise_host, str) or is_wildcard(advertise_host):
+            raise ConfigurationError(
+                f"Sender(advertise_host={advertise_host!r}): tickets need an address peers can connect to, "
+                "not a wildcard; pass this host's name or IP as peers reach it, or leave it unset"
+            )
+        return advertise_host.strip("[]")
+    if not is_wildcard(host):
+        return host
+    families = [socket.AF_INET6, socket.AF_INET] if ":" in host and dual_stack else [socket.AF_INET6] if ":" in host else [socket.AF_INET]
+    for family in families:
+        addr = _route_source(family) or _name_address(family)
+        if addr is not None:
+            return addr
+    return "::1" if families[0] == socket.AF_INET6 else "127.0.0.1"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -50,22 +118,39 @@ def _tune(sock: socket.socket) -> None:
 class TcpServer(ControlServer):
     transport = "tcp"
 
-    def __init__(self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+    ) -> None:
         self._host, self._port = host, port
+        self._advertise = advertise_host
         super().__init__(ledger, token=token)
 
     def _listen(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, self._port))
-        sock.listen(64)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+            sock.listen(64)
+            dual_stack = family == socket.AF_INET6 and not sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+            self._advertise = advertised_host(self._host, self._advertise, dual_stack=dual_stack)
+        except (OSError, OverflowError, TypeError) as exc:
+            sock.close()
+            raise ConfigurationError(
+                f"Sender(host={self._host!r}, port={self._port!r}) cannot listen there ({exc}); "
+                "pass an address of this host and a free port from 1 to 65535, or port=0 for any free one"
+            ) from exc
+        except BaseException:
+            sock.close()
+            raise
         self._port = sock.getsockname()[1]
         return sock
 
     @property
     def address(self) -> str:
-        host = f"[{self._host}]" if ":" in self._host else self._host
+        """``host:port`` as tickets carry it: the advertised host, the bound port."""
+        host = self._advertise or self._host
+        host = f"[{host}]" if ":" in host else host
         return f"{host}:{self._port}"
 
     def _serve(self, conn: Connection) -> None:
