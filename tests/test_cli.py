@@ -91,3 +91,42 @@ def test_version_option():
     import tensorferry
 
     assert out.stdout.strip() == f"tensorferry {tensorferry.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("-n", "0"), "--tensors 0"),
+        (("-n", "3"), "--tensors 3"),
+        (("-n", "100000000"), "--tensors 100000000"),
+        (("-r", "0", "-t", "pool"), "--repeats 0"),
+        (("-r", "-1"), "--repeats -1"),
+        (("-t", "foo"), "'foo'"),
+        (("-t", "pool,,tcp"), "''"),
+        (("-s", "-5"), "--size-mib -5"),
+        (("-s", "0"), "--size-mib 0"),
+        (("-s", str(1 << 40)), f"--size-mib {1 << 40}"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,
+)
+def test_demo_rejects_bad_values_before_building_anything(args, named):
+    out = run("demo", "--no-progress", *args, timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    # Nothing was built: the demo's first line ("building a synthetic
+    # state dict") never printed.
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("ConfigurationError: "), lines[0]
+    assert named in lines[0], lines[0]
+
+
+def test_demo_rejects_a_transport_this_machine_lacks():
+    from tensorferry.transports import available
+
+    missing = [t for t in ("shm", "tcp", "nixl") if t not in available()]
+    if not missing:
+        pytest.skip("every transport is available here")
+    out = run("demo", "-t", missing[0], timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("ConfigurationError: ") and "not available" in out.stderr

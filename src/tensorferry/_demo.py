@@ -8,31 +8,91 @@ every tensor with its source.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
-__all__ = ["run_demo", "verify_same"]
+from .errors import ConfigurationError, TransferError
+
+__all__ = ["run_demo", "check_demo_args", "verify_same"]
+
+# The scenarios -t accepts; "pool" runs in-process, the rest are transports.
+_SCENARIOS = ("pool", "shm", "tcp", "nixl")
+# A synthetic layer is 4 tensors, at least a 4x4 float32 weight (64 bytes)
+# plus its bias, norm and step (~100 bytes): more than one tensor per 64
+# bytes and the state dict outgrows --size-mib.
+_MIN_NBYTES_PER_TENSOR = 64
+
+
+def check_demo_args(args: argparse.Namespace) -> None:
+    """Reject option values the demo cannot run with, before it builds anything.
+
+    Sets ``args.transport_list`` to the transports to run (``pool`` aside).
+
+    Raises:
+        ConfigurationError: names the option, its value, and what would work.
+    """
+    from .layout import MAX_TENSORS
+    from .transports import available
+
+    if args.size_mib < 1:
+        raise ConfigurationError(f"--size-mib {args.size_mib}: the state dict needs at least 1 MiB")
+    total = args.size_mib << 20
+    host_nbytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if total > host_nbytes:
+        raise ConfigurationError(
+            f"--size-mib {args.size_mib}: {total:,} bytes exceed this host's {host_nbytes:,} bytes of memory; "
+            f"choose at most {host_nbytes >> 20} MiB (the demo holds several copies: a quarter of that is safer)"
+        )
+    most = min(MAX_TENSORS, total // _MIN_NBYTES_PER_TENSOR)
+    if not 4 <= args.tensors <= most:
+        raise ConfigurationError(
+            f"--tensors {args.tensors}: choose from 4 (one synthetic layer) to {most:,} "
+            f"(one tensor per {_MIN_NBYTES_PER_TENSOR} bytes of --size-mib {args.size_mib})"
+        )
+    if args.repeats < 1:
+        raise ConfigurationError(f"--repeats {args.repeats}: run at least 1 sync per scenario")
+    if args.transports.strip() == "auto":
+        args.transport_list = available()
+        return
+    names = [t.strip() for t in args.transports.split(",")]
+    unknown = [t for t in names if t not in _SCENARIOS]
+    if unknown:
+        raise ConfigurationError(
+            f"--transports {args.transports!r}: unknown scenario {unknown[0]!r}; "
+            f"give a comma-separated list of {', '.join(_SCENARIOS)}, or auto"
+        )
+    here = available()
+    missing = [t for t in names if t != "pool" and t not in here]
+    if missing:
+        raise ConfigurationError(
+            f"--transports {args.transports!r}: {', '.join(missing)} is not available on this machine "
+            f"(available: pool, {', '.join(here)}); see `tensorferry info`"
+        )
+    args.transport_list = list(dict.fromkeys(t for t in names if t != "pool"))
 
 
 def verify_same(expected: Any, got: Any, path: str = "obj") -> None:
-    """Raise AssertionError naming the first tensor that differs."""
+    """Raise :class:`TransferError` naming the first tensor that differs."""
     import torch
 
     if isinstance(expected, dict):
         if not isinstance(got, dict) or list(expected) != list(got):
-            raise AssertionError(f"{path}: keys differ")
+            raise TransferError(f"verification failed: {path}: keys differ")
         for k in expected:
             verify_same(expected[k], got[k], f"{path}[{k!r}]")
     elif isinstance(expected, (list, tuple)):
         if type(expected) is not type(got) or len(expected) != len(got):
-            raise AssertionError(f"{path}: {type(expected).__name__} of {len(expected)} became {type(got).__name__}")
+            raise TransferError(
+                f"verification failed: {path}: {type(expected).__name__} of {len(expected)} became {type(got).__name__}"
+            )
         for i, (e, g) in enumerate(zip(expected, got)):
             verify_same(e, g, f"{path}[{i}]")
     else:
         if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
-            raise AssertionError(f"{path}: expected {expected.dtype}{tuple(expected.shape)}, got {got!r:.80}")
+            raise TransferError(f"verification failed: {path}: expected {expected.dtype}{tuple(expected.shape)}, got {got!r:.80}")
         if not torch.equal(got, expected):
-            raise AssertionError(f"{path}: values differ")
+            raise TransferError(f"verification failed: {path}: values differ")
 
 
 def _pool_scenario(sd: dict, repeats: int, progress: Any) -> dict:
@@ -57,7 +117,9 @@ def _pool_scenario(sd: dict, repeats: int, progress: Any) -> dict:
             stats = packed
             packed.release()
             progress.advance(task)
-        assert pool.stats().used_nbytes == 0
+        left = pool.stats().used_nbytes
+        if left:
+            raise TransferError(f"pool: {left:,} bytes still in use after every Packed was released")
     best = sorted(times)[len(times) // 2]
     return {
         "scenario": "pool (pack+unpack)",

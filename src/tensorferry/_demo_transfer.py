@@ -16,6 +16,8 @@ import queue
 import time
 from typing import Any
 
+from .errors import TransferError
+
 __all__ = ["transfer_scenarios"]
 
 _WORKERS = 2
@@ -71,7 +73,7 @@ def _run_transport(transport: str, sd: dict, args: argparse.Namespace, progress:
             for _ in procs:
                 kind, detail = results.get(timeout=180)
                 if kind != "ready":
-                    raise RuntimeError(f"{transport} worker failed to start: {detail}")
+                    raise TransferError(f"{transport} worker failed to start: {detail}")
             progress.update(task, description=f"{transport}: syncing to {_WORKERS} workers")
             times: list[float] = []
             for version in range(1, args.repeats + 1):
@@ -85,7 +87,7 @@ def _run_transport(transport: str, sd: dict, args: argparse.Namespace, progress:
                 for _ in procs:
                     kind, detail = results.get(timeout=300)
                     if kind != "ok":
-                        raise RuntimeError(f"{transport} worker: {detail}")
+                        raise TransferError(f"{transport} worker: {detail}")
                     done.append(detail)
                 sender.wait_released(ticket, timeout=60)
                 # A sync ends when the last worker holds the new weights
@@ -93,7 +95,7 @@ def _run_transport(transport: str, sd: dict, args: argparse.Namespace, progress:
                 times.append(max(done) - t0)
                 progress.advance(task)
             if sender.pool.stats().used_nbytes:
-                raise RuntimeError(f"{transport}: the pool is not empty after the syncs")
+                raise TransferError(f"{transport}: the pool is not empty after the syncs")
     finally:
         for q in tickets:
             q.put(None)
@@ -114,10 +116,7 @@ def _run_transport(transport: str, sd: dict, args: argparse.Namespace, progress:
 
 
 def transfer_scenarios(sd: dict, args: argparse.Namespace, progress: Any) -> list[dict]:
-    from .transports import available
-
-    wanted = available() if args.transports == "auto" else [t for t in args.transports.split(",") if t != "pool"]
     rows = []
-    for transport in wanted:
+    for transport in args.transport_list:  # set by check_demo_args
         rows.append(_run_transport(transport, sd, args, progress))
     return rows

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .errors import ConfigurationError
+
 __all__ = ["synthetic_state_dict"]
 
 
@@ -25,7 +27,7 @@ def synthetic_state_dict(total_nbytes: int, num_tensors: int, *, seed: int = 0, 
             flat buffer (the rest are separate tensors).
     """
     if num_tensors < 4:
-        raise ValueError(f"num_tensors must be at least 4, got {num_tensors}")
+        raise ConfigurationError(f"num_tensors must be at least 4, got {num_tensors}")
     gen = torch.Generator().manual_seed(seed)
     # Each layer: weight (bulk of the bytes), bias, a bf16 norm, and an int64
     # step counter; 4 tensors a layer.

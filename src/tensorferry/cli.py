@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import TensorferryError
+from .errors import ConfigurationError, TensorferryError
 
 __all__ = ["main", "build_parser"]
 
@@ -24,6 +24,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for key, value in info_rows():
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    from ._demo import check_demo_args
+
+    check_demo_args(args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -55,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated transports to run (pool,shm,tcp,nixl), or auto for all available",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_demo)
+    p.set_defaults(func=_cmd_demo, check=_check_demo)
 
     try:
         from .monitor._cli import add_subcommands
@@ -69,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check = getattr(args, "check", None)
+    if check is not None:
+        # Values argparse cannot judge alone (ranges, what this machine has)
+        # are usage errors too: checked before the verb builds anything.
+        try:
+            check(args)
+        except ConfigurationError as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     try:
         return int(args.func(args) or 0)
     except TensorferryError as exc:
