@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tensorferry._allocator import Allocator, Extent
+from tensorferry._allocator import Allocator, Block
 from tensorferry.errors import PoolExhaustedError, TensorferryError
 
 ALIGN = 16
@@ -22,11 +22,11 @@ def rounded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def best_fit_model(free: list[Extent], sizes: list[int]) -> list[Extent] | None:
+def best_fit_model(free: list[Block], sizes: list[int]) -> list[Block] | None:
     """Reference: sizes largest first (ties in order), each into the smallest
     free extent that holds it (lowest offset among equals), carved from its start."""
     free = list(free)
-    out: dict[int, Extent] = {}
+    out: dict[int, Block] = {}
     for i in sorted(range(len(sizes)), key=lambda i: -rounded(sizes[i])):
         need = rounded(sizes[i])
         fits = [e for e in free if e.nbytes >= need]
@@ -35,8 +35,8 @@ def best_fit_model(free: list[Extent], sizes: list[int]) -> list[Extent] | None:
         host = min(fits, key=lambda e: (e.nbytes, e.offset))
         free.remove(host)
         if host.nbytes > need:
-            free.append(Extent(host.offset + need, host.nbytes - need))
-        out[i] = Extent(host.offset, need)
+            free.append(Block(host.offset + need, host.nbytes - need))
+        out[i] = Block(host.offset, need)
     return [out[i] for i in range(len(sizes))]
 
 
@@ -78,7 +78,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.alloc = Allocator(4096, ALIGN)
-        self.live: list[Extent] = []
+        self.live: list[Block] = []
 
     @rule(size=st.integers(1, 1500))
     def allocate(self, size):
@@ -143,12 +143,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             slots = host.nbytes // ALIGN
             start = data.draw(st.integers(0, slots - 1))
             length = data.draw(st.integers(1, slots - start))
-            plan.append(Extent(host.offset + start * ALIGN, length * ALIGN))
+            plan.append(Block(host.offset + start * ALIGN, length * ALIGN))
         spoil = data.draw(st.sampled_from(["none", "overlap_live", "misaligned", "duplicate"]))
         if spoil == "overlap_live" and self.live:
-            plan.append(Extent(self.live[0].offset, ALIGN))
+            plan.append(Block(self.live[0].offset, ALIGN))
         elif spoil == "misaligned":
-            plan.append(Extent(plan[0].offset + 8, ALIGN))
+            plan.append(Block(plan[0].offset + 8, ALIGN))
         elif spoil == "duplicate":
             plan.append(plan[0])
         else:
@@ -182,7 +182,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         random.Random(len(self.live)).shuffle(self.live)
         for e in self.live:
             self.alloc.free(e.offset)
-        assert list(self.alloc.free_extents()) == [Extent(0, 4096)]
+        assert list(self.alloc.free_extents()) == [Block(0, 4096)]
         s = self.alloc.stats()
         assert (s.used_nbytes, s.free_nbytes, s.free_blocks, s.allocated_blocks) == (0, 4096, 1, 0)
 
@@ -210,7 +210,7 @@ def test_free_everything_in_any_order_coalesces_to_one_block(sizes, seed):
     for e in taken:
         alloc.free(e.offset)
         check_invariants(alloc)
-    assert list(alloc.free_extents()) == [Extent(0, 1 << 16)]
+    assert list(alloc.free_extents()) == [Block(0, 1 << 16)]
 
 
 def test_best_fit_picks_the_smallest_fitting_extent():
@@ -221,10 +221,10 @@ def test_best_fit_picks_the_smallest_fitting_extent():
         alloc.free(e.offset)
     free = {e.offset: e.nbytes for e in alloc.free_extents()}
     assert free == {0: 64, 128: 32, 256: 48, 384: 32}
-    assert alloc.allocate(40) == Extent(256, 48)  # 48 is the smallest >= 40
-    assert alloc.allocate(20) == Extent(128, 32)  # two 32s: the lower offset
-    assert alloc.allocate(32) == Extent(384, 32)
-    assert alloc.allocate(1) == Extent(0, 16)  # carved from the start, rest stays free
+    assert alloc.allocate(40) == Block(256, 48)  # 48 is the smallest >= 40
+    assert alloc.allocate(20) == Block(128, 32)  # two 32s: the lower offset
+    assert alloc.allocate(32) == Block(384, 32)
+    assert alloc.allocate(1) == Block(0, 16)  # carved from the start, rest stays free
     assert {e.offset: e.nbytes for e in alloc.free_extents()} == {16: 48}
 
 
@@ -245,7 +245,7 @@ def test_group_is_atomic_and_placed_largest_first():
     assert "largest free block" in msg and "nothing was allocated" in msg
     assert snapshot(alloc) == before
     got = alloc.allocate_group([60, 150])
-    assert got == [Extent(0, 64), Extent(96, 160)]
+    assert got == [Block(0, 64), Block(96, 160)]
     assert alloc.allocate_group([]) == []
 
 
@@ -254,20 +254,20 @@ def test_reserve_atomic_and_exact():
     live = alloc.allocate(64)  # [0, 64)
     before = snapshot(alloc)
     with pytest.raises(ValueError, match="not entirely free"):
-        alloc.reserve([Extent(128, 64), Extent(256, 32), Extent(32, 64)])
+        alloc.reserve([Block(128, 64), Block(256, 32), Block(32, 64)])
     assert snapshot(alloc) == before
     with pytest.raises(ValueError, match="multiple"):
-        alloc.reserve([Extent(128, 64), Extent(200, 16)])
+        alloc.reserve([Block(128, 64), Block(200, 16)])
     assert snapshot(alloc) == before
     with pytest.raises(ValueError):
-        alloc.reserve([Extent(480, 64)])  # runs past the end
+        alloc.reserve([Block(480, 64)])  # runs past the end
     assert snapshot(alloc) == before
-    alloc.reserve([Extent(128, 64), Extent(256, 32)])  # middles of the free extent
-    assert alloc.allocated_extents() == [live, Extent(128, 64), Extent(256, 32)]
+    alloc.reserve([Block(128, 64), Block(256, 32)])  # middles of the free extent
+    assert alloc.allocated_extents() == [live, Block(128, 64), Block(256, 32)]
     check_invariants(alloc)
     for e in alloc.allocated_extents():
         alloc.free(e.offset)
-    assert list(alloc.free_extents()) == [Extent(0, 512)]
+    assert list(alloc.free_extents()) == [Block(0, 512)]
 
 
 def test_errors_and_edges():
@@ -286,7 +286,7 @@ def test_errors_and_edges():
     with pytest.raises(PoolExhaustedError):
         alloc.allocate(97)
     e = alloc.allocate(96)
-    assert e == Extent(0, 96)
+    assert e == Block(0, 96)
     with pytest.raises(PoolExhaustedError) as info:
         alloc.allocate(1)
     assert (info.value.free_nbytes, info.value.largest_free_nbytes) == (0, 0)
@@ -326,7 +326,7 @@ def test_threads_allocate_and_free_concurrently():
     for t in threads:
         t.join()
     assert not errors
-    assert list(alloc.free_extents()) == [Extent(0, 1 << 20)]
+    assert list(alloc.free_extents()) == [Block(0, 1 << 20)]
 
 
 def test_fragmented_free_list_stays_fast():

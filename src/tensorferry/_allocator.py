@@ -15,11 +15,13 @@ from typing import Iterator, NamedTuple, Sequence
 
 from .errors import ConfigurationError, PoolExhaustedError
 
-__all__ = ["Extent", "AllocatorStats", "Allocator"]
+__all__ = ["Block", "AllocatorStats", "Allocator"]
 
 
-class Extent(NamedTuple):
-    """A byte range ``[offset, offset + nbytes)`` of the pool."""
+class Block(NamedTuple):
+    """A byte range ``[offset, offset + nbytes)`` of a pool: a free extent,
+    an allocation, or one contiguous block of a packed object (the one
+    record for all three; ``tensorferry.Block``)."""
 
     offset: int
     nbytes: int
@@ -101,7 +103,7 @@ class Allocator:
 
     # -- public contract ---------------------------------------------------
 
-    def allocate(self, nbytes: int) -> Extent:
+    def allocate(self, nbytes: int) -> Block:
         """Allocate one extent of at least ``nbytes`` (best fit, lowest offset).
 
         Raises:
@@ -110,7 +112,7 @@ class Allocator:
         """
         return self.allocate_group([nbytes])[0]
 
-    def allocate_group(self, sizes: Sequence[int]) -> list[Extent]:
+    def allocate_group(self, sizes: Sequence[int]) -> list[Block]:
         """Allocate one extent per size, all or none.
 
         Sizes are placed largest first, each in the smallest free extent that
@@ -128,7 +130,7 @@ class Allocator:
                 raise ConfigurationError(f"every size must be positive, got {s}")
         with self._locked():
             order = sorted(range(len(rounded)), key=lambda i: -rounded[i])
-            taken: list[tuple[int, Extent]] = []
+            taken: list[tuple[int, Block]] = []
             for i in order:
                 ext = self._take_best_fit(rounded[i])
                 if ext is None:
@@ -145,7 +147,7 @@ class Allocator:
             taken.sort()
             return [e for _, e in taken]
 
-    def reserve(self, extents: Sequence[Extent]) -> None:
+    def reserve(self, extents: Sequence[Block]) -> None:
         """Take exactly these extents (each inside one free extent), all or none.
 
         The pool uses this to commit a plan made from :meth:`free_extents`.
@@ -192,16 +194,16 @@ class Allocator:
         with self._locked():
             self._release_quiet(offset)
 
-    def free_extents(self, *, largest_first: bool = True) -> Iterator[Extent]:
+    def free_extents(self, *, largest_first: bool = True) -> Iterator[Block]:
         """The free extents, largest first (a snapshot; safe to iterate)."""
         with self._locked():
             snap = list(reversed(self._by_size)) if largest_first else sorted(self._by_size, key=lambda t: t[1])
-        return iter([Extent(off, size) for size, off in snap])
+        return iter([Block(off, size) for size, off in snap])
 
-    def allocated_extents(self) -> list[Extent]:
+    def allocated_extents(self) -> list[Block]:
         """The allocated extents, by offset."""
         with self._locked():
-            return [Extent(o, n) for o, n in sorted(self._allocated.items())]
+            return [Block(o, n) for o, n in sorted(self._allocated.items())]
 
     def largest_free_nbytes(self) -> int:
         with self._locked():
@@ -223,7 +225,7 @@ class Allocator:
     def _largest_locked(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
-    def _take_best_fit(self, nbytes: int) -> Extent | None:
+    def _take_best_fit(self, nbytes: int) -> Block | None:
         i = bisect.bisect_left(self._by_size, (nbytes, -1))
         if i == len(self._by_size):
             return None
@@ -232,9 +234,9 @@ class Allocator:
         if size > nbytes:
             self._insert_free(off + nbytes, size - nbytes)
         self._allocated[off] = nbytes
-        return Extent(off, nbytes)
+        return Block(off, nbytes)
 
-    def _carve(self, ext: Extent) -> None:
+    def _carve(self, ext: Block) -> None:
         off, nbytes = ext
         if nbytes <= 0 or off % self.alignment or nbytes % self.alignment:
             raise ConfigurationError(f"extent {ext} is not a positive multiple of {self.alignment} bytes")

@@ -42,6 +42,7 @@ __all__ = [
     "copy_threads",
     "dense_host_mask",
     "executor",
+    "finish",
     "memmove_runs",
     "new_host_bytes",
     "run_parts",
@@ -113,6 +114,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
+def finish(future: Any, fn: Any, *args: Any) -> Any:
+    """Wait for ``future`` = ``submit(fn, *args)``; if no thread has started
+    it yet, run it here instead. A wait on the copy threads never depends on
+    a free one, so work submitted from a copy thread cannot deadlock."""
+    if future.cancel():
+        return fn(*args)
+    return future.result()
+
+
 def run_parts(fn: Any, parts: Sequence[tuple[Any, ...]]) -> None:
     """``fn(*part)`` for every part at once: the first on this thread, the
     rest on the copy threads. Returns when all are done; the first error is
@@ -127,15 +137,10 @@ def run_parts(fn: Any, parts: Sequence[tuple[Any, ...]]) -> None:
     except BaseException as exc:  # still wait: the caller frees the memory on return
         errors.append(exc)
     for part, f in zip(parts[1:], futures):
-        if f.cancel():
-            try:
-                fn(*part)
-            except BaseException as exc:
-                errors.append(exc)
-        else:
-            exc2 = f.exception()
-            if exc2 is not None:
-                errors.append(exc2)
+        try:
+            finish(f, fn, *part)
+        except BaseException as exc:
+            errors.append(exc)
     if errors:
         raise errors[0]
 
@@ -264,10 +269,11 @@ class CopyPlan:
     """
 
     __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_src_end")
+    _src_end: tuple[np.ndarray, bool] | None
 
     def __init__(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, elementwise: np.ndarray) -> None:
         self.dst, self.src, self.nbytes, self.heads, self.elementwise = dst, src, nbytes, heads, elementwise
-        self._src_end: np.ndarray | None = None
+        self._src_end = None  # (ends of the windowed side, which side)
 
     @classmethod
     def build(cls, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, *, raw: np.ndarray | None = None, breaks: np.ndarray | None = None) -> "CopyPlan":
@@ -306,16 +312,23 @@ class CopyPlan:
 
         Sources must ascend (a stream); ``O(log runs + runs in the window)``.
         """
-        if self._src_end is None:
-            self._src_end = self.src + self.nbytes
-        first = int(np.searchsorted(self._src_end, lo, side="right"))
-        last = int(np.searchsorted(self.src, hi, side="left"))
-        if first >= last:
-            return
-        s0 = self.src[first:last]
-        s = np.maximum(s0, lo)
-        e = np.minimum(self._src_end[first:last], hi)
-        memmove_runs(self.dst[first:last] + (s - s0) + dst_base, s + src_base, e - s)
+        d, s, n, _ = self.window(lo, hi, by_dst=False)
+        memmove_runs(d + dst_base, s + src_base, n)
+
+    def window(self, lo: int, hi: int, *, by_dst: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(dst, src, nbytes, heads)`` of the runs cut to the part whose
+        destination (``by_dst``) or source lies in ``[lo, hi)``; that side
+        must ascend."""
+        key = self.dst if by_dst else self.src
+        if self._src_end is None or self._src_end[1] is not by_dst:
+            self._src_end = (key + self.nbytes, by_dst)
+        end = self._src_end[0]
+        first = int(np.searchsorted(end, lo, side="right"))
+        last = int(np.searchsorted(key, hi, side="left"))
+        k0 = key[first:last]
+        skip = np.maximum(k0, lo) - k0
+        n = np.minimum(end[first:last], hi) - k0 - skip
+        return self.dst[first:last] + skip, self.src[first:last] + skip, n, self.heads[first:last]
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -427,3 +440,63 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
                 off = int(offsets[i])
                 view = blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape)
                 t.copy_(view)
+
+
+def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+    """Copy leaves into ``out`` (sender side): leaf ``i``'s bytes belong at
+    offset ``dst[i]``, and the bytes that fall in ``[lo, hi)`` are written to
+    ``out[dst[i] - lo ...]`` (a whole object: ``lo=0``; a streamed piece:
+    its byte range). Executes the leaves' copy plan: one copy per run of
+    tensors adjacent in their memory and in ``out``; tensors that are not
+    raw bytes are copied value by value.
+
+    Returns:
+        ``(runs, elementwise)``: copies issued for runs, and tensors copied
+        value by value.
+    """
+    nbytes = info.layout.nbytes
+    whole = hi is None  # the destinations may then lie in any order (blocks)
+    hi = (1 << 62) if whole else hi
+    host = info.all_cpu and out.device.type == "cpu"
+    # On the host a run may be copied by address, so touching in memory is
+    # enough. Device copies go through a storage's tensor, so there a run
+    # must also stay inside one storage.
+    breaks = None
+    if not host:
+        breaks = np.zeros(len(leaves), dtype=bool)
+        breaks[1:] = info.storage_ptrs[1:] != info.storage_ptrs[:-1]
+    plan = CopyPlan.build(dst, info.data_ptrs, nbytes, raw=info.raw, breaks=breaks)
+    if whole:
+        d, src, n, heads = plan.dst, plan.src, plan.nbytes, plan.heads
+    else:
+        d, src, n, heads = plan.window(lo, hi, by_dst=True)
+    if host:
+        memmove_runs(d + (out.data_ptr() - lo), src, n)
+    else:
+        storages: dict[tuple[int, str], torch.Tensor] = {}
+        for d0, s0, k, i in zip(d.tolist(), src.tolist(), n.tolist(), heads.tolist()):
+            t = leaves[i]
+            key = (int(info.storage_ptrs[i]), str(t.device))
+            storage = storages.get(key)
+            if storage is None:
+                st = t.untyped_storage()
+                storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+                storages[key] = storage
+            off = s0 - key[0]
+            copy_bytes(out[d0 - lo : d0 - lo + k], storage[off : off + k])
+    elementwise = 0
+    with torch.no_grad():
+        for i in plan.elementwise.tolist():
+            start, size = int(dst[i]), int(nbytes[i])
+            a, b = max(lo, start), min(hi, start + size)
+            if a >= b:
+                continue
+            t = leaves[i]
+            value = t.resolve_conj().resolve_neg() if (t.is_conj() or t.is_neg()) else t
+            if a == start and b == start + size:
+                out[start - lo : start - lo + size].view(t.dtype).view(t.shape).copy_(value)
+            else:  # a piece boundary cuts the tensor: its bytes, then the part
+                part = value.contiguous().reshape(-1).view(torch.uint8)[a - start : b - start]
+                copy_bytes(out[a - lo : b - lo], part.to(out.device))
+            elementwise += 1
+    return int(n.size), elementwise

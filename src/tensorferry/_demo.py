@@ -13,11 +13,12 @@ import time
 from typing import Any
 
 from .errors import ConfigurationError, TransferError
+from .ticket import TRANSPORTS
 
 __all__ = ["run_demo", "check_demo_args", "verify_same"]
 
 # The scenarios -t accepts; "pool" runs in-process, the rest are transports.
-_SCENARIOS = ("pool", "shm", "tcp", "nixl")
+_SCENARIOS = ("pool", *TRANSPORTS)
 # A synthetic layer is 4 tensors, at least a 4x4 float32 weight (64 bytes)
 # plus its bias, norm and step (~100 bytes): more than one tensor per 64
 # bytes and the state dict outgrows --size-mib.

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from . import packing
-from ._allocator import Allocator, Extent
-from ._copy import copy_bytes, memmove_runs
-from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves, torch_dtype, unflatten
+from ._allocator import Allocator, Block
+from ._copy import pack_leaves
+from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
+from ._views import owned_view, unpack
 from .errors import (
     BackendUnavailableError,
     ConfigurationError,
@@ -37,14 +38,10 @@ from .errors import (
 )
 from .layout import Layout
 
-__all__ = ["Block", "Packed", "PoolStats", "MemoryPool", "unpack"]
+__all__ = ["Block", "Lease", "Packed", "PoolStats", "MemoryPool", "unpack", "DEFAULT_CAPACITY_NBYTES"]
 
-
-class Block(NamedTuple):
-    """One contiguous block of a packed object, inside its pool."""
-
-    offset: int
-    nbytes: int
+# The size of a pool a Sender or a Receiver makes for itself.
+DEFAULT_CAPACITY_NBYTES = 256 << 20
 
 
 class PoolStats(NamedTuple):
@@ -58,6 +55,7 @@ class PoolStats(NamedTuple):
     live_objects: int
     packs: int
     packed_nbytes: int
+    leases: int = 0  # raw-byte reservations alive (staging buffers, receive blocks)
 
 
 @dataclass(eq=False)
@@ -98,6 +96,52 @@ class Packed:
         self.pool.free(self)
 
     def __enter__(self) -> "Packed":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Lease:
+    """Raw bytes of a pool, reserved until released (:meth:`MemoryPool.reserve`).
+
+    A context manager. ``release()`` is idempotent and safe from a
+    finalizer (it never waits for the pool's lock on a thread that holds
+    it). Counted in :meth:`MemoryPool.stats` while alive.
+    """
+
+    __slots__ = ("pool", "offset", "nbytes", "_released", "__weakref__")
+
+    def __init__(self, pool: "MemoryPool", block: Block) -> None:
+        self.pool, self.offset, self.nbytes = pool, block.offset, block.nbytes
+        self._released = False
+
+    def view(self) -> torch.Tensor:
+        """A 1-D uint8 view of the leased bytes (valid until the release)."""
+        return self.pool.buffer[self.offset : self.offset + self.nbytes]
+
+    def owned_view(self) -> torch.Tensor:
+        """A 1-D uint8 view whose storage owns the lease (CPU pools).
+
+        Every tensor made from it shares that storage, and the lease is
+        released when the last of them is collected, whichever view
+        outlives the others. Do not release it by hand afterwards.
+        """
+        if self.pool._mmap is None:
+            raise ConfigurationError(f"owned_view needs a CPU pool; this pool is on {self.pool.device}")
+        return owned_view(self.pool._mmap, self.offset, self.nbytes, self.release)
+
+    def release(self) -> None:
+        """Return the bytes to the pool. Releasing twice is harmless."""
+        pool = self.pool
+        with pool._lease_lock:
+            if self._released:
+                return
+            self._released = True
+            pool._leases -= 1
+        pool._allocator.free_soon(self.offset)
+
+    def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -171,6 +215,10 @@ class MemoryPool:
         self._live: dict[int, Packed] = {}
         self._packs = 0
         self._packed_nbytes = 0
+        self._leases = 0
+        # Its own lock, never held while waiting for another: a finalizer's
+        # release may run on any thread, inside any code of this pool.
+        self._lease_lock = threading.Lock()
         self._closed = False
 
     # -- lifetime ------------------------------------------------------------
@@ -207,7 +255,7 @@ class MemoryPool:
     def data_ptr(self) -> int:
         return self.buffer.data_ptr()
 
-    def view(self, block: Block | Extent) -> torch.Tensor:
+    def view(self, block: Block) -> torch.Tensor:
         """A 1-D uint8 view of one block of the pool (no copy)."""
         return self.buffer[block[0] : block[0] + block[1]]
 
@@ -258,10 +306,7 @@ class MemoryPool:
             for b in blocks:
                 self._allocator.free(b.offset)
             raise
-        with self._lock:
-            self._live[id(packed)] = packed
-            self._packs += 1
-            self._packed_nbytes += packed.nbytes
+        self._add_live(packed)
         return packed
 
     def _allocate(self, nbytes: np.ndarray, alignments: np.ndarray) -> tuple[list[Block], packing.BlockGroups]:
@@ -308,7 +353,7 @@ class MemoryPool:
                         f"tensor is {biggest:,})"
                     ),
                 )
-            rounded = [Extent(b.offset, packing.align_up(b.nbytes, packing.BLOCK_ALIGNMENT)) for b in plan]
+            rounded = [Block(b.offset, packing.align_up(b.nbytes, packing.BLOCK_ALIGNMENT)) for b in plan]
             try:
                 self._allocator.reserve(rounded)
             except ValueError:
@@ -318,78 +363,76 @@ class MemoryPool:
                 continue
             return plan, packing.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
 
-    def _copy_in(
-        self,
-        leaves: Sequence[torch.Tensor],
-        info: LeafInfo,
-        blocks: Sequence[Block],
-        groups: packing.BlockGroups,
-    ) -> tuple[int, int]:
+    def _copy_in(self, leaves: Sequence[torch.Tensor], info: LeafInfo, blocks: Sequence[Block], groups: packing.BlockGroups) -> tuple[int, int]:
         """Copy leaves into their blocks; returns (copy runs, strided copies)."""
-        count = len(leaves)
-        nbytes = info.layout.nbytes
         if not blocks:
             return 0, 0
-        dst = np.empty(count, dtype=np.int64)
+        dst = np.empty(len(leaves), dtype=np.int64)
         for b, blk in enumerate(blocks):
             lo, hi = int(groups.bounds[b]), int(groups.bounds[b + 1])
             dst[lo:hi] = groups.offsets[lo:hi] + blk.offset
-        live = np.flatnonzero(nbytes > 0)
-        if live.size == count:
-            sel = leaves
-        else:
-            sel = [leaves[i] for i in live.tolist()]
-        n = nbytes[live]
-        d = dst[live]
-        ptr = info.data_ptrs[live]
-        host = info.all_cpu and self.device.type == "cpu"
-        # On the host a run may be copied by address, so touching in memory
-        # is enough (every byte of the run belongs to one of its tensors, even
-        # across two storages). Device copies go through a storage's tensor,
-        # so there a run must also stay inside one storage.
-        sptr = None if host else info.storage_ptrs[live]
-        simple = info.raw[live]
-        joins = np.zeros(len(sel), dtype=bool)
-        if len(sel) > 1:
-            joins[1:] = simple[1:] & simple[:-1] & (ptr[1:] == ptr[:-1] + n[:-1]) & (d[1:] == d[:-1] + n[:-1])
-            if sptr is not None:
-                joins[1:] &= sptr[1:] == sptr[:-1]
-        # Runs: maximal stretches where every tensor joins the one before.
-        starts = np.flatnonzero(~joins)
-        stops = np.append(starts[1:], len(sel))
-        keep = simple[starts]
-        starts, stops = starts[keep], stops[keep]
-        ends = np.cumsum(n)
-        lengths = ends[stops - 1] - (ends[starts] - n[starts])
-        buf = self.buffer
-        if host:
-            # By address (libc memmove, on several threads when large): no
-            # tensor objects per run, which is what dominates with 10k runs.
-            memmove_runs(d[starts] + buf.data_ptr(), ptr[starts], lengths)
-            starts_l: list[int] = []
-        else:
-            starts_l = starts.tolist()
-        storages: dict[tuple[int, str], torch.Tensor] = {}
-        for i, length in zip(starts_l, lengths[: len(starts_l)].tolist()):
-            t = sel[i]
-            key = (int(sptr[i]), str(t.device))
-            src_all = storages.get(key)
-            if src_all is None:
-                st = t.untyped_storage()
-                src_all = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
-                storages[key] = src_all
-            s0 = int(ptr[i] - sptr[i])
-            d0 = int(d[i])
-            copy_bytes(buf[d0 : d0 + length], src_all[s0 : s0 + length])
-        runs = int(starts.size)
-        strided = 0
-        for i in np.flatnonzero(~simple).tolist():
-            t = sel[i]
-            off = int(d[i])
-            target = buf[off : off + int(n[i])].view(t.dtype).view(t.shape)
-            target.copy_(t.resolve_conj().resolve_neg() if (t.is_conj() or t.is_neg()) else t)
-            strided += 1
-        return runs, strided
+        return pack_leaves(leaves, info, dst, self.buffer)
+
+    def pack_range(self, leaves: Sequence[torch.Tensor], info: LeafInfo, offsets: np.ndarray, start: int, nbytes: int) -> Packed:
+        """Pack bytes ``[start, start + nbytes)`` of an object's one-block
+        layout (tensor ``i`` at ``offsets[i]``) into one block: a piece of a
+        streamed object (sender side). Runs of adjacent tensors are one copy
+        each, as in :meth:`pack`. Atomic.
+
+        Raises:
+            PoolExhaustedError: no free block of ``nbytes``; nothing allocated.
+        """
+        self._check_open()
+        block = self._allocator.allocate(nbytes)
+        try:
+            with gc_paused():
+                runs, strided = pack_leaves(leaves, info, offsets, self.view(Block(block.offset, nbytes)), start, start + nbytes)
+        except BaseException:
+            self._allocator.free(block.offset)
+            raise
+        n = info.layout.nbytes
+        packed = Packed(
+            blocks=(Block(block.offset, nbytes),),
+            layout=info.layout,
+            nbytes=nbytes,
+            num_tensors=int(((offsets < start + nbytes) & (offsets + n > start) & (n > 0)).sum()),
+            copy_runs=runs,
+            strided_copies=strided,
+            pool=self,
+        )
+        self._add_live(packed)
+        return packed
+
+    def _add_live(self, packed: Packed) -> None:
+        with self._lock:
+            self._live[id(packed)] = packed
+            self._packs += 1
+            self._packed_nbytes += packed.nbytes
+
+    def reserve(self, nbytes: int) -> Lease:
+        """Reserve ``nbytes`` of raw pool memory (a staging buffer, a receive block).
+
+        Raises:
+            PoolExhaustedError: no free block that large; the numbers say
+                what is free.
+        """
+        self._check_open()
+        lease = Lease(self, self._allocator.allocate(nbytes))
+        with self._lease_lock:
+            self._leases += 1
+        return lease
+
+    def reserve_up_to(self, nbytes: int, *, min_nbytes: int) -> Lease | None:
+        """The largest lease of at most ``nbytes`` and at least ``min_nbytes``
+        the free space allows now, or None (racing allocations retried)."""
+        while True:
+            size = min(nbytes, self._allocator.largest_free_nbytes())
+            if size < max(min_nbytes, 1):
+                return None
+            try:
+                return self.reserve(size)
+            except PoolExhaustedError:
+                continue  # taken meanwhile: look again
 
     # -- release and views -----------------------------------------------------
 
@@ -408,28 +451,6 @@ class MemoryPool:
             self._live.pop(id(packed), None)
             for b in packed.blocks:
                 self._allocator.free(b.offset)
-
-    def lease_view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 view of ``[offset, offset + nbytes)`` with its OWN storage.
-
-        CPU only. Tensors made from it share that storage, whose owner is
-        ``view._tf_owner`` (a numpy array): watch it to learn when the last
-        of them is gone, whichever view outlives the others.
-        """
-        if self._mmap is None:
-            raise ConfigurationError(f"lease_view needs a CPU pool; this pool is on {self.device}")
-        arr = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes, offset=offset)
-        view = torch.from_numpy(arr)
-        view._tf_owner = arr  # type: ignore[attr-defined]
-        return view
-
-    def _adopt(self, packed: Packed) -> None:
-        """Count a Packed made from this pool's blocks by another packer
-        (a streamed piece) as live, so stats and release treat it alike."""
-        with self._lock:
-            self._live[id(packed)] = packed
-            self._packs += 1
-            self._packed_nbytes += packed.nbytes
 
     def unpack(self, packed: Packed) -> Any:
         """Views of the pool's memory in the original structure (no copy).
@@ -454,6 +475,7 @@ class MemoryPool:
                 live_objects=len(self._live),
                 packs=self._packs,
                 packed_nbytes=self._packed_nbytes,
+                leases=self._leases,
             )
 
     def _check_open(self) -> None:
@@ -490,136 +512,3 @@ def _host_memory() -> str:
     return f"this host has {total:,} bytes of memory, {free:,} of them free"
 
 
-def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
-    """Rebuild the original structure as zero-copy views of ``blocks``.
-
-    Runs on the receiver (or on the sender over its pool). Copies nothing:
-    every tensor is a view with the right dtype and shape, thanks to each
-    tensor's alignment inside its 16-aligned block.
-
-    Args:
-        blocks: one 1-D uint8 tensor per block, in order, each starting at a
-            16-byte aligned address.
-        layout: the sender's :class:`Layout`.
-
-    Returns:
-        The object, nested as it was packed.
-
-    Raises:
-        LayoutMismatchError: the blocks' sizes or alignment do not match the
-            layout (the message gives the numbers).
-    """
-    sizes = []
-    for b, blk in enumerate(blocks):
-        if blk.dtype != torch.uint8 or blk.dim() != 1 or not blk.is_contiguous():
-            raise LayoutMismatchError(
-                f"block {b} must be a contiguous 1-D uint8 tensor, got {blk.dtype} of shape {tuple(blk.shape)}"
-            )
-        if blk.data_ptr() % packing.BLOCK_ALIGNMENT:
-            raise LayoutMismatchError(
-                f"block {b} starts at address {blk.data_ptr():#x}, not on a "
-                f"{packing.BLOCK_ALIGNMENT}-byte boundary; receive into 16-byte aligned memory "
-                "(a MemoryPool, or torch.empty) so typed views are possible"
-            )
-        sizes.append(blk.numel())
-    groups = packing.group_by_block(layout.nbytes, layout.alignments, sizes)
-    with gc_paused():
-        leaves = _views(blocks, layout, groups)
-        return unflatten(layout, leaves)
-
-
-def _same_shape_as_previous(layout: Layout, shapes: list[tuple[int, ...]]) -> np.ndarray:
-    """bool per tensor: its shape equals the previous tensor's."""
-    n = layout.num_tensors
-    same = np.zeros(n, dtype=bool)
-    if n < 2:
-        return same
-    nd = layout.ndims
-    if (nd == nd[0]).all():
-        k = int(nd[0])
-        rows = layout.dims.reshape(n, k)
-        same[1:] = (rows[1:] == rows[:-1]).all(axis=1) if k else True
-    else:
-        same[1:] = [a == b for a, b in zip(shapes[1:], shapes[:-1])]
-    return same
-
-
-def _views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.BlockGroups) -> list[torch.Tensor]:
-    """One view per tensor, made in bulk by C++ loops.
-
-    Runs of same-dtype tensors that touch are cut at once: all-1-D runs with
-    one ``split_with_sizes``; otherwise each stretch of equal shapes (a
-    model's layers) with one ``view(k, *shape).unbind(0)``, ~0.7 us a tensor
-    against ~2.5 us for a view per tensor.
-    """
-    count = layout.num_tensors
-    leaves: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
-    nbytes = layout.nbytes
-    codes = layout.dtype_codes
-    es = layout.alignments
-    shapes = layout.shapes()
-    ndims = layout.ndims
-    same_shape = _same_shape_as_previous(layout, shapes)
-    ndims_l = ndims.tolist()
-    device = blocks[0].device if blocks else torch.device("cpu")
-    for b in range(len(blocks)):
-        lo, hi = int(groups.bounds[b]), int(groups.bounds[b + 1])
-        idx = np.arange(lo, hi)[nbytes[lo:hi] > 0]
-        if not idx.size:
-            continue
-        off = groups.offsets[idx]
-        n = nbytes[idx]
-        c = codes[idx]
-        brk = np.ones(idx.size, dtype=bool)
-        # A run is cut where dtype or adjacency changes, and around the
-        # tensors skipped here (zero-size, aliases): its views fill one
-        # slice of leaf positions.
-        brk[1:] = (c[1:] != c[:-1]) | (off[1:] != off[:-1] + n[:-1]) | (idx[1:] != idx[:-1] + 1)
-        run_starts = np.flatnonzero(brk)
-        run_stops = np.append(run_starts[1:], idx.size)
-        one_d = ndims[idx] == 1
-        # Where a new shape starts inside a run (or a run starts).
-        shape_brk = brk | ~same_shape[idx]
-        blk = blocks[b]
-        typed: dict[int, torch.Tensor] = {}
-        numels = (n // es[idx]).tolist()
-        idx_l = idx.tolist()
-        for rs, re_ in zip(run_starts.tolist(), run_stops.tolist()):
-            code = int(c[rs])
-            tv = typed.get(code)
-            size = int(es[idx_l[rs]])
-            if tv is None:
-                usable = blk.numel() - blk.numel() % size
-                tv = blk[:usable].view(torch_dtype(code))
-                typed[code] = tv
-            first = int(off[rs]) // size
-            if one_d[rs:re_].all():
-                total = sum(numels[rs:re_])
-                parts = tv.narrow(0, first, total).split_with_sizes(numels[rs:re_])
-                leaves[idx_l[rs] : idx_l[rs] + (re_ - rs)] = parts
-                continue
-            sub = np.flatnonzero(shape_brk[rs:re_]) + rs
-            sub_stops = np.append(sub[1:], re_)
-            split = None
-            if (sub_stops - sub == 1).any():
-                # Lone shapes (weight, bias, weight, ...) come from one split.
-                split = tv.narrow(0, first, sum(numels[rs:re_])).split_with_sizes(numels[rs:re_])
-            for ss, se in zip(sub.tolist(), sub_stops.tolist()):
-                k = se - ss
-                shape = shapes[idx_l[ss]]
-                if k == 1:
-                    part = split[ss - rs]
-                    leaves[idx_l[ss]] = part if ndims_l[idx_l[ss]] == 1 else part.view(shape)
-                else:
-                    start = first + (int(off[ss]) - int(off[rs])) // size
-                    parts = tv.narrow(0, start, k * numels[ss]).view(k, *shape).unbind(0)
-                    leaves[idx_l[ss] : idx_l[ss] + k] = parts
-    empty = nbytes == 0
-    if layout.aliases.size:
-        empty[layout.aliases[:, 0]] = False
-    for k in np.flatnonzero(empty).tolist():
-        leaves[k] = torch.empty(shapes[k], dtype=torch_dtype(int(codes[k])), device=device)
-    # One tensor under both names (tied weights), as torch.save keeps them.
-    for dup, orig in layout.aliases.tolist():
-        leaves[dup] = leaves[orig]
-    return leaves

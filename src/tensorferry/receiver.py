@@ -9,32 +9,33 @@ releases the slot, and rebuilds the object as views of the destination.
   if it has one: the views then keep their blocks until the last of them is
   collected).
 * ``into=`` copies into the caller's existing tensors (weight updates in
-  place); shapes and dtypes must match.
+  place), matched by key for dicts and by position for lists and tuples.
 * ``zero_copy=True`` (shm only) returns views of the sender's pool itself;
   the sender's slot is held until the last view's storage is collected.
+
+Which of these a get does, and how its bytes move, is decided in one place
+(:func:`_strategy`); the channels (one per sender and concurrent get) and
+the releaser of zero-copy holds live in :mod:`.transports._connections`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import queue
-import select
 import threading
 import time
-import weakref
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from . import packing
 from ._args import positive_seconds
-from ._copy import StagedCopy, copy_from_blocks, copy_staged, new_host_bytes
-from ._tensors import gc_paused, match_into
-from .errors import LayoutMismatchError, PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
-from .pool import MemoryPool, unpack
+from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, new_host_bytes
+from ._tensors import gc_paused, match_into, unflatten
+from ._views import build_views
+from .errors import PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .layout import Layout
-from .ticket import Ticket
+from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
+from .ticket import Ticket, TransportName
 
 __all__ = ["Receiver"]
 
@@ -54,38 +55,27 @@ _STAGE_NBYTES = 64 << 20
 _STAGE_MIN_NBYTES = 4 << 20
 
 
-class _Releaser:
-    """Sends the Release of zero-copy holds when their views are collected.
+def _strategy(ch: Any, layout: Layout, *, into: bool, zero_copy: bool, streamed: bool) -> str:
+    """How one get moves its bytes; the one decision of the receiver.
 
-    Finalizers run wherever the GC runs; they only enqueue here, and one
-    thread does the (blocking) socket work.
+    ``zero-copy`` (shm: views of the sender's pool), ``streamed`` (pieces,
+    larger than the sender's free pool), ``into-mapped`` (shm: one copy from
+    the mapped pool into the targets), ``into-scatter`` (tcp, few or large
+    tensors: received straight into the targets), ``into-staged`` (through a
+    bounded staging buffer, copied out by address), ``new`` (new memory or
+    the receive pool, then views).
     """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="tensorferry-releaser", daemon=True)
-        self._thread.start()
-
-    def submit(self, channel: Any, ticket_id: int, piece: int) -> None:
-        self._queue.put((channel, ticket_id, piece))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            channel, ticket_id, piece = item
-            with channel.lock:
-                try:
-                    channel.release(ticket_id, piece, timeout=10.0)
-                except Exception:
-                    pass  # the sender is gone; its pool went with it
-                channel.holds -= 1
-                if channel.holds == 0 and getattr(channel, "retired", False):
-                    channel.close()
-
-    def stop(self) -> None:
-        self._queue.put(None)
+    if zero_copy:
+        return "zero-copy"
+    if streamed:
+        return "streamed"
+    if not into:
+        return "new"
+    if ch.supports_zero_copy:
+        return "into-mapped"
+    if ch.supports_scatter and layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES):
+        return "into-scatter"
+    return "into-staged"
 
 
 class Receiver:
@@ -106,15 +96,16 @@ class Receiver:
 
     def __init__(
         self,
-        transport: Literal["shm", "tcp", "nixl"] | None = None,
+        transport: TransportName | None = None,
         pool: MemoryPool | None = None,
         *,
         token: str | bytes | None = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
-        capacity_nbytes: int = 256 << 20,
+        capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
     ) -> None:
         from ._copy import _huge_pages_off
         from .transports import channel_class
+        from .transports._connections import ChannelPool, ReceiveContext, Releaser
 
         self.transport = transport
         if transport is not None:
@@ -122,87 +113,18 @@ class Receiver:
         _huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         self.token = token.encode() if isinstance(token, str) else (token or b"")
         self.timeout = positive_seconds("Receiver(timeout)", timeout)
-        self._own_pool = False
-        if pool is None and transport == "nixl":
-            pool = MemoryPool(capacity_nbytes)
-            self._own_pool = True
-        self.pool = pool
-        self._lock = threading.Lock()
-        self._idle: dict[tuple[str, str], list[Any]] = {}
-        self._all: list[Any] = []
-        self._resources: list[Any] = []  # closed with the receiver (nixl endpoint)
-        self._releaser = _Releaser()
-        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorferry-copy")
-        self._closed = False
+        self._context = ReceiveContext(pool, capacity_nbytes=capacity_nbytes)
+        if transport == "nixl":
+            self._context.ensure_pool()
+        self._channels = ChannelPool(channel_class, token=self.token, context=self._context)
+        self._releaser = Releaser()
         self.bytes_received = 0
         self.gets = 0
 
-    # -- connections ---------------------------------------------------------------
-
-    def _checkout(self, ticket: Ticket, timeout: float) -> Any:
-        from .transports import channel_class
-
-        key = (ticket.transport, ticket.address)
-        with self._lock:
-            if self._closed:
-                raise TransferError("this Receiver is closed")
-            idle = self._idle.get(key)
-            hung: list[Any] = []
-            while idle:
-                ch = idle.pop()
-                if not ch.closed and not _hung_up(ch.sock):
-                    break
-                hung.append(ch)
-            else:
-                ch = None
-        for dead in hung:
-            self._discard(dead)
-        if ch is None:
-            self._prune_idle()
-            ch = channel_class(ticket.transport)(ticket.address, token=self.token, timeout=timeout, receiver=self)
-            with self._lock:
-                self._all.append(ch)
-        if ch.welcome.pool_generation != ticket.pool_generation:
-            self._return(key, ch)
-            raise TicketError(
-                f"ticket {ticket.id} is from an earlier pool of the sender at {ticket.address} "
-                "(the sender restarted); ask for a new ticket"
-            )
-        return ch
-
-    def _prune_idle(self) -> None:
-        """Close idle connections whose sender hung up (it exited or closed).
-
-        Each holds a socket and, for shm, a mapping of that sender's whole
-        pool (which keeps the pool's memory alive); a long-lived receiver
-        must not keep one per sender it ever talked to.
-        """
-        with self._lock:
-            dead = []
-            for key, chans in list(self._idle.items()):
-                alive = [c for c in chans if not c.closed and not _hung_up(c.sock)]
-                dead += [c for c in chans if not any(c is a for a in alive)]
-                if alive:
-                    self._idle[key] = alive
-                else:
-                    del self._idle[key]
-        for ch in dead:
-            self._discard(ch)
-        with self._lock:
-            self._all = [c for c in self._all if not c.closed]
-
-    def _return(self, key: tuple[str, str], ch: Any) -> None:
-        with self._lock:
-            if self._closed or ch.closed:
-                return
-            self._idle.setdefault(key, []).append(ch)
-
-    def _discard(self, ch: Any) -> None:
-        with ch.lock:
-            if ch.holds:
-                ch.retired = True  # zero-copy views still need it; closed after them
-            else:
-                ch.close()
+    @property
+    def pool(self) -> MemoryPool | None:
+        """The receive pool (given, or made for nixl), if any."""
+        return self._context.pool
 
     # -- get -------------------------------------------------------------------------
 
@@ -212,17 +134,20 @@ class Receiver:
         Args:
             ticket: a :class:`Ticket` or its bytes.
             timeout: seconds for the whole get (default: the receiver's).
-            into: existing tensors (same nesting or same leaf order) to write
-                into; returned as given, updated in place.
+            into: existing tensors to write into, nested as the sender put
+                them (dicts matched by key, in any order; lists and tuples
+                by position); returned as given, updated in place.
             zero_copy: shm only: return views of the sender's pool; the
                 sender keeps the blocks until the views are collected.
 
         Returns:
-            The object, nested as the sender put it.
+            The object, nested as the sender put it (tensors that were the
+            same view twice come back as one tensor).
 
         Raises:
             TicketError: a malformed or stale ticket.
-            LayoutMismatchError: ``into`` does not match the sent tensors.
+            LayoutMismatchError: ``into`` does not match the sent tensors
+                (named by key or position); nothing was written.
             PeerGoneError: the sender went away; the receiver stays usable.
             TransferTimeoutError: it took longer than ``timeout``.
         """
@@ -243,9 +168,8 @@ class Receiver:
             # No bytes (an empty object, zero-size tensors): the sender keeps
             # no slot for it, so there is nothing to fetch or release.
             self.gets += 1
-            return into if into is not None else _rebuild(layout, self._views([], layout))
-        ch = self._checkout(ticket, timeout)
-        key = (ticket.transport, ticket.address)
+            return into if into is not None else unflatten(layout, self._views([], layout))
+        ch = self._channels.checkout(ticket.transport, ticket.address, ticket.pool_generation, ticket.id, timeout)
         try:
             if targets is not None:
                 # The bytes land by address (memcpy, recv_into, NIXL), which
@@ -253,95 +177,79 @@ class Receiver:
                 # so a backward that saved one of them raises instead of
                 # using the new values. A failed get may have written too.
                 torch.autograd.graph.increment_version(targets)
+            how = _strategy(ch, layout, into=targets is not None, zero_copy=zero_copy, streamed=ticket.streamed)
             with ch.lock:
-                if zero_copy:
+                if how == "zero-copy":
                     result = self._get_zero_copy(ch, ticket, layout, deadline)
-                elif ticket.streamed:
+                elif how == "streamed":
                     result = self._get_streamed(ch, ticket, layout, targets, deadline)
                 else:
-                    result = self._get_resident(ch, ticket, layout, targets, deadline)
+                    result = self._get_resident(ch, ticket, layout, targets, how, deadline)
         except (PeerGoneError, TransferTimeoutError, OSError) as exc:
-            self._discard(ch)  # its stream may be mid-frame: never reuse it
+            self._channels.discard(ch)  # its stream may be mid-frame: never reuse it
             if isinstance(exc, OSError) and not isinstance(exc, TransferError):
                 raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
             raise
         except BaseException:
-            self._discard(ch)
+            self._channels.discard(ch)
             raise
-        self._return(key, ch)
+        self._channels.give_back(ch)
         if targets is not None and layout.aliases.size:
             _fill_aliases(layout, targets)
         self.gets += 1
         self.bytes_received += layout.total_nbytes
         return into if into is not None else result
 
-    def _left(self, deadline: float) -> float:
+    @staticmethod
+    def _left(deadline: float) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeoutError("the get ran out of time")
         return left
 
-    def _get_resident(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
+    def _get_resident(self, ch: Any, ticket: Ticket, layout: Layout, targets: Any, how: str, deadline: float) -> Any:
         located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
         blocks = [tuple(b) for b in located.blocks]
         if blocks != [tuple(b) for b in ticket.blocks]:
             ch.release(ticket.id, 0, timeout=self._left(deadline))
             raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
+        sizes = [n for _, n in blocks]
         try:
-            if targets is not None and ch.supports_zero_copy:
-                # shm: one copy, from the sender's pool into the caller's tensors.
+            if how == "into-mapped":
                 _copy_out(ch.remote_views(blocks), layout, targets)
-                return None
-            if targets is not None and ch.supports_scatter and _few_enough_to_scatter(layout):
-                # tcp, few tensors: the bytes land straight in the caller's tensors.
-                segments, fixups = _scatter_segments(layout, [n for _, n in blocks], targets)
+            elif how == "into-scatter":
+                segments, fixups = _scatter_segments(layout, sizes, targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
                 copy_staged(fixups)
-                return None
-            if targets is not None:
-                # tcp with many tensors, nixl: through a bounded staging
-                # buffer, each chunk copied by address into the tensors.
-                self._read_staged_into(ch, ticket.id, 0, blocks, layout, targets, deadline)
-                return None
-            dests, fresh = self._destination([n for _, n in blocks])
-            obj_leaves = self._read_and_view(ch, ticket.id, 0, blocks, dests, layout, deadline, fresh=fresh)
+            elif how == "into-staged":
+                groups = packing.group_by_block(layout.nbytes, layout.alignments, sizes)
+                sink = StagedCopy(sizes, groups.bounds, groups.offsets, layout.nbytes, targets)
+                self._stream(ch, ticket.id, 0, blocks, sink, deadline)
+                sink.finish()
+            else:
+                dests, fresh = self._destination(sizes)
+                return unflatten(layout, self._read_and_view(ch, ticket.id, blocks, dests, layout, deadline, fresh=fresh))
+            return None
         finally:
-            ch.release(ticket.id, 0, timeout=max(self._left_or_zero(deadline), 5.0))
-        return _rebuild(layout, obj_leaves)
+            ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
 
-    def _read_staged_into(self, ch, ticket_id: int, piece: int, blocks, layout: Layout, targets, deadline: float) -> None:
-        """The stream of ``blocks`` through at most ``_STAGE_NBYTES`` of
-        scratch (the receive pool's when it has room: registered for NIXL,
-        already faulted in), into ``targets``. No view per tensor, no
-        per-tensor receive call: with 100k tensors this was ~3x faster than
-        scattering straight into them, for one extra memcpy of the bytes."""
-        sizes = [n for _, n in blocks]
-        groups = packing.group_by_block(layout.nbytes, layout.alignments, sizes)
-        sink = StagedCopy(sizes, groups.bounds, groups.offsets, layout.nbytes, targets)
-        self._stream(ch, ticket_id, piece, blocks, sink, deadline)
-        sink.finish()
-
-    def _stream(self, ch, ticket_id: int, piece: int, blocks, sink: Any, deadline: float) -> None:
-        """``ch.read_stream`` through a scratch of at most ``_STAGE_NBYTES``."""
+    def _stream(self, ch: Any, ticket_id: int, piece: int, blocks: list, sink: Any, deadline: float) -> None:
+        """``ch.read_stream`` through a scratch of at most ``_STAGE_NBYTES``:
+        the receive pool's when it has room (registered for NIXL, already
+        faulted in), new memory otherwise."""
         want = min(sum(n for _, n in blocks), _STAGE_NBYTES)
-        scratch, offset = None, None
-        if self.pool is not None and self.pool.device.type == "cpu":
-            size = min(want, self.pool._allocator.largest_free_nbytes())
-            if size >= min(want, _STAGE_MIN_NBYTES):
-                try:
-                    offset = self.pool._allocator.allocate(size).offset
-                    scratch = self.pool.buffer[offset : offset + size]
-                except PoolExhaustedError:
-                    offset = None  # taken meanwhile: new memory below
-        if scratch is None:
-            scratch = new_host_bytes(want)
+        pool = self.pool
+        lease = None
+        if pool is not None and pool.device.type == "cpu":
+            lease = pool.reserve_up_to(want, min_nbytes=min(want, _STAGE_MIN_NBYTES))
+        scratch = lease.view() if lease is not None else new_host_bytes(want)
         try:
             ch.read_stream(ticket_id, piece, blocks, scratch, sink, deadline=deadline)
         finally:
-            if offset is not None:
-                self.pool._allocator.free(offset)
+            if lease is not None:
+                lease.release()
 
-    def _read_and_view(self, ch, ticket_id: int, piece: int, blocks, dests, layout: Layout, deadline: float, *, fresh: bool = False) -> list[torch.Tensor]:
+    def _read_and_view(self, ch: Any, ticket_id: int, blocks: list, dests: list, layout: Layout, deadline: float, *, fresh: bool) -> list[torch.Tensor]:
         """Move the bytes and build the views; for many tensors, at once.
 
         The views depend only on where the destination is, not on its
@@ -357,27 +265,22 @@ class Receiver:
         """
         many = layout.num_tensors >= _OVERLAP_MIN_TENSORS
         if fresh and many and ch.supports_scatter and sum(n for _, n in blocks) > _STAGE_NBYTES:
-            sink = StagedCopy.into_blocks(dests)
-            move = functools.partial(self._stream, ch, ticket_id, piece, blocks, sink, deadline)
+            move = functools.partial(self._stream, ch, ticket_id, 0, blocks, StagedCopy.into_blocks(dests), deadline)
         else:
-            move = functools.partial(ch.read_into, ticket_id, piece, blocks, dests, deadline=deadline)
-        if layout.num_tensors < _OVERLAP_MIN_TENSORS:
+            move = functools.partial(ch.read_into, ticket_id, 0, blocks, dests, deadline=deadline)
+        if not many:
             move()
             return self._views(dests, layout)
-        future = self._copier.submit(move)
+        future = executor().submit(move)
         try:
-            leaves = self._views(dests, layout)
+            return self._views(dests, layout)
         finally:
-            error = future.exception()  # always wait: the slot is released after
-        if error is not None:
-            raise error
-        return leaves
+            finish(future, move)  # always wait: the slot is released after
 
-    def _get_streamed(self, ch, ticket: Ticket, layout: Layout, targets, deadline: float) -> Any:
+    def _get_streamed(self, ch: Any, ticket: Ticket, layout: Layout, targets: Any, deadline: float) -> Any:
         whole = None
-        digest = ticket.digest
         for piece in range(ticket.num_pieces):
-            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=digest)
+            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=ticket.digest)
             blocks = [tuple(b) for b in located.blocks]
             voff = located.virtual_offset
             want = min(ticket.piece_nbytes, ticket.total_nbytes - piece * ticket.piece_nbytes)
@@ -391,22 +294,21 @@ class Receiver:
                     whole = self._destination([ticket.total_nbytes])[0][0]
                 ch.read_into(ticket.id, piece, blocks, [whole[voff : voff + want]], deadline=deadline)
             finally:
-                ch.release(ticket.id, piece, timeout=max(self._left_or_zero(deadline), 5.0))
+                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
         if targets is not None:
             _copy_out([whole], layout, targets)
             return None
-        return _rebuild(layout, self._views([whole], layout))
+        return unflatten(layout, self._views([whole], layout))
 
-    def _get_zero_copy(self, ch, ticket: Ticket, layout: Layout, deadline: float) -> Any:
+    def _get_zero_copy(self, ch: Any, ticket: Ticket, layout: Layout, deadline: float) -> Any:
         if not ch.supports_zero_copy:
             raise TransferError(f"zero_copy needs the shm transport; this ticket is {ticket.transport}")
         located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
         blocks = [tuple(b) for b in located.blocks]
-        views = ch.remote_views(blocks)
         # The hold is released when the last block view's storage dies: every
         # returned tensor is a view of one of these, so the release follows
         # the storage, not any one tensor object.
-        remaining = [len(views)]
+        remaining = [len(blocks)]
         lock = threading.Lock()
         ch.holds += 1
         releaser = self._releaser
@@ -418,51 +320,32 @@ class Receiver:
             if last:
                 releaser.submit(ch, ticket.id, 0)
 
-        for v in views:
-            _finalize_storage(v, one_gone)
-        leaves = self._views(views, layout)
-        return _rebuild(layout, leaves)
+        views = ch.remote_views(blocks, one_gone)
+        return unflatten(layout, self._views(views, layout))
 
     @staticmethod
-    def _left_or_zero(deadline: float) -> float:
-        return max(0.0, deadline - time.monotonic())
-
-    def _views(self, blocks: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
-        from .pool import _views
-
+    def _views(blocks: list[torch.Tensor], layout: Layout) -> list[torch.Tensor]:
         groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
         with gc_paused():
-            return _views(blocks, layout, groups)
+            return build_views(blocks, layout, groups)
 
     def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
         """Destination blocks (16-aligned), from the receive pool if it has
-        room; and whether they are new memory (not the pool's)."""
+        room (their block returns when the last view of it is collected);
+        and whether they are new memory (not the pool's)."""
         total = sum(packing.align_up(n, packing.BLOCK_ALIGNMENT) for n in sizes)
-        if self.pool is not None:
+        pool = self.pool
+        if pool is not None and pool.device.type == "cpu":
             try:
-                ext = self.pool._allocator.allocate(total)
-            except MemoryError:
-                ext = None  # receive pool full: fall back to new memory
-            if ext is not None:
-                base = self.pool.lease_view(ext.offset, total)
-                _finalize_storage(base, _PoolLease(self.pool, ext.offset))
-                return _split(base, sizes), False
-        base = new_host_bytes(total)
-        return _split(base, sizes), True
+                return _split(pool.reserve(total).owned_view(), sizes), False
+            except PoolExhaustedError:
+                pass  # receive pool full: new memory
+        return _split(new_host_bytes(total), sizes), True
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            chans = list(self._all)
-            self._idle.clear()
-        for ch in chans:
-            self._discard(ch)
+        self._channels.close()
         self._releaser.stop()
-        for res in self._resources:
-            res.close()
-        self._copier.shutdown(wait=False)
-        if self._own_pool and self.pool is not None:
-            self.pool.close()
+        self._context.close()
 
     def __enter__(self) -> "Receiver":
         return self
@@ -471,39 +354,16 @@ class Receiver:
         self.close()
 
 
-def _hung_up(sock: Any) -> bool:
-    """Whether an idle connection was closed by its sender.
-
-    Between requests a sender sends nothing, so anything to read (the end of
-    the stream, an error) means the connection is unusable.
-    """
-    try:
-        poller = select.poll()
-        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
-
-
-class _PoolLease:
-    """Frees a receive-pool block when the views made from it are collected."""
-
-    def __init__(self, pool: MemoryPool, offset: int) -> None:
-        self.pool, self.offset = pool, offset
-
-    def __call__(self) -> None:
-        # A finalizer: it may run on a thread that is inside the allocator.
-        self.pool._allocator.free_soon(self.offset)
-
-
-def _finalize_storage(view: torch.Tensor, callback: Any) -> None:
-    """Run ``callback`` when the storage of ``view`` is collected.
-
-    ``view`` was made by ``torch.from_numpy``; its storage keeps that numpy
-    array alive, so watching the array follows the storage: the callback
-    fires when the last tensor sharing it is gone, whichever view that is.
-    """
-    weakref.finalize(view._tf_owner, callback)  # type: ignore[attr-defined]
+def _fill_aliases(layout: Layout, targets: list[torch.Tensor]) -> None:
+    """into= targets of tensors sent once under two names (tied weights):
+    the bytes landed in the first target; a second one that is not the
+    same view (untied on this side) gets a copy of it."""
+    for dup, orig in layout.aliases.tolist():
+        a, b = targets[dup], targets[orig]
+        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
+            continue
+        with torch.no_grad():
+            a.copy_(b)
 
 
 def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[torch.Tensor]):
@@ -540,23 +400,6 @@ def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[tor
     return segments, fixups
 
 
-def _fill_aliases(layout: Layout, targets: list[torch.Tensor]) -> None:
-    """into= targets of tensors sent once under two names (tied weights):
-    the bytes landed in the first target; a second one that is not the
-    same view (untied on this side) gets a copy of it."""
-    for dup, orig in layout.aliases.tolist():
-        a, b = targets[dup], targets[orig]
-        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
-            continue
-        with torch.no_grad():
-            a.copy_(b)
-
-
-def _few_enough_to_scatter(layout: Layout) -> bool:
-    """Whether tcp into= receives straight into the targets (see _SCATTER_MAX_TENSORS)."""
-    return layout.num_tensors <= max(_SCATTER_MAX_TENSORS, layout.total_nbytes // _SCATTER_MIN_MEAN_NBYTES)
-
-
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     out, pos = [], 0
     for n in sizes:
@@ -569,9 +412,3 @@ def _copy_out(blocks: list[torch.Tensor], layout: Layout, targets: list[torch.Te
     """Copy a received object from its blocks into ``into=`` targets (matched by ``match_into``)."""
     groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
     copy_from_blocks(blocks, groups.bounds, groups.offsets, layout.nbytes, targets)
-
-
-def _rebuild(layout: Layout, leaves: list[torch.Tensor]) -> Any:
-    from ._tensors import unflatten
-
-    return unflatten(layout, leaves)

@@ -10,7 +10,7 @@ Encoded with msgspec's msgpack, typed and bounded on decode; no pickle.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -18,6 +18,10 @@ from .errors import TicketError
 from .layout import MAX_LAYOUT_NBYTES, Layout
 
 __all__ = ["Ticket", "MAX_TICKET_NBYTES"]
+
+# The one list of transport names; everything else refers to these.
+TransportName = Literal["shm", "tcp", "nixl"]
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 
 _MAGIC = b"TFTK"
 _VERSION = 1
@@ -49,7 +53,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """
 
     id: int
-    transport: Literal["shm", "tcp", "nixl"]
+    transport: TransportName
     address: Annotated[str, msgspec.Meta(max_length=_MAX_ADDRESS)]
     pool_generation: int
     layout_bytes: Annotated[bytes, msgspec.Meta(max_length=MAX_LAYOUT_NBYTES)]

@@ -115,7 +115,7 @@ class Worker:
         # Which transports this worker's weight receiver has connections for.
         from tensorferry.ray import _weights
 
-        return sorted({transport for transport, _ in _weights._RECEIVER._idle})
+        return sorted({transport for transport, _ in _weights._RECEIVER._channels.idle_keys()})
 
 
 def test_weight_sync_reaches_a_worker_on_the_other_node_over_tcp(two_nodes):

@@ -10,9 +10,9 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["TRANSPORTS", "make_server", "channel_class", "available"]
+__all__ = ["TRANSPORTS", "TransportName", "make_server", "channel_class", "available"]
 
-TRANSPORTS = ("shm", "tcp", "nixl")
+from ..ticket import TRANSPORTS, TransportName
 
 
 def _check(name: str) -> None:

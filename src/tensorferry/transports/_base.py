@@ -20,7 +20,6 @@ server keeps serving everyone else.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hmac
 import logging
 import os
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .. import _protocol as P
+from .._copy import executor, finish
 from ..errors import (
     AuthenticationError,
     PeerGoneError,
@@ -42,10 +42,12 @@ from ..errors import (
     TransferTimeoutError,
 )
 
-if TYPE_CHECKING:
-    from ..sender import Ledger
+from ._connections import ReceiveContext
 
-__all__ = ["ControlServer", "Channel", "Connection"]
+if TYPE_CHECKING:
+    from .._ledger import Ledger
+
+__all__ = ["ControlServer", "Channel", "Connection", "ReceiveContext"]
 
 log = logging.getLogger("tensorferry.transports")
 
@@ -60,25 +62,6 @@ _MAX_HANDSHAKING = 128
 
 # The halves of a stream's scratch start on page boundaries.
 _STREAM_ALIGNMENT = 4096
-_sinks: concurrent.futures.ThreadPoolExecutor | None = None
-_sinks_lock = threading.Lock()
-
-
-def _stream_sinks() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that copy streamed chunks out while the next one arrives."""
-    global _sinks
-    with _sinks_lock:
-        if _sinks is None:
-            _sinks = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tensorferry-stream")
-        return _sinks
-
-
-def _forget_sinks_in_child() -> None:
-    global _sinks, _sinks_lock
-    _sinks, _sinks_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_sinks_in_child)
 
 
 class Connection:
@@ -236,6 +219,8 @@ class Channel:
         address: the sender's address from the ticket.
         token: the shared secret, if the sender wants one.
         timeout: seconds for the handshake.
+        context: what the receiver lends it (its receive pool, shared
+            per-transport state).
     """
 
     transport: ClassVar[str] = ""
@@ -244,11 +229,12 @@ class Channel:
     # to the blocks' bytes (not one destination per block).
     supports_scatter: ClassVar[bool] = False
 
-    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, receiver: Any = None) -> None:
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
         self.address = address
-        self.receiver = receiver
+        self.context = context if context is not None else ReceiveContext(None)
         self.sock = self._connect(address, timeout)
-        self.holds = 0
+        self.holds = 0  # zero-copy views alive (their Release is pending)
+        self.retired = False  # discarded while held: closed after the last
         self.closed = False
         self.lock = threading.Lock()
         try:
@@ -336,7 +322,7 @@ class Channel:
             while pos < total:
                 j = i % len(bufs)
                 if busy[j] is not None:
-                    busy[j].result()  # its last chunk is copied out: reuse it
+                    finish(*busy[j])  # its last chunk is copied out: reuse it
                     busy[j] = None
                 buf = bufs[j]
                 k = min(buf.numel(), total - pos)
@@ -344,15 +330,20 @@ class Channel:
                 if len(bufs) == 1:
                     sink(pos, k, buf.data_ptr())
                 else:
-                    busy[j] = _stream_sinks().submit(sink, pos, k, buf.data_ptr())
+                    busy[j] = (executor().submit(sink, pos, k, buf.data_ptr()), sink, pos, k, buf.data_ptr())
                 pos += k
                 i += 1
         finally:
             # Always wait: the caller frees or reuses the scratch on return.
-            errors = [f.exception() for f in busy if f is not None]
-        for error in errors:
-            if error is not None:
-                raise error
+            errors = []
+            for job in busy:
+                if job is not None:
+                    try:
+                        finish(*job)
+                    except BaseException as exc:
+                        errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _stream_filler(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], deadline: float) -> Any:
         """``fill(pos, k, buf)``: stream bytes ``[pos, pos + k)`` into ``buf[:k]``
@@ -374,8 +365,9 @@ class Channel:
 
         return fill
 
-    def remote_views(self, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Zero-copy views of the sender's blocks (shm only)."""
+    def remote_views(self, blocks: list[tuple[int, int]], on_release: Any = None) -> list[torch.Tensor]:
+        """Zero-copy views of the sender's blocks (shm only), one storage
+        per block; ``on_release()`` runs as each block's storage is collected."""
         raise TransferError(f"the {self.transport} transport cannot hand out zero-copy views; use transport='shm'")
 
     def close(self) -> None:

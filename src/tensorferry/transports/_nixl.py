@@ -20,10 +20,11 @@ import time
 
 from .. import _protocol as P
 from .._copy import StagedCopy
-from ..errors import PoolExhaustedError, TransferError
-from ._nixl_agent import NixlEndpoint
+from ..errors import TransferError
 from ._base import Channel
-from ._tcp import TcpChannel, TcpServer
+from ._connections import ReceiveContext
+from ._nixl_agent import NixlEndpoint
+from ._tcp import TcpControlServer, connect
 
 __all__ = ["NixlServer", "NixlChannel"]
 
@@ -36,7 +37,10 @@ def _agent_name(side: str) -> str:
     return f"tensorferry-{side}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-class NixlServer(TcpServer):
+class NixlServer(TcpControlServer):
+    """Control over TCP (Hello, Acquire, Release; no Fetch: receivers
+    READ); the pool registered with NIXL once, its metadata in the Welcome."""
+
     transport = "nixl"
 
     def __init__(
@@ -63,42 +67,37 @@ class NixlServer(TcpServer):
         )
         return welcome, []
 
-    def _handle_extra(self, conn, msg) -> bool:
-        return False  # no Fetch: receivers READ
-
     def close(self) -> None:
         super().close()
         self.endpoint.close()
 
 
-def _receiver_endpoint(receiver) -> NixlEndpoint:
+def _receiver_endpoint(context: ReceiveContext) -> NixlEndpoint:
     """The receiver's one endpoint, with its receive pool registered once."""
-    lock = receiver._lock
-    with lock:
-        ep = getattr(receiver, "_tf_nixl_endpoint", None)
-        if ep is None or ep.closed:
-            if receiver.pool is None:
-                from ..pool import MemoryPool
 
-                receiver.pool = MemoryPool(256 << 20)
-                receiver._own_pool = True
-            # The reading side makes progress while it polls its own reads.
-            ep = NixlEndpoint(_agent_name("r"), progress_interval_seconds=None)
-            ep.register(receiver.pool.buffer)
-            receiver._tf_nixl_endpoint = ep
-            receiver._resources.append(ep)
+    def make() -> NixlEndpoint:
+        # The reading side makes progress while it polls its own reads.
+        ep = NixlEndpoint(_agent_name("r"), progress_interval_seconds=None)
+        ep.register(context.ensure_pool().buffer)
         return ep
 
+    return context.resource("nixl-endpoint", make)
 
-class NixlChannel(TcpChannel):
+
+class NixlChannel(Channel):
+    """Control over a TCP connection (:func:`_tcp.connect`), bytes by NIXL
+    READs into the receive pool the context lends (registered once)."""
+
     transport = "nixl"
-    supports_scatter = False
 
-    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, receiver=None) -> None:
-        if receiver is None:
-            raise TransferError("the nixl channel needs its Receiver (for the registered receive pool)")
-        self.endpoint = _receiver_endpoint(receiver)
-        super().__init__(address, token=token, timeout=timeout, receiver=receiver)
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
+        context = context if context is not None else ReceiveContext(None)
+        self.endpoint = _receiver_endpoint(context)
+        self.pool = context.ensure_pool()
+        super().__init__(address, token=token, timeout=timeout, context=context)
+
+    def _connect(self, address: str, timeout: float):
+        return connect(address, timeout)
 
     def _on_welcome(self, welcome, fds) -> None:
         super()._on_welcome(welcome, fds)
@@ -107,11 +106,8 @@ class NixlChannel(TcpChannel):
         self.remote = self.endpoint.add_remote(welcome.nixl_metadata)
         self.base = welcome.pool_base_addr
 
-    # READs of the stream's ranges (the base channel's), not tcp's Fetch.
-    _stream_filler = Channel._stream_filler
-
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
-        pool = self.receiver.pool
+        pool = self.pool
         lo, hi = pool.data_ptr, pool.data_ptr + pool.capacity_nbytes
         direct_r, direct_l, staged = [], [], []
         for (off, n), dst in zip(blocks, dests):
@@ -130,26 +126,19 @@ class NixlChannel(TcpChannel):
         """Blocks whose destination lies outside the registered receive pool:
         streamed through as much of the pool as is free (``read_stream``:
         READs into one half while the other is copied out by address)."""
-        pool = self.receiver.pool
         total = sum(n for _, n in blocks)
         while True:
-            size = min(total, _STAGE_MAX_NBYTES, pool._allocator.largest_free_nbytes())
-            if size > 0:
-                try:
-                    ext = pool._allocator.allocate(size)
-                    break
-                except PoolExhaustedError:
-                    pass  # taken meanwhile: look again
+            lease = self.pool.reserve_up_to(min(total, _STAGE_MAX_NBYTES), min_nbytes=1)
+            if lease is not None:
+                break
             if time.monotonic() > deadline:
                 raise TransferError(
-                    f"the receive pool ({pool.capacity_nbytes:,} bytes) has no free space to stage a NIXL read; "
+                    f"the receive pool ({self.pool.capacity_nbytes:,} bytes) has no free space to stage a NIXL read; "
                     "give the Receiver a larger pool or release received objects"
                 )
             time.sleep(0.001)
-        try:
-            self.read_stream(ticket_id, piece, blocks, pool.view(ext)[:size], StagedCopy.into_blocks(dests), deadline=deadline)
-        finally:
-            pool._allocator.free(ext.offset)
+        with lease:
+            self.read_stream(ticket_id, piece, blocks, lease.view(), StagedCopy.into_blocks(dests), deadline=deadline)
 
 
 # At most this much of the receive pool stages one read (in two halves that

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
+from .. import packing
 from ..errors import (
     BackendUnavailableError,
     ConfigurationError,
@@ -769,16 +770,11 @@ def _merged_descs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """NIXL (address, nbytes, device) rows, merging pairs adjacent on both sides within one region."""
     if len(nbytes) > 1:
-        follows = (
-            (l_addr[1:] == l_addr[:-1] + nbytes[:-1])
-            & (r_addr[1:] == r_addr[:-1] + nbytes[:-1])
-            & (l_idx[1:] == l_idx[:-1])
-            & (r_idx[1:] == r_idx[:-1])
-        )
-        if follows.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~follows)))
-            nbytes = np.add.reduceat(nbytes, starts)
-            l_addr, r_addr, l_idx, r_idx = l_addr[starts], r_addr[starts], l_idx[starts], r_idx[starts]
+        other_region = np.zeros(len(nbytes), dtype=bool)
+        other_region[1:] = (l_idx[1:] != l_idx[:-1]) | (r_idx[1:] != r_idx[:-1])
+        runs = packing.merge_runs(l_addr, r_addr, nbytes, other_region)
+        l_addr, r_addr, nbytes = runs.dst, runs.src, runs.nbytes
+        l_idx, r_idx = l_idx[runs.heads], r_idx[runs.heads]
     local_descs = np.empty((len(nbytes), 3), dtype=np.uint64)
     local_descs[:, 0], local_descs[:, 1], local_descs[:, 2] = l_addr, nbytes, local.devices[l_idx]
     remote_descs = np.empty((len(nbytes), 3), dtype=np.uint64)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .. import _protocol as P
-from .._copy import copy_bytes
+from .._copy import CopyPlan, copy_bytes
+from .._views import owned_view
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
 from ._base import Channel, Connection, ControlServer
 
@@ -89,19 +90,21 @@ class ShmChannel(Channel):
         self.remote = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
-        for (off, n), dst in zip(blocks, dests):
-            copy_bytes(dst, self.remote[off : off + n])
+        # The blocks' copy plan: blocks adjacent on both sides are one copy.
+        if not all(d.device.type == "cpu" for d in dests):
+            for (off, n), dst in zip(blocks, dests):
+                copy_bytes(dst, self.remote[off : off + n])
+            return
+        src = np.fromiter((off for off, _ in blocks), dtype=np.int64, count=len(blocks))
+        nbytes = np.fromiter((n for _, n in blocks), dtype=np.int64, count=len(blocks))
+        dst = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.int64, count=len(dests))
+        CopyPlan.build(dst, src, nbytes).execute(src_base=self.remote.data_ptr())
 
-    def remote_views(self, blocks):
-        # One numpy array per block, each a separate owner of the mapping:
-        # the caller ties the release of the hold to their collection.
-        out = []
-        for off, n in blocks:
-            arr = np.frombuffer(self._mmap, dtype=np.uint8, count=n, offset=off)
-            t = torch.from_numpy(arr)
-            t._tf_owner = arr  # what the receiver watches to release the hold
-            out.append(t)
-        return out
+    def remote_views(self, blocks, on_release=None):
+        # One storage per block, each its own owner of the mapping:
+        # ``on_release`` runs when the last tensor sharing a block's storage
+        # is collected (the receiver ties the release of the hold to it).
+        return [owned_view(self._mmap, off, n, on_release) for off, n in blocks]
 
     def close(self) -> None:
         super().close()

@@ -18,7 +18,7 @@ from .. import _protocol as P
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ._base import Channel, Connection, ControlServer
 
-__all__ = ["TcpServer", "TcpChannel", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
+__all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
 # Large socket buffers keep a 2-core machine's loopback near memory speed.
 _SOCK_BUF = 4 << 20
@@ -115,8 +115,20 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
-class TcpServer(ControlServer):
-    transport = "tcp"
+def connect(address: str, timeout: float) -> socket.socket:
+    """A tuned TCP connection to a sender's control server (tcp and nixl)."""
+    host, port = parse_address(address)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise PeerGoneError(f"cannot connect to the sender at {address} ({exc})") from exc
+    _tune(sock)
+    return sock
+
+
+class TcpControlServer(ControlServer):
+    """A control server listening on TCP (the base of tcp's and nixl's):
+    binds, advertises an address peers can reach, tunes each connection."""
 
     def __init__(
         self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
@@ -157,6 +169,12 @@ class TcpServer(ControlServer):
         _tune(conn.sock)
         super()._serve(conn)
 
+
+class TcpServer(TcpControlServer):
+    """tcp: answers a Fetch of acquired blocks with their bytes."""
+
+    transport = "tcp"
+
     def _handle_extra(self, conn: Connection, msg) -> bool:
         if not isinstance(msg, P.Fetch):
             return False
@@ -178,13 +196,7 @@ class TcpChannel(Channel):
     supports_scatter = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
-        host, port = parse_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise PeerGoneError(f"cannot connect to the sender at {address} ({exc})") from exc
-        _tune(sock)
-        return sock
+        return connect(address, timeout)
 
     def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float) -> int:
         """Ask for the acquired blocks' bytes; returns how many follow."""

@@ -1,0 +1,257 @@
+"""``Ledger``: the sender's book of tickets, pieces and reader slots.
+
+Sender side, shared by every transport's server: a server thread calls
+:meth:`Ledger.acquire` / :meth:`Ledger.release` for its receivers, the
+Sender adds and discards tickets. A piece's blocks are freed when every
+reader released them, when a reader's connection drops (it died
+mid-read), or when the lease of slots nobody acquired expires. Pieces of
+streamed objects are packed by the ledger's packer thread as space frees
+up (backpressure).
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _protocol as P
+from ._tensors import LeafInfo
+from .errors import PoolExhaustedError
+from .pool import MemoryPool, Packed
+
+__all__ = ["Ledger"]
+
+
+@dataclass(eq=False)
+class _Piece:
+    voffset: int
+    nbytes: int
+    readers: int
+    packed: Packed | None = None
+    unclaimed: int = 0  # reader slots not yet acquired
+    holding: int = 0  # acquired, not yet released
+    finished: int = 0  # released, dropped or expired
+
+    def __post_init__(self) -> None:
+        self.unclaimed = self.readers
+
+
+@dataclass(eq=False)
+class _Entry:
+    ticket_id: int
+    readers: int
+    lease_seconds: float
+    deadline: float
+    pieces: list[_Piece]
+    streamed: bool
+    # Only for streamed objects: what the packer needs to pack later pieces.
+    leaves: list[torch.Tensor] | None = None
+    info: LeafInfo | None = None
+    offsets: np.ndarray | None = None
+    digest: bytes = b""  # Ticket.digest of the ticket put() returned
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Ledger:
+    """The sender's book of tickets and reader slots. Thread-safe.
+
+    Transports call :meth:`acquire`, :meth:`release`, :meth:`held_blocks`
+    and :meth:`drop_connection` from their connection threads.
+    """
+
+    def __init__(self, pool: MemoryPool) -> None:
+        self.pool = pool
+        self._cond = threading.Condition()
+        self._entries: dict[int, _Entry] = {}
+        self._closed = False
+        self.transfers = 0
+        self.bytes_served = 0
+        self._reaper = threading.Thread(target=self._reap_loop, name="tensorferry-lease-reaper", daemon=True)
+        self._reaper.start()
+        self._packer = threading.Thread(target=self._pack_loop, name="tensorferry-stream-packer", daemon=True)
+        self._packer.start()
+
+    # -- sender side -------------------------------------------------------------
+
+    def add(self, entry: _Entry) -> None:
+        with self._cond:
+            self._entries[entry.ticket_id] = entry
+            self._cond.notify_all()
+
+    def wait_released(self, ticket_id: int, timeout: float | None) -> bool:
+        with self._cond:
+            entry = self._entries.get(ticket_id)
+        if entry is None:
+            return True
+        return entry.done.wait(timeout)
+
+    def discard(self, ticket_id: int) -> None:
+        """Give up every slot nobody holds; free each piece once its holders
+        release (used for tickets put with ``readers=None``)."""
+        with self._cond:
+            entry = self._entries.get(ticket_id)
+            if entry is None:
+                return
+            for piece in entry.pieces:
+                piece.unclaimed = 0
+                piece.readers = piece.finished + piece.holding
+                self._settle(entry, piece)
+
+    def live_entries(self) -> int:
+        with self._cond:
+            return len(self._entries)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for entry in list(self._entries.values()):
+                for piece in entry.pieces:
+                    if piece.packed is not None:
+                        piece.packed.release()
+                entry.done.set()
+            self._entries.clear()
+            self._cond.notify_all()
+        self._reaper.join(timeout=2.0)
+        self._packer.join(timeout=2.0)
+
+    # -- receiver requests -----------------------------------------------------------
+
+    def acquire(self, conn: Any, msg: P.Acquire) -> P.Located | P.Failure:
+        deadline = time.monotonic() + max(0.0, min(msg.timeout_seconds, 3600.0))
+        with self._cond:
+            entry = self._entries.get(msg.ticket_id)
+            if entry is None:
+                return P.Failure(kind="unknown", message=f"ticket {msg.ticket_id} is unknown here: already released by all its readers, expired, or from another sender")
+            if not 0 <= msg.piece < len(entry.pieces):
+                return P.Failure(kind="bad-piece", message=f"ticket {msg.ticket_id} has {len(entry.pieces)} pieces, not piece {msg.piece}")
+            if not hmac.compare_digest(msg.digest, entry.digest):
+                # Checked before a slot is taken: an altered ticket (or one
+                # rebuilt by hand) costs the real readers nothing.
+                return P.Failure(kind="altered", message=(
+                    f"this ticket {msg.ticket_id} does not match what the sender put (its layout, blocks or sizes "
+                    "were altered on the way); nothing was taken: redeem the ticket's original bytes"))
+            piece = entry.pieces[msg.piece]
+            if piece.unclaimed == 0:
+                return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
+            while piece.packed is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return P.Failure(kind="timeout", message=f"piece {msg.piece} of ticket {msg.ticket_id} was not packed in time (the pool is full: other readers hold it)")
+                self._cond.wait(min(left, 0.5))
+                if self._entries.get(msg.ticket_id) is not entry:
+                    return P.Failure(kind="unknown", message=f"ticket {msg.ticket_id} expired while we waited")
+            piece.unclaimed -= 1
+            piece.holding += 1
+            entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_seconds)
+            key = (msg.ticket_id, msg.piece)
+            conn.holds[key] = conn.holds.get(key, 0) + 1
+            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset)
+
+    def held_blocks(self, conn: Any, ticket_id: int, piece_idx: int) -> list[tuple[int, int]] | None:
+        with self._cond:
+            if not conn.holds.get((ticket_id, piece_idx)):
+                return None
+            piece = self._entries[ticket_id].pieces[piece_idx]
+            return [(b.offset, b.nbytes) for b in piece.packed.blocks]
+
+    def release(self, conn: Any, ticket_id: int, piece_idx: int) -> P.Released | P.Failure:
+        with self._cond:
+            key = (ticket_id, piece_idx)
+            if not conn.holds.get(key):
+                return P.Failure(kind="not-held", message=f"ticket {ticket_id} piece {piece_idx} is not held on this connection")
+            conn.holds[key] -= 1
+            if not conn.holds[key]:
+                del conn.holds[key]
+            entry = self._entries[ticket_id]
+            piece = entry.pieces[piece_idx]
+            piece.holding -= 1
+            piece.finished += 1
+            self.bytes_served += piece.nbytes
+            self._settle(entry, piece)
+            return P.Released(valid=True)
+
+    def drop_connection(self, conn: Any) -> None:
+        """A receiver went away: every slot it held is finished."""
+        with self._cond:
+            for (ticket_id, piece_idx), count in list(conn.holds.items()):
+                entry = self._entries.get(ticket_id)
+                if entry is None:
+                    continue
+                piece = entry.pieces[piece_idx]
+                piece.holding -= count
+                piece.finished += count
+                self._settle(entry, piece)
+            conn.holds.clear()
+
+    # -- internals (condition held) -------------------------------------------------------
+
+    def _settle(self, entry: _Entry, piece: _Piece) -> None:
+        if piece.finished >= piece.readers and piece.packed is not None:
+            piece.packed.release()
+            piece.packed = None
+            piece.nbytes = piece.nbytes  # keep the size for stats
+            piece.unclaimed = 0
+            piece.voffset = -1 if entry.streamed else piece.voffset
+        if all(p.finished >= p.readers for p in entry.pieces):
+            self._entries.pop(entry.ticket_id, None)
+            self.transfers += 1
+            entry.leaves = None
+            entry.done.set()
+        self._cond.notify_all()
+
+    def _reap_loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                next_deadline = now + 1.0
+                for entry in list(self._entries.values()):
+                    if entry.deadline <= now:
+                        # Slots nobody acquired in time are given up; held
+                        # slots stay until their connection releases or drops.
+                        for piece in entry.pieces:
+                            if piece.unclaimed:
+                                piece.finished += piece.unclaimed
+                                piece.unclaimed = 0
+                            self._settle(entry, piece)
+                    else:
+                        next_deadline = min(next_deadline, entry.deadline)
+                self._cond.wait(max(0.01, next_deadline - time.monotonic()))
+
+    def _pack_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                job = self._next_piece()
+                if job is None:
+                    self._cond.wait(0.5)
+                    continue
+            entry, piece = job
+            # Copy outside the lock: receivers keep acquiring and releasing.
+            try:
+                packed = self.pool.pack_range(entry.leaves, entry.info, entry.offsets, piece.voffset, piece.nbytes)
+            except PoolExhaustedError:
+                with self._cond:
+                    self._cond.wait(0.05)  # woken early by the next release
+                continue
+            with self._cond:
+                if self._entries.get(entry.ticket_id) is entry and not self._closed:
+                    piece.packed = packed
+                else:
+                    packed.release()  # expired or closed while we copied
+                self._cond.notify_all()
+
+    def _next_piece(self) -> tuple[_Entry, _Piece] | None:
+        for entry in self._entries.values():
+            if not entry.streamed:
+                continue
+            for piece in entry.pieces:
+                if piece.packed is None and piece.finished < piece.readers:
+                    return entry, piece  # pieces of one entry go in order
+        return None
