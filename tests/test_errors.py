@@ -211,6 +211,17 @@ def test_pool_on_cuda_without_cuda_is_backend_unavailable():
     assert "device='cuda'" in str(info.value) and "device='cpu'" in str(info.value)
 
 
+@pytest.mark.gpu
+def test_pool_the_device_refuses_gives_the_numbers():
+    with pytest.raises(PoolCreationError) as info:
+        MemoryPool(1 << 50, device="cuda")
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert "1,125,899,906,842,624" in str(info.value) and "bytes free" in str(info.value)
+    count = torch.cuda.device_count()
+    with pytest.raises(ConfigurationError, match=f"{count} CUDA device"):
+        MemoryPool(1024, device=f"cuda:{count}")
+
+
 @pytest.mark.parametrize("device", ["bogus", "meta", "cuda:-1x"])
 def test_pool_device_must_be_cpu_or_cuda(device):
     with pytest.raises(ConfigurationError, match=f"device={device!r}"):
