@@ -53,8 +53,33 @@ worker's result. Before each sync the trainer changes one tensor; after the
 last, every worker's tensors are hashed (blake2b) and compared with the
 trainer's.
 
+Weight sync of real model shapes (``--models``, default all; needs the
+``bench`` extra, ``pip install -e '.[bench]'``, for ``transformers``): state
+dicts of models built in code from ``transformers`` configs with random
+weights, nothing downloaded (``HF_HUB_OFFLINE=1``):
+
+* ``gpt2``: GPT-2 small (12 layers, 768 wide; ``lm_head.weight`` tied to
+  ``transformer.wte.weight``, so the state dict holds that storage twice);
+* ``gpt2-24``: GPT-2 with 24 layers, 1024 wide, 16 heads (GPT-2 medium's
+  shape, ~1.6 GB in its state dict with the tied pair);
+* ``moe``: a Mixtral-style mixture of experts whose experts are stored
+  fused (``transformers`` 5: ``experts.gate_up_proj`` [E, 2I, H] and
+  ``experts.down_proj`` [E, H, I]) and published per expert, as checkpoints
+  name them (``block_sparse_moe.experts.{e}.w1/w3/w2.weight``): each a view
+  of the fused tensor, ~9k tensors.
+
+One trainer and ``MODEL_SYNC_WORKERS`` workers holding the same model (their
+own weights, zeroed); per version the trainer changes one tensor. Methods,
+in one run: tensorferry ``WeightSync``; Ray nixl (a ``tensor_transport="nixl"``
+method returns the tensors, each worker ``copy_``s them into its own); Ray's
+object store (the same through a plain method; the MoE's per-expert views go
+as separate tensors, since pickling a view serializes its whole storage).
+``MODEL_SYNC_WARMUPS`` warm-up syncs, then ``--repeats`` timed; medians;
+every worker's weights are hashed and compared with the trainer's after.
+
 Run: ``.venv/bin/python benchmarks/bench_ray.py`` (``--quick`` for a small
-smoke run). Writes ``benchmarks/results/bench_ray.json`` and ``.png``.
+smoke run; ``--no-transports --repeats 2`` for the weight syncs alone).
+Writes ``benchmarks/results/bench_ray.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -65,6 +90,8 @@ import os
 # workers inherit these, and the runtime_env repeats them.
 os.environ["UCX_NET_DEVICES"] = "lo"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+# The models are built from configs: never look for anything online.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import argparse
 import gc
@@ -109,6 +136,15 @@ SYNC_WARMUPS = 2
 # the run near 10 minutes on 2 cores); marked in the table and the JSON.
 SLOW_SECONDS = 12.0
 CALL_TIMEOUT_SECONDS = 300.0
+# Real model shapes for the weight sync (see the module docstring). Two
+# workers, not three: the 24-layer GPT-2 is 1.6 GB in every process, plus the
+# trainer's tensorferry pool of two versions, on a shared 24 GiB machine.
+MODELS = ("gpt2", "gpt2-24", "moe")
+MODEL_SYNC_WORKERS = 2
+# The trainer's pool is made and prefaulted when the WeightSync is created,
+# so one warm-up (connections, the workers' first mapping) is enough.
+MODEL_SYNC_WARMUPS = 1
+MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("objstore", "Ray object store"), ("tf", "tensorferry WeightSync"))
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The consumer's prefaulted receive pool for "tensorferry + receive pool" (the
 # counterpart of Ray's NIXL memory pool on the producer): room for one 1 GiB
@@ -190,6 +226,60 @@ def case_tensors(case: str, seed: int = 0) -> list[torch.Tensor]:
         flat = torch.rand(MANY * MANY_NUMEL, generator=gen)
         return list(flat.split(MANY_NUMEL))
     raise ValueError(f"unknown case {case!r}")
+
+
+def model_state_dict(name: str, *, seed: int | None) -> dict[str, torch.Tensor]:
+    """The state dict of model ``name`` (see MODELS), built from its config.
+
+    ``seed`` None: the weights are zeros (a worker's copy, to be overwritten);
+    otherwise uniform random from that seed. The tensors are the model's own
+    parameters and buffers (or views of them), so writing into them updates it.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+
+    if name == "gpt2":
+        model_cls, cfg = GPT2LMHeadModel, GPT2Config()
+    elif name == "gpt2-24":
+        model_cls, cfg = GPT2LMHeadModel, GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    elif name == "moe":
+        # Small experts, many of them: ~9k per-expert views in ~0.6 GB.
+        model_cls, cfg = MixtralForCausalLM, MixtralConfig(
+            vocab_size=32_000, hidden_size=128, intermediate_size=128, num_hidden_layers=48,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=64, num_experts_per_tok=2,
+            max_position_embeddings=512)
+    else:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
+    # Built on the meta device and materialized empty: random init of 355M
+    # parameters would cost seconds per actor, and the values are ours to set.
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    gen = torch.Generator().manual_seed(seed or 0)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if seed is None or not t.is_floating_point():
+                t.zero_()
+            else:
+                t.uniform_(-0.05, 0.05, generator=gen)
+    sd = model.state_dict()
+    if name != "moe":
+        return sd
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            prefix = key[: -len("mlp.experts.gate_up_proj")] + "block_sparse_moe.experts"
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.w1.weight"] = t[e, :inter]
+                out[f"{prefix}.{e}.w3.weight"] = t[e, inter:]
+        elif key.endswith("mlp.experts.down_proj"):
+            prefix = key[: -len("mlp.experts.down_proj")] + "block_sparse_moe.experts"
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.w2.weight"] = t[e]
+        else:
+            out[key] = t
+    return out
 
 
 def quick_sizes() -> None:
@@ -338,12 +428,18 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
             s = checksum(tensors)
             return {"checksum": s, "num_tensors": len(tensors), "touch_seconds": time.perf_counter() - t0}
 
-    @ray.remote(enable_tensor_transport=True)
-    class Trainer:
-        def __init__(self, nbytes: int, num_tensors: int, nixl_pool_nbytes: int = 0) -> None:
+    def build_state_dict(spec: dict, seed: int | None) -> dict:
+        if spec["kind"] == "synthetic":
             from tensorferry._synthetic import synthetic_state_dict
 
-            self.sd = synthetic_state_dict(nbytes, num_tensors, seed=0)
+            return synthetic_state_dict(spec["nbytes"], spec["num_tensors"], seed=1 if seed is None else seed)
+        return model_state_dict(spec["kind"], seed=seed)
+
+    @ray.remote(enable_tensor_transport=True)
+    class Trainer:
+        def __init__(self, spec: dict, nixl_pool_nbytes: int = 0) -> None:
+            self.sd = build_state_dict(spec, 0)
+            self.plain: list = []
             if nixl_pool_nbytes:
                 from ray.experimental import register_nixl_memory_pool
 
@@ -353,15 +449,30 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
             ts = list(self.sd.values())
             return {"num_tensors": len(ts), "nbytes": sum(t.numel() * t.element_size() for t in ts),
                     "storages": len({t.untyped_storage().data_ptr() for t in ts}),
+                    "views": sum(1 for t in ts if t.numel() * t.element_size() < t.untyped_storage().nbytes()),
                     "dtypes": sorted({str(t.dtype) for t in ts})}
 
         def state_dict(self) -> dict:
             return self.sd
 
+        def use_plain(self) -> int:
+            """What the object store sends: the tensors, views as separate
+            copies (pickling a view serializes its whole storage). Returns
+            how many had to be copied."""
+            ts = list(self.sd.values())
+            self.plain = [t.clone() if t.numel() * t.element_size() < t.untyped_storage().nbytes() else t for t in ts]
+            return sum(1 for a, b in zip(self.plain, ts) if a is not b)
+
         def step(self) -> None:
             # A new version: change one tensor (cheap), outside the timing.
             with torch.no_grad():
-                next(iter(self.sd.values())).add_(1.0)
+                first = next(iter(self.sd.values()))
+                first.add_(1.0)
+                if self.plain and self.plain[0] is not first:
+                    self.plain[0].copy_(first)
+
+        def weights_plain(self) -> list:
+            return self.plain
 
         @ray.method(tensor_transport="nixl")
         def weights_nixl(self) -> list:
@@ -387,11 +498,12 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
 
     @ray.remote(enable_tensor_transport=True)
     class Worker:
-        def __init__(self, nbytes: int, num_tensors: int) -> None:
-            from tensorferry._synthetic import synthetic_state_dict
-
+        def __init__(self, spec: dict) -> None:
             # Same shapes and dtypes, other contents: a sync has to move them.
-            self.sd = synthetic_state_dict(nbytes, num_tensors, seed=1)
+            self.sd = build_state_dict(spec, None)
+
+        def ready(self) -> bool:
+            return True
 
         def state_dict(self) -> dict:
             return self.sd
@@ -581,15 +693,28 @@ def run_transport(ray: Any, tr: Transport, Producer: Any, Consumer: Any, repeats
     return out
 
 
-def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch) -> dict:
+def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch, *,
+                    spec: dict | None = None, methods: tuple = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"),
+                                                              ("nixl_pool", "Ray nixl + pool")),
+                    num_workers: int = SYNC_WORKERS, warmups: int = SYNC_WARMUPS) -> dict:
+    """Sync one trainer's state dict to ``num_workers`` workers by each method in turn.
+
+    ``spec``: ``{"kind": "synthetic", "nbytes", "num_tensors"}`` (default) or
+    ``{"kind": <a MODELS name>}``. A trainer is reused across methods, except
+    that ``nixl_pool`` gets a fresh one with Ray's NIXL pool registered.
+    """
     import tensorferry.ray as tfr
 
-    out: dict = {"methods": {}}
+    spec = spec or {"kind": "synthetic", "nbytes": SYNC_NBYTES, "num_tensors": SYNC_TENSORS}
+    out: dict = {"spec": spec, "num_workers": num_workers, "warmups": warmups, "methods": {}}
     opts = {"runtime_env": {"env_vars": dict(LO_ENV)}}
-    workers = [Worker.options(**opts).remote(SYNC_NBYTES, SYNC_TENSORS) for _ in range(SYNC_WORKERS)]
+    t0 = time.monotonic()
+    workers = [Worker.options(**opts).remote(spec) for _ in range(num_workers)]
     trainer = None
     try:
-        for key, label in (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"), ("nixl_pool", "Ray nixl + pool")):
+        ray.get([w.ready.remote() for w in workers], timeout=CALL_TIMEOUT_SECONDS)
+        out["workers_setup_seconds"] = time.monotonic() - t0
+        for key, label in methods:
             res: dict = {"label": label, "loadavg_1min": os.getloadavg()[0]}
             out["methods"][key] = res
             mem.mark()
@@ -597,12 +722,20 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
                 if trainer is None or key == "nixl_pool":
                     if trainer is not None:
                         _kill(ray, [trainer])
-                    trainer = Trainer.options(**opts).remote(
-                        SYNC_NBYTES, SYNC_TENSORS, NIXL_POOL_NBYTES if key == "nixl_pool" else 0)
+                    trainer = Trainer.options(**opts).remote(spec, NIXL_POOL_NBYTES if key == "nixl_pool" else 0)
                     out["state_dict"] = ray.get(trainer.meta.remote(), timeout=CALL_TIMEOUT_SECONDS)
+                if key == "objstore":
+                    res["views_sent_as_copies"] = ray.get(trainer.use_plain.remote(), timeout=CALL_TIMEOUT_SECONDS)
                 runs = []
-                sync = tfr.WeightSync(trainer, workers) if key == "tf" else None
-                for i in range(SYNC_WARMUPS + repeats):
+                sync = None
+                if key == "tf":
+                    t_c = time.monotonic()
+                    sync = tfr.WeightSync(trainer, workers)
+                    # Creating it has the trainer make and prefault its pool:
+                    # timed apart (the first sync would wait for it).
+                    ray.get(sync._prepared, timeout=CALL_TIMEOUT_SECONDS)
+                    res["pool_setup_seconds"] = time.monotonic() - t_c
+                for i in range(warmups + repeats):
                     ray.get(trainer.step.remote(), timeout=CALL_TIMEOUT_SECONDS)
                     t0 = time.monotonic()
                     if sync is not None:
@@ -612,7 +745,7 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
                                      "pack_seconds": rep.pack_seconds, "worker_seconds": list(rep.worker_seconds),
                                      "version": rep.version})
                     else:
-                        ref = trainer.weights_nixl.remote()
+                        ref = (trainer.weights_plain if key == "objstore" else trainer.weights_nixl).remote()
                         copy_s = ray.get([w.load.remote(ref) for w in workers], timeout=CALL_TIMEOUT_SECONDS)
                         t1 = time.monotonic()
                         del ref
@@ -621,20 +754,23 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
                         runs[-1]["held_after"] = ray.get(trainer.settle.remote(30.0), timeout=CALL_TIMEOUT_SECONDS)
                 want = ray.get(trainer.digest.remote(), timeout=CALL_TIMEOUT_SECONDS)
                 got = ray.get([w.digest.remote() for w in workers], timeout=CALL_TIMEOUT_SECONDS)
-                timed = runs[SYNC_WARMUPS:]
-                res.update(warmup=runs[:SYNC_WARMUPS], runs=timed, repeats=len(timed),
+                timed = runs[warmups:]
+                res.update(warmup=runs[:warmups], runs=timed, repeats=len(timed),
                            seconds=statistics.median(r["seconds"] for r in timed),
                            ok=all(g == want for g in got), digests_equal=[g == want for g in got],
                            min_mem_available_nbytes=mem.mark())
-                warm_s = ", ".join(f"{r['seconds']:.2f}" for r in runs[:SYNC_WARMUPS])
-                log(f"  weight sync {label:26s} {res['seconds']:7.3f} s  (warm-ups {warm_s} s,"
+                warm_s = ", ".join(f"{r['seconds']:.2f}" for r in runs[:warmups])
+                log(f"  weight sync {spec['kind']:9s} {label:26s} {res['seconds']:7.3f} s  (warm-ups {warm_s} s,"
                     f" {len(timed)} runs){'' if res['ok'] else '  WORKERS DIFFER FROM TRAINER'}")
             except Exception as exc:  # noqa: BLE001
                 res["error"] = _err(exc)
                 res["traceback"] = traceback.format_exc()
-                log(f"  weight sync {label}: FAILED: {res['error']}")
+                log(f"  weight sync {spec['kind']} {label}: FAILED: {res['error']}")
     finally:
         _kill(ray, [a for a in [trainer, *workers] if a is not None])
+    ours = out["methods"].get("tf", {})
+    out["ratios"] = {f"tf/{k}": m["seconds"] / ours["seconds"] for k, m in out["methods"].items()
+                     if k != "tf" and m.get("ok") and ours.get("ok")}
     return out
 
 
@@ -758,6 +894,46 @@ def print_report(results: dict, sync: dict, targets: list, env: dict) -> None:
     con.print(t)
 
 
+def print_model_report(models: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not models:
+        return
+    con = Console(width=220)
+    t = Table(title=f"weight sync of model state dicts, 1 trainer -> {MODEL_SYNC_WORKERS} workers "
+                    "(seconds, median; ratio = peer seconds / tensorferry seconds)")
+    for col in ("state dict", "tensors", "views", "GB", "tensorferry", "Ray nixl", "Ray object store", "runs",
+                "verified", "tensorferry detail (medians)"):
+        t.add_column(col, justify="left" if col in ("state dict", "tensorferry detail (medians)") else "right")
+    for name, out in models.items():
+        if "error" in out and not out.get("methods"):
+            t.add_row(name, "-", "-", "-", f"[red]{out['error']}[/]", "-", "-", "-", "-", "")
+            continue
+        sd = out.get("state_dict", {})
+        methods = out.get("methods", {})
+        ours = methods.get("tf", {})
+
+        def cell(key: str) -> str:
+            m = methods.get(key, {})
+            if "seconds" not in m:
+                return "[red]failed[/]" if m else "-"
+            mark = " *" if m.get("views_sent_as_copies") else ""
+            if key == "tf" or not ours.get("seconds"):
+                return f"{m['seconds']:.3f}{mark}"
+            return f"{m['seconds']:.3f}{mark} ({m['seconds'] / ours['seconds']:.2f}x)"
+
+        detail = sync_detail(ours) if ours.get("runs") else ""
+        if "pool_setup_seconds" in ours:
+            detail += f"; pool made at WeightSync creation {ours['pool_setup_seconds']:.2f} s"
+        t.add_row(name, f"{sd.get('num_tensors', '?'):,}" if sd else "?", f"{sd.get('views', 0):,}",
+                  f"{sd.get('nbytes', 0) / 1e9:.2f}", cell("tf"), cell("nixl"), cell("objstore"),
+                  "/".join(str(m.get("repeats", "-")) for m in methods.values()),
+                  "yes" if methods and all(m.get("ok") for m in methods.values()) else "[red]NO[/]", detail)
+    con.print(t)
+    con.print("* views sent to the object store as separate copies (pickling a view serializes its whole storage)")
+
+
 def sync_detail(m: dict) -> str:
     runs = m.get("runs") or []
     if runs and "pack_seconds" in runs[0]:
@@ -853,7 +1029,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per cell (after one warm-up)")
     ap.add_argument("--quick", action="store_true", help="64 MiB and 1k tensors: a smoke run")
     ap.add_argument("--only", default="", help="comma-separated transport keys (development)")
-    ap.add_argument("--no-sync", action="store_true", help="skip the weight sync scenario")
+    ap.add_argument("--no-sync", action="store_true", help="skip the synthetic weight sync")
+    ap.add_argument("--no-transports", action="store_true", help="skip the actor-to-actor cases")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help=f"weight sync of these model state dicts ({', '.join(MODELS)}; 'none' to skip; needs the bench extra)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     if args.quick:
@@ -873,13 +1052,14 @@ def main(argv: list[str] | None = None) -> int:
              log_to_driver=False, runtime_env={"env_vars": dict(LO_ENV)})
     results: dict = {}
     sync: dict = {}
+    models: dict = {}
     mem = MemWatch()
     try:
         tfr.register()
         Producer, Consumer, Trainer, Worker = define_actors(ray)
         only = set(filter(None, args.only.split(",")))
         for tr in TRANSPORTS:
-            if only and tr.key not in only:
+            if args.no_transports or (only and tr.key not in only):
                 results[tr.key] = {"label": tr.label, "cases": {}, "error": "skipped (--only)"}
                 continue
             log(f"{tr.label}")
@@ -887,13 +1067,30 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_sync:
             log("weight sync")
             sync = run_weight_sync(ray, Trainer, Worker, args.repeats, log, mem)
+        for name in filter(None, args.models.split(",")):
+            if name == "none":
+                break
+            log(f"weight sync: {name}")
+            try:
+                import transformers  # noqa: F401 - in the driver first: a clear skip, not a dead actor
+            except ImportError:
+                models[name] = {"error": "transformers is missing: pip install -e '.[bench]'"}
+                log(f"  {name}: skipped, {models[name]['error']}")
+                continue
+            models[name] = run_weight_sync(
+                ray, Trainer, Worker, args.repeats, log, mem, spec={"kind": name}, methods=MODEL_SYNC_METHODS,
+                num_workers=MODEL_SYNC_WORKERS, warmups=MODEL_SYNC_WARMUPS)
     finally:
         ray.shutdown()
         mem.stop()
     env["loadavg_end"] = os.getloadavg()[0]
     env["min_mem_available_nbytes"] = mem.lowest()
     targets, ratios = compute_ratios(results, sync)
-    print_report(results, sync, targets, env)
+    if sync or any(r.get("cases") for r in results.values()):
+        print_report(results, sync, targets, env)
+    else:
+        print(f"tensorferry Ray benchmark — {env['date']} — {env['machine']}")
+    print_model_report(models)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "environment": env,
@@ -911,11 +1108,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "transports": results,
         "weight_sync": sync,
+        "weight_sync_models": models,
         "ratios": ratios,
         "targets": targets,
         "all_checks_ok": all(c.get("ok", False) for r in results.values() if "skipped" not in r.get("error", "")
                              for c in r.get("cases", {}).values())
-                         and all(m.get("ok", False) for m in sync.get("methods", {}).values()),
+                         and all(m.get("ok", False) for m in sync.get("methods", {}).values())
+                         and all(m.get("ok", False) for out in models.values() for m in out.get("methods", {}).values()),
         "wall_seconds": time.monotonic() - t_start,
     }
     (args.out / "bench_ray.json").write_text(json.dumps(doc, indent=1, default=str))
