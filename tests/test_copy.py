@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tensorferry import ConfigurationError
-from tensorferry import _copy
+from tensorferry import _copy, _memory
 
 
 def _runs(rng: np.random.Generator, count: int, mean: int):
@@ -246,10 +246,10 @@ def _vma_of(addr: int) -> dict[str, str]:
 def test_new_host_bytes_large_ones_ask_for_huge_pages_and_go_back_when_collected():
     import gc
 
-    small = _copy.new_host_bytes(4096)
+    small = _memory.new_host_bytes(4096)
     assert small.numel() == 4096 and small.dtype == torch.uint8
     n = 64 << 20
-    t = _copy.new_host_bytes(n)
+    t = _memory.new_host_bytes(n)
     assert t.numel() == n and t.dtype == torch.uint8 and t.is_contiguous()
     t.fill_(7)
     part = t[n - 10 :]  # a view keeps the mapping alive
@@ -273,7 +273,7 @@ def test_new_host_bytes_large_ones_ask_for_huge_pages_and_go_back_when_collected
 
 def test_huge_pages_can_be_turned_off_and_a_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TENSORFERRY_HUGE_PAGES", "0")
-    t = _copy.new_host_bytes(16 << 20)
+    t = _memory.new_host_bytes(16 << 20)
     # Plain torch.empty memory: not a mapping of its own starting at the
     # tensor (the heap's flags depend on what ran before, so they are not
     # what is checked).
@@ -281,8 +281,8 @@ def test_huge_pages_can_be_turned_off_and_a_bad_setting_is_a_clear_error(monkeyp
     assert lo != t.data_ptr(), "TENSORFERRY_HUGE_PAGES=0 still made a mapping of its own"
     monkeypatch.setenv("TENSORFERRY_HUGE_PAGES", "yes")
     with pytest.raises(ConfigurationError, match="TENSORFERRY_HUGE_PAGES='yes'"):
-        _copy.new_host_bytes(16 << 20)
-    assert _copy.new_host_bytes(4096).numel() == 4096  # small ones never ask
+        _memory.new_host_bytes(16 << 20)
+    assert _memory.new_host_bytes(4096).numel() == 4096  # small ones never ask
 
 
 def test_a_bad_huge_pages_setting_fails_when_the_receiver_is_made(monkeypatch):

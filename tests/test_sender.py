@@ -68,7 +68,6 @@ def test_a_piece_larger_than_the_pool_is_refused():
         Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=2 * MiB)
 
 
-@pytest.mark.xfail(strict=True, reason="sender.py checks piece_nbytes after making its pool and leaves the pool's memfd open")
 def test_a_piece_larger_than_the_pool_leaves_nothing_open():
     _refused_cleanly(lambda: Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=2 * MiB))
 

@@ -13,6 +13,9 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
+
+from . import packing
 from .errors import ConfigurationError, PoolExhaustedError
 
 __all__ = ["Block", "AllocatorStats", "Allocator"]
@@ -166,6 +169,67 @@ class Allocator:
                 for off in done:
                     self._release(off)
                 raise
+
+    def place_packed(self, nbytes: np.ndarray, alignments: np.ndarray) -> tuple[list[Block], packing.BlockGroups]:
+        """Take blocks for tensors of these sizes and alignments, packed in
+        order (:func:`packing.packed_offsets`), all or none: one block if a
+        free extent holds them all; else the largest free extents in turn,
+        each packed from its own 16-aligned start.
+
+        Raises:
+            PoolExhaustedError: they cannot be placed; nothing allocated.
+        """
+        offsets, total = packing.packed_offsets(nbytes, alignments)
+        count = nbytes.size
+        if total == 0:
+            return [], packing.BlockGroups(np.zeros(1, np.int64), offsets)
+        try:
+            ext = self.allocate(total)
+            bounds = np.array([0, count], dtype=np.int64)
+            return [Block(ext.offset, total)], packing.BlockGroups(bounds, offsets)
+        except PoolExhaustedError:
+            pass
+        # No single free block holds it: fill the largest free blocks in turn,
+        # tensors in order, each block packed from its own 16-aligned start.
+        while True:
+            plan: list[Block] = []
+            bounds_list = [0]
+            rel = np.zeros(count, dtype=np.int64)
+            start = 0
+            for ext in self.free_extents(largest_first=True):
+                if start == count:
+                    break
+                k, used = packing.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
+                if k == 0 or used == 0:
+                    break
+                off, _ = packing.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
+                rel[start : start + k] = off
+                plan.append(Block(ext.offset, used))
+                start += k
+                bounds_list.append(start)
+            stats = self.stats()
+            if start < count:
+                biggest = int(nbytes.max())
+                raise PoolExhaustedError(
+                    total,
+                    stats.free_nbytes,
+                    stats.largest_free_nbytes,
+                    stats.capacity_nbytes,
+                    detail=(
+                        f"the {count} tensors cannot be placed in the {stats.free_blocks} free "
+                        f"blocks (tensor {start} needs {int(nbytes[start]):,} bytes; the largest "
+                        f"tensor is {biggest:,})"
+                    ),
+                )
+            rounded = [Block(b.offset, packing.align_up(b.nbytes, packing.BLOCK_ALIGNMENT)) for b in plan]
+            try:
+                self.reserve(rounded)
+            except ValueError:
+                # Another thread took part of the plan between the snapshot of
+                # the free extents and now. Its allocation succeeded, so this
+                # retry is progress, not a livelock: plan again.
+                continue
+            return plan, packing.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
 
     def free(self, offset: int) -> int:
         """Return the extent that starts at ``offset``; merge it with neighbours.

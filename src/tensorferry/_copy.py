@@ -19,7 +19,6 @@ the CPUs this process may run on, at most 4; ``1`` turns the split off).
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -44,8 +43,8 @@ __all__ = [
     "executor",
     "finish",
     "memmove_runs",
-    "new_host_bytes",
     "run_parts",
+    "scatter_segments",
 ]
 
 # Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
@@ -63,10 +62,6 @@ _PART_ALIGNMENT = 4096
 
 _MAX_DEFAULT_THREADS = 4
 
-# New host memory of at least this size gets its own mapping with huge pages
-# (TENSORFERRY_HUGE_PAGES=0: never).
-_HUGE_MIN_NBYTES = 8 << 20
-_HUGE_ENV = "TENSORFERRY_HUGE_PAGES"
 _ENV = "TENSORFERRY_COPY_THREADS"
 
 _pool: ThreadPoolExecutor | None = None
@@ -200,42 +195,6 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
         return
     parts = _parts(dst.astype(np.int64, copy=False), src.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False), threads)
     run_parts(_memmove_serial, parts)
-
-
-def new_host_bytes(nbytes: int) -> torch.Tensor:
-    """A new 1-D uint8 host tensor of ``nbytes`` (contents undefined).
-
-    New memory costs a page fault per page on its first write, and at 4 KiB
-    a page that is most of the cost of receiving into it: copying 1 GiB into
-    ``torch.empty`` memory took 556 ms here, against 96 ms into memory
-    already touched. A large one is therefore its own anonymous mapping
-    with transparent huge pages asked for (``MADV_HUGEPAGE``; most kernels
-    give them only to mappings that ask): faults of 2 MiB, and the same copy
-    took 253 ms. The mapping goes back to the kernel when the last tensor
-    sharing its storage is collected.
-
-    Where the kernel compacts memory synchronously for such mappings
-    (``/sys/kernel/mm/transparent_hugepage/defrag`` says ``madvise``) and
-    memory is fragmented, a fault may wait for that compaction; set
-    ``TENSORFERRY_HUGE_PAGES=0`` to get plain ``torch.empty`` memory.
-    """
-    if nbytes < _HUGE_MIN_NBYTES or not hasattr(mmap, "MADV_HUGEPAGE") or _huge_pages_off():
-        return torch.empty(nbytes, dtype=torch.uint8)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass  # no transparent huge pages here: plain pages, still correct
-    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
-
-
-def _huge_pages_off() -> bool:
-    raw = os.environ.get(_HUGE_ENV, "").strip()
-    if raw in ("", "1"):
-        return False
-    if raw == "0":
-        return True
-    raise ConfigurationError(f"{_HUGE_ENV}={raw!r}: expected 1 (ask for transparent huge pages for new memory, the default) or 0 (never)")
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -500,3 +459,38 @@ def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out:
                 copy_bytes(out[a - lo : b - lo], part.to(out.device))
             elementwise += 1
     return int(n.size), elementwise
+
+
+def scatter_segments(layout: Any, block_nbytes: list[int], targets: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The byte stream of the blocks as a list of destination segments:
+    each target tensor's own memory where it is dense, a scratch buffer for
+    alignment gaps and for targets that are not (copied after by
+    :func:`copy_staged`): tcp's into= straight off the socket."""
+    groups = packing.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
+    nbytes = layout.nbytes.tolist()
+    offsets = groups.offsets.tolist()
+    bounds = groups.bounds.tolist()
+    # Alignment gaps are < 16 bytes each: one small scratch covers them all.
+    scratch = torch.empty(16 * (layout.num_tensors + len(block_nbytes)) + 16, dtype=torch.uint8)
+    spos = 0
+    segments: list[torch.Tensor] = []
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b in range(len(block_nbytes)):
+        cursor = 0
+        for i in range(bounds[b], bounds[b + 1]):
+            n = nbytes[i]
+            if not n:
+                continue
+            gap = offsets[i] - cursor
+            if gap:
+                segments.append(scratch[spos : spos + gap])
+                spos += gap
+            t = targets[i]
+            if t.is_contiguous() and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
+                segments.append(t.detach().reshape(-1).view(torch.uint8))
+            else:
+                staged = torch.empty(n, dtype=torch.uint8)
+                segments.append(staged)
+                fixups.append((staged, t))
+            cursor = offsets[i] + n
+    return segments, fixups

@@ -14,7 +14,6 @@ as views of one flat buffer become a single memcpy.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import threading
@@ -28,14 +27,9 @@ from . import packing
 from ._allocator import Allocator, Block
 from ._copy import pack_leaves
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
+from ._memory import pool_buffer, pool_device
 from ._views import owned_view, unpack
-from .errors import (
-    BackendUnavailableError,
-    ConfigurationError,
-    LayoutMismatchError,
-    PoolCreationError,
-    PoolExhaustedError,
-)
+from .errors import ConfigurationError, PoolExhaustedError
 from .layout import Layout
 
 __all__ = ["Block", "Lease", "Packed", "PoolStats", "MemoryPool", "unpack", "DEFAULT_CAPACITY_NBYTES"]
@@ -180,36 +174,11 @@ class MemoryPool:
                 "for example 256 << 20"
             )
         capacity_nbytes = packing.align_up(int(capacity_nbytes), packing.BLOCK_ALIGNMENT)
-        self.device = _pool_device(device)
+        self.device = pool_device(device)
         self.capacity_nbytes = capacity_nbytes
         # Distinguishes this pool from any earlier one at a recycled address.
         self.generation = secrets.randbits(63)
-        self.fd: int | None = None
-        self._mmap: mmap.mmap | None = None
-        if self.device.type == "cpu":
-            try:
-                self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-            except OSError as exc:
-                raise PoolCreationError(capacity_nbytes, "cpu", f"memfd_create failed ({exc})") from exc
-            try:
-                os.ftruncate(self.fd, capacity_nbytes)
-                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-                self._mmap = mmap.mmap(self.fd, capacity_nbytes, flags=flags)
-            except BaseException as exc:
-                os.close(self.fd)
-                if isinstance(exc, OSError):
-                    raise PoolCreationError(capacity_nbytes, "cpu", f"{exc.strerror or exc}; {_host_memory()}") from exc
-                raise
-            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        else:
-            try:
-                self.buffer = torch.empty(capacity_nbytes, dtype=torch.uint8, device=self.device)
-            except torch.OutOfMemoryError as exc:
-                free, total = torch.cuda.mem_get_info(self.device)
-                detail = f"the device has {free:,} of {total:,} bytes free"
-                raise PoolCreationError(capacity_nbytes, str(self.device), detail) from exc
-            if prefault:
-                self.buffer.zero_()
+        self.buffer, self.fd, self._mmap = pool_buffer(capacity_nbytes, self.device, prefault=prefault, name=name)
         self._allocator = Allocator(capacity_nbytes, packing.BLOCK_ALIGNMENT)
         self._lock = threading.Lock()
         self._live: dict[int, Packed] = {}
@@ -287,7 +256,7 @@ class MemoryPool:
         info = inspect_leaves(obj, leaves, ops, counts, keys)
         lay = info.layout
         nbytes = lay.nbytes
-        blocks, groups = self._allocate(nbytes, lay.alignments)
+        blocks, groups = self._allocator.place_packed(nbytes, lay.alignments)
         packed = Packed(
             blocks=tuple(blocks),
             layout=lay,
@@ -308,60 +277,6 @@ class MemoryPool:
             raise
         self._add_live(packed)
         return packed
-
-    def _allocate(self, nbytes: np.ndarray, alignments: np.ndarray) -> tuple[list[Block], packing.BlockGroups]:
-        """Plan and take the blocks for tensors of these sizes, all or none."""
-        offsets, total = packing.packed_offsets(nbytes, alignments)
-        count = nbytes.size
-        if total == 0:
-            return [], packing.BlockGroups(np.zeros(1, np.int64), offsets)
-        try:
-            ext = self._allocator.allocate(total)
-            bounds = np.array([0, count], dtype=np.int64)
-            return [Block(ext.offset, total)], packing.BlockGroups(bounds, offsets)
-        except PoolExhaustedError:
-            pass
-        # No single free block holds it: fill the largest free blocks in turn,
-        # tensors in order, each block packed from its own 16-aligned start.
-        while True:
-            plan: list[Block] = []
-            bounds_list = [0]
-            rel = np.zeros(count, dtype=np.int64)
-            start = 0
-            for ext in self._allocator.free_extents(largest_first=True):
-                if start == count:
-                    break
-                k, used = packing.fit_prefix(nbytes[start:], alignments[start:], ext.nbytes)
-                if k == 0 or used == 0:
-                    break
-                off, _ = packing.packed_offsets(nbytes[start : start + k], alignments[start : start + k])
-                rel[start : start + k] = off
-                plan.append(Block(ext.offset, used))
-                start += k
-                bounds_list.append(start)
-            stats = self._allocator.stats()
-            if start < count:
-                biggest = int(nbytes.max())
-                raise PoolExhaustedError(
-                    total,
-                    stats.free_nbytes,
-                    stats.largest_free_nbytes,
-                    stats.capacity_nbytes,
-                    detail=(
-                        f"the {count} tensors cannot be placed in the {stats.free_blocks} free "
-                        f"blocks (tensor {start} needs {int(nbytes[start]):,} bytes; the largest "
-                        f"tensor is {biggest:,})"
-                    ),
-                )
-            rounded = [Block(b.offset, packing.align_up(b.nbytes, packing.BLOCK_ALIGNMENT)) for b in plan]
-            try:
-                self._allocator.reserve(rounded)
-            except ValueError:
-                # Another thread took part of the plan between the snapshot of
-                # the free extents and now. Its allocation succeeded, so this
-                # retry is progress, not a livelock: plan again.
-                continue
-            return plan, packing.BlockGroups(np.asarray(bounds_list, dtype=np.int64), rel)
 
     def _copy_in(self, leaves: Sequence[torch.Tensor], info: LeafInfo, blocks: Sequence[Block], groups: packing.BlockGroups) -> tuple[int, int]:
         """Copy leaves into their blocks; returns (copy runs, strided copies)."""
@@ -481,34 +396,3 @@ class MemoryPool:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigurationError("this MemoryPool is closed; create a new one")
-
-
-def _pool_device(device: str | torch.device) -> torch.device:
-    """The pool's device, checked: CPU, or a CUDA device this process can use."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ConfigurationError(f"MemoryPool(device={device!r}) is not a device; use 'cpu' or 'cuda[:N]'") from exc
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ConfigurationError(f"MemoryPool(device={device!r}): a pool lives on 'cpu' or a CUDA device, not {dev.type}")
-    if not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise BackendUnavailableError(
-            f"MemoryPool(device={device!r}): {why}; use device='cpu', or a CUDA build of torch on a machine with a GPU"
-        )
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ConfigurationError(f"MemoryPool(device={device!r}): this machine has {count} CUDA device(s), 0 to {count - 1}")
-    return dev
-
-
-def _host_memory() -> str:
-    """What the host has, for the message of a refused pool mapping."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PHYS_PAGES") * page
-    free = os.sysconf("SC_AVPHYS_PAGES") * page
-    return f"this host has {total:,} bytes of memory, {free:,} of them free"
-
-

@@ -29,7 +29,8 @@ import torch
 
 from . import packing
 from ._args import positive_seconds
-from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, new_host_bytes
+from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, scatter_segments
+from ._memory import new_host_bytes
 from ._tensors import gc_paused, match_into, unflatten
 from ._views import build_views
 from .errors import PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
@@ -103,7 +104,7 @@ class Receiver:
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
     ) -> None:
-        from ._copy import _huge_pages_off
+        from ._memory import _huge_pages_off
         from .transports import channel_class
         from .transports._connections import ChannelPool, ReceiveContext, Releaser
 
@@ -218,7 +219,7 @@ class Receiver:
             if how == "into-mapped":
                 _copy_out(ch.remote_views(blocks), layout, targets)
             elif how == "into-scatter":
-                segments, fixups = _scatter_segments(layout, sizes, targets)
+                segments, fixups = scatter_segments(layout, sizes, targets)
                 ch.read_into(ticket.id, 0, blocks, segments, deadline=deadline)
                 copy_staged(fixups)
             elif how == "into-staged":
@@ -364,40 +365,6 @@ def _fill_aliases(layout: Layout, targets: list[torch.Tensor]) -> None:
             continue
         with torch.no_grad():
             a.copy_(b)
-
-
-def _scatter_segments(layout: Layout, block_nbytes: list[int], targets: list[torch.Tensor]):
-    """The byte stream of the blocks as a list of destination segments:
-    each target tensor's own memory where it is dense, a scratch buffer for
-    alignment gaps and for targets that are not (copied after)."""
-    groups = packing.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
-    nbytes = layout.nbytes.tolist()
-    offsets = groups.offsets.tolist()
-    bounds = groups.bounds.tolist()
-    # Alignment gaps are < 16 bytes each: one small scratch covers them all.
-    scratch = torch.empty(16 * (layout.num_tensors + len(block_nbytes)) + 16, dtype=torch.uint8)
-    spos = 0
-    segments: list[torch.Tensor] = []
-    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for b in range(len(block_nbytes)):
-        cursor = 0
-        for i in range(bounds[b], bounds[b + 1]):
-            n = nbytes[i]
-            if not n:
-                continue
-            gap = offsets[i] - cursor
-            if gap:
-                segments.append(scratch[spos : spos + gap])
-                spos += gap
-            t = targets[i]
-            if t.is_contiguous() and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
-                segments.append(t.detach().reshape(-1).view(torch.uint8))
-            else:
-                staged = torch.empty(n, dtype=torch.uint8)
-                segments.append(staged)
-                fixups.append((staged, t))
-            cursor = offsets[i] + n
-    return segments, fixups
 
 
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

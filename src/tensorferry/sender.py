@@ -24,7 +24,7 @@ from . import packing
 from ._args import positive_seconds, reader_count
 from ._ledger import Ledger, _Entry, _Piece
 from ._tensors import flatten, gc_paused, inspect_leaves
-from .errors import ConfigurationError, PoolExhaustedError, TransferError, TransferTimeoutError
+from .errors import ConfigurationError, PoolExhaustedError, TransferTimeoutError
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
 from .transports import TransportName
 from .ticket import Ticket
@@ -95,6 +95,8 @@ class Sender:
         cap = self.pool.capacity_nbytes
         self.piece_nbytes = packing.align_up(int(piece_nbytes or max(16, cap // 2)), packing.BLOCK_ALIGNMENT)
         if self.piece_nbytes > cap:
+            if self._own_pool:
+                self.pool.close()  # refused: nothing stays open
             raise ConfigurationError(
                 f"Sender(piece_nbytes={piece_nbytes!r}): pieces of {self.piece_nbytes:,} bytes exceed the pool's {cap:,}; "
                 "pass at most the pool's capacity, or leave it unset (half the pool)"
