@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import struct
 import threading
 import time
 import weakref
@@ -61,15 +59,15 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from .. import packing
 from ..errors import (
     BackendUnavailableError,
     ConfigurationError,
-    PeerGoneError,
     ProtocolError,
     TransferError,
     TransferTimeoutError,
 )
+
+from ._nixl_wire import _MAX_NAME_NBYTES, Region, Regions, _import_nixl, _nixl_error, _translate, as_ranges, decode, encode, merged_descs
 
 if TYPE_CHECKING:
     import torch
@@ -78,30 +76,6 @@ __all__ = ["NixlEndpoint", "Region"]
 
 log = logging.getLogger("tensorferry.transports.nixl")
 
-_INSTALL_FIX = (
-    "install the nixl extra: `pip install torch==2.13.0` first, then `pip install nixl==1.5.1` "
-    "(installing nixl before torch pulls about 3 GB of CUDA packages; 1.5.2 is not installable)"
-)
-
-# Envelope around NIXL's agent metadata:
-#   magic, version, name length, region count, NIXL metadata length
-# then the UTF-8 name, the regions, and NIXL's bytes.
-_MAGIC = b"TFNX"
-_VERSION = 1
-_HEADER = struct.Struct("<4sHHII")
-# One region: address, nbytes, memory kind (_DRAM / _VRAM), device index.
-_REGION_DTYPE = np.dtype([("addr", "<u8"), ("nbytes", "<u8"), ("mem", "<u4"), ("dev", "<u4")])
-# Bounds a decoder enforces before it allocates anything sized by the peer.
-# A transport registers one pool (a few buffers at most); 4096 regions is
-# far beyond that and still only 96 KiB of region records.
-_MAX_REGIONS = 4096
-_MAX_NAME_NBYTES = 256
-# NIXL's own metadata is ~0.5 KiB plus ~0.1 KiB per registration; 16 MiB
-# leaves room for any sane agent and stops a hostile length field.
-_MAX_NIXL_METADATA_NBYTES = 16 << 20
-
-_DRAM, _VRAM = 0, 1
-_MEM_NAMES = {_DRAM: "DRAM", _VRAM: "VRAM"}
 
 # Polling: spin this long (a small read completes in microseconds), then
 # sleep with a doubling pause up to _MAX_PAUSE_SECONDS, so a long wait does
@@ -114,158 +88,10 @@ _MAX_PAUSE_SECONDS = 0.001
 _PROGRESS_INTERVAL_SECONDS = 0.001
 
 
-class Region(NamedTuple):
-    """One registered memory region, as both sides see it."""
-
-    addr: int
-    nbytes: int
-    mem: Literal["DRAM", "VRAM"]
-    device: int
-
-
 class _Registration(NamedTuple):
     region: Region
     reg_descs: Any  # NIXL's nixlRegDList, handed back to deregister_memory
     tensor: "torch.Tensor"  # keeps the memory alive while NIXL may touch it
-
-
-class _Regions:
-    """Sorted, non-overlapping regions, for vectorized containment lookups."""
-
-    def __init__(self, regions: Sequence[Region]) -> None:
-        order = sorted(range(len(regions)), key=lambda i: regions[i].addr)
-        self.regions = [regions[i] for i in order]
-        self.starts = np.array([r.addr for r in self.regions], dtype=np.uint64)
-        self.ends = np.array([r.addr + r.nbytes for r in self.regions], dtype=np.uint64)
-        self.devices = np.array([r.device for r in self.regions], dtype=np.uint64)
-        self.mems = [r.mem for r in self.regions]
-
-    def locate(self, addr: np.ndarray, nbytes: np.ndarray, *, side: str, owner: str) -> np.ndarray:
-        """Index of the region holding each range; raises naming the first that none holds."""
-        if not self.regions:
-            raise ConfigurationError(
-                f"{side} ranges cannot be read: {owner} has no registered memory; "
-                "register the buffer (NixlEndpoint.register) before sending its metadata"
-            )
-        idx = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
-        safe = np.maximum(idx, 0)
-        end = self.ends[safe]
-        # room = end - addr without wrapping when addr is past the region.
-        room = np.where(end >= addr, end - np.minimum(addr, end), np.uint64(0))
-        bad = (idx < 0) | (nbytes > room)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            a, n = int(addr[i]), int(nbytes[i])
-            near = ", ".join(f"[{r.addr:#x}, {r.addr + r.nbytes:#x})" for r in self.regions[:4])
-            more = f" and {len(self.regions) - 4} more" if len(self.regions) > 4 else ""
-            raise ConfigurationError(
-                f"{side} range {i} [{a:#x}, {a + n:#x}) ({n:,} bytes) is not inside one region {owner} "
-                f"registered ({int(bad.sum()):,} of {len(addr):,} ranges are outside); registered: {near}{more}; "
-                "ranges are absolute addresses (base address + offset) and must not cross a region's end"
-            )
-        return idx
-
-
-def _import_nixl() -> Any:
-    """Import ``nixl._api`` (only it: importing ``nixl_cu12`` too in one process fails)."""
-    try:
-        from nixl import _api  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise BackendUnavailableError(f"the nixl transport needs NIXL, which cannot be imported ({exc}); {_INSTALL_FIX}") from exc
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # NIXL's Python logger writes INFO lines (one per agent and backend)
-        # to stdout, which corrupts the tables our CLI prints there.
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return _api
-
-
-def _nixl_error(exc: BaseException) -> bool:
-    """True for the exceptions NIXL's bindings raise (nixlNotFoundError, ...)."""
-    return type(exc).__name__.startswith("nixl")
-
-
-def _translate(exc: BaseException, what: str, peer: str | None = None) -> TransferError:
-    kind = type(exc).__name__
-    if kind == "nixlRemoteDisconnectError":
-        return PeerGoneError(
-            f"{what}: peer {peer!r} is disconnected ({exc}); it died or closed its endpoint. "
-            "This endpoint stays usable: remove_remote() the peer and add_remote() fresh metadata from a live one"
-        )
-    if kind == "nixlNotFoundError":
-        return TransferError(
-            f"{what}: NIXL found no registration covering the ranges ({exc}): the peer deregistered them, "
-            "or sent metadata taken before registering; ask the peer for fresh metadata"
-        )
-    return TransferError(f"{what}: NIXL raised {kind}: {exc}")
-
-
-def _as_ranges(ranges: Sequence[tuple[int, int]] | np.ndarray, side: str) -> np.ndarray:
-    """``(address, nbytes)`` pairs as an (N, 2) uint64 array, checked."""
-    arr = np.asarray(ranges)
-    if arr.size == 0:
-        return np.zeros((0, 2), dtype=np.uint64)
-    if arr.ndim != 2 or arr.shape[1] != 2:
-        raise ConfigurationError(f"{side}_ranges must be (address, nbytes) pairs, an (N, 2) array; got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise ConfigurationError(f"{side}_ranges must hold integers (addresses and byte counts); got dtype {arr.dtype}")
-    if arr.dtype.kind == "i":
-        neg = arr < 0
-        if neg.any():
-            i = int(np.flatnonzero(neg.any(axis=1))[0])
-            raise ConfigurationError(f"{side} range {i} is ({int(arr[i, 0])}, {int(arr[i, 1])}): addresses and byte counts cannot be negative")
-    return arr.astype(np.uint64, copy=False)
-
-
-def _encode(name: str, regions: Sequence[Region], nixl_md: bytes) -> bytes:
-    raw_name = name.encode()
-    table = np.zeros(len(regions), dtype=_REGION_DTYPE)
-    for i, r in enumerate(regions):
-        table[i] = (r.addr, r.nbytes, _VRAM if r.mem == "VRAM" else _DRAM, r.device)
-    head = _HEADER.pack(_MAGIC, _VERSION, len(raw_name), len(regions), len(nixl_md))
-    return b"".join((head, raw_name, table.tobytes(), nixl_md))
-
-
-def _decode(data: bytes) -> tuple[str, list[Region], bytes]:
-    """Parse an envelope from a peer; every length is checked before it is used."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"peer metadata must be bytes, not {type(data).__name__}")
-    data = bytes(data)
-    if len(data) < _HEADER.size:
-        raise ProtocolError(f"peer metadata is {len(data)} bytes, shorter than its {_HEADER.size}-byte header")
-    magic, version, name_n, region_n, md_n = _HEADER.unpack_from(data)
-    if magic != _MAGIC:
-        raise ProtocolError(
-            f"peer metadata starts with {magic!r}, not {_MAGIC!r}: pass the bytes of NixlEndpoint.metadata(), "
-            "not NIXL's raw agent metadata"
-        )
-    if version != _VERSION:
-        raise ProtocolError(f"peer metadata has version {version}; this tensorferry reads version {_VERSION}: use one tensorferry version on both sides")
-    if not 0 < name_n <= _MAX_NAME_NBYTES or region_n > _MAX_REGIONS or not 0 < md_n <= _MAX_NIXL_METADATA_NBYTES:
-        raise ProtocolError(
-            f"peer metadata declares a {name_n}-byte name, {region_n} regions and {md_n:,} bytes of NIXL metadata; "
-            f"the bounds are 1..{_MAX_NAME_NBYTES}, 0..{_MAX_REGIONS} and 1..{_MAX_NIXL_METADATA_NBYTES:,}"
-        )
-    expected = _HEADER.size + name_n + region_n * _REGION_DTYPE.itemsize + md_n
-    if len(data) != expected:
-        raise ProtocolError(f"peer metadata is {len(data):,} bytes; its header declares {expected:,} (truncated or padded)")
-    at = _HEADER.size
-    try:
-        name = data[at : at + name_n].decode()
-    except UnicodeDecodeError as exc:
-        raise ProtocolError("peer metadata's agent name is not UTF-8") from exc
-    at += name_n
-    table = np.frombuffer(data, dtype=_REGION_DTYPE, count=region_n, offset=at)
-    at += region_n * _REGION_DTYPE.itemsize
-    regions: list[Region] = []
-    for i, (addr, nbytes, mem, dev) in enumerate(table.tolist()):
-        if mem not in _MEM_NAMES or nbytes == 0 or addr + nbytes > 1 << 64:
-            raise ProtocolError(f"peer metadata region {i} (addr {addr:#x}, {nbytes:,} bytes, memory kind {mem}) is invalid")
-        regions.append(Region(addr, nbytes, _MEM_NAMES[mem], dev))  # type: ignore[arg-type]
-    ordered = sorted(regions)
-    for a, b in zip(ordered, ordered[1:]):
-        if a.addr + a.nbytes > b.addr:
-            raise ProtocolError(f"peer metadata regions overlap: [{a.addr:#x}, +{a.nbytes:,}) and [{b.addr:#x}, +{b.nbytes:,})")
-    return name, regions, data[at:]
 
 
 class NixlEndpoint:
@@ -320,8 +146,8 @@ class NixlEndpoint:
         self._lock = threading.RLock()
         self._closed = False
         self._registrations: dict[tuple[int, int], _Registration] = {}
-        self._local = _Regions([])
-        self._peers: dict[str, _Regions] = {}
+        self._local = Regions([])
+        self._peers: dict[str, Regions] = {}
         # Requests NIXL refused to release (cancel) after a timeout: kept
         # alive here and retried on close, never garbage-collected mid-flight.
         self._abandoned: list[Any] = []
@@ -417,7 +243,7 @@ class NixlEndpoint:
                     "check locked-memory limits (ulimit -l) and, for CUDA, that PYTORCH_CUDA_ALLOC_CONF has no expandable_segments"
                 ) from exc
             self._registrations[(addr, nbytes)] = _Registration(region, reg, tensor)
-            self._local = _Regions([r.region for r in self._registrations.values()])
+            self._local = Regions([r.region for r in self._registrations.values()])
             return region
 
     def deregister(self, tensor: "torch.Tensor") -> None:
@@ -438,7 +264,7 @@ class NixlEndpoint:
             entry = self._registrations.pop(key, None)
             if entry is None:
                 return
-            self._local = _Regions([r.region for r in self._registrations.values()])
+            self._local = Regions([r.region for r in self._registrations.values()])
             try:
                 self._agent.deregister_memory(entry.reg_descs)
             except Exception as exc:
@@ -475,7 +301,7 @@ class NixlEndpoint:
                 if not _nixl_error(exc):
                     raise
                 raise _translate(exc, "getting local agent metadata") from exc
-            return _encode(self.name, self._local.regions, bytes(nixl_md))
+            return encode(self.name, self._local.regions, bytes(nixl_md))
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's :meth:`metadata` so this endpoint can READ its memory (receiver side).
@@ -495,7 +321,7 @@ class NixlEndpoint:
             ValueError: the metadata is this endpoint's own.
             TransferError: NIXL refused it otherwise; the endpoint is closed.
         """
-        peer, regions, nixl_md = _decode(metadata)
+        peer, regions, nixl_md = decode(metadata)
         if peer == self.name:
             raise ConfigurationError(f"metadata names agent {peer!r}, this endpoint itself: load the peer's metadata, not our own")
         with self._lock:
@@ -516,7 +342,7 @@ class NixlEndpoint:
             if loaded_name != peer:
                 self._invalidate(loaded_name)
                 raise ProtocolError(f"peer metadata says agent {peer!r} but its NIXL metadata is agent {loaded_name!r}")
-            self._peers[peer] = _Regions(regions)
+            self._peers[peer] = Regions(regions)
             return peer
 
     def remove_remote(self, name: str) -> None:
@@ -589,8 +415,8 @@ class NixlEndpoint:
         if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
             raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
         deadline = time.monotonic() + timeout
-        rr = _as_ranges(remote_ranges, "remote")
-        lr = _as_ranges(local_ranges, "local")
+        rr = as_ranges(remote_ranges, "remote")
+        lr = as_ranges(local_ranges, "local")
         if len(rr) != len(lr):
             raise ConfigurationError(f"{len(remote_ranges)} remote ranges but {len(local_ranges)} local ranges: pass one local range per remote range")
         unequal = rr[:, 1] != lr[:, 1]
@@ -614,13 +440,13 @@ class NixlEndpoint:
             r_idx = peer.locate(rr[:, 0], nbytes, side="remote", owner=f"peer {remote!r}")
             l_mem = self._one_mem(self._local, l_idx, "local")
             r_mem = self._one_mem(peer, r_idx, "remote")
-            local_descs, remote_descs = _merged_descs(lr[:, 0], rr[:, 0], nbytes, l_idx, r_idx, self._local, peer)
+            local_descs, remote_descs = merged_descs(lr[:, 0], rr[:, 0], nbytes, l_idx, r_idx, self._local, peer)
             self._read_locked(remote, local_descs, l_mem, remote_descs, r_mem, deadline, timeout)
         finally:
             self._lock.release()
 
     @staticmethod
-    def _one_mem(regions: _Regions, idx: np.ndarray, side: str) -> str:
+    def _one_mem(regions: Regions, idx: np.ndarray, side: str) -> str:
         if len(set(regions.mems)) == 1:  # the usual case: one pool, nothing to look up
             return regions.mems[0]
         kinds = {regions.mems[i] for i in np.unique(idx).tolist()}
@@ -731,7 +557,7 @@ class NixlEndpoint:
                 except Exception as exc:
                     log.warning("NIXL failed to deregister %s: %s", entry.region, exc)
             self._registrations.clear()
-            self._local = _Regions([])
+            self._local = Regions([])
             # Dropping the last reference destroys the C++ agent (its UCX
             # worker and listener); handles released above hold none.
             del self._agent
@@ -763,20 +589,3 @@ def _progress_loop(ref: "weakref.ref[NixlEndpoint]", stop: threading.Event, inte
             return
         endpoint.progress()
         del endpoint
-
-
-def _merged_descs(
-    l_addr: np.ndarray, r_addr: np.ndarray, nbytes: np.ndarray, l_idx: np.ndarray, r_idx: np.ndarray, local: _Regions, remote: _Regions
-) -> tuple[np.ndarray, np.ndarray]:
-    """NIXL (address, nbytes, device) rows, merging pairs adjacent on both sides within one region."""
-    if len(nbytes) > 1:
-        other_region = np.zeros(len(nbytes), dtype=bool)
-        other_region[1:] = (l_idx[1:] != l_idx[:-1]) | (r_idx[1:] != r_idx[:-1])
-        runs = packing.merge_runs(l_addr, r_addr, nbytes, other_region)
-        l_addr, r_addr, nbytes = runs.dst, runs.src, runs.nbytes
-        l_idx, r_idx = l_idx[runs.heads], r_idx[runs.heads]
-    local_descs = np.empty((len(nbytes), 3), dtype=np.uint64)
-    local_descs[:, 0], local_descs[:, 1], local_descs[:, 2] = l_addr, nbytes, local.devices[l_idx]
-    remote_descs = np.empty((len(nbytes), 3), dtype=np.uint64)
-    remote_descs[:, 0], remote_descs[:, 1], remote_descs[:, 2] = r_addr, nbytes, remote.devices[r_idx]
-    return local_descs, remote_descs
