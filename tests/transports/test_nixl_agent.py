@@ -427,7 +427,11 @@ def test_stopped_peer_times_out_then_killed_peer_is_gone() -> None:
             try:
                 stalled = threading.Thread(target=stalled_read)
                 stalled.start()
-                time.sleep(0.2)
+                # The stalled read holds the endpoint until its timeout.
+                deadline = time.monotonic() + 5.0
+                while not ep._lock.locked() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert ep._lock.locked(), "the stalled read never started"
                 # A second read on the same endpoint waits for the first, within its own timeout.
                 t0 = time.monotonic()
                 with pytest.raises(TransferTimeoutError, match="waited 0.3 s for another read"):
