@@ -428,10 +428,16 @@ def test_stopped_peer_times_out_then_killed_peer_is_gone() -> None:
                 stalled = threading.Thread(target=stalled_read)
                 stalled.start()
                 # The stalled read holds the endpoint until its timeout.
+                def held() -> bool:
+                    if ep._lock.acquire(blocking=False):
+                        ep._lock.release()
+                        return False
+                    return True
+
                 deadline = time.monotonic() + 5.0
-                while not ep._lock.locked() and time.monotonic() < deadline:
+                while not held() and time.monotonic() < deadline:
                     time.sleep(0.001)
-                assert ep._lock.locked(), "the stalled read never started"
+                assert held(), "the stalled read never started"
                 # A second read on the same endpoint waits for the first, within its own timeout.
                 t0 = time.monotonic()
                 with pytest.raises(TransferTimeoutError, match="waited 0.3 s for another read"):
