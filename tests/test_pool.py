@@ -140,6 +140,7 @@ def test_all_is_exactly_the_public_api():
         "Block",
         "PoolStats",
         "unpack",
+        "Lease",
         "Layout",
         "Ticket",
         "Sender",
@@ -908,3 +909,45 @@ def test_unpack_runs_of_equal_and_mixed_shapes_round_trip():
         for a, b in zip(objs, out):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         packed.release()
+
+
+def test_reserve_leases_raw_bytes_counted_in_stats_and_released_once(pool):
+    """The pool's raw-memory API: a lease is counted while alive, its
+    release is idempotent, an owned view releases it with its storage,
+    and a request too large is a PoolExhaustedError with nothing taken."""
+    import gc
+
+    before = pool.stats()
+    with pool.reserve(4096) as lease:
+        assert pool.stats().leases == before.leases + 1
+        assert pool.stats().used_nbytes == before.used_nbytes + 4096
+        lease.view().fill_(7)
+        assert int(pool.buffer[lease.offset : lease.offset + 4096].sum()) == 7 * 4096
+    lease.release()  # twice: harmless
+    assert pool.stats().leases == before.leases and pool.stats().used_nbytes == before.used_nbytes
+    view = pool.reserve(8192).owned_view()
+    part = view[100:200].view(torch.int32)  # a derived view keeps the storage
+    del view
+    gc.collect()
+    assert pool.stats().leases == before.leases + 1
+    del part
+    gc.collect()
+    assert pool.stats().leases == before.leases and pool.stats().used_nbytes == before.used_nbytes
+    with pytest.raises(PoolExhaustedError):
+        pool.reserve(pool.capacity_nbytes * 2)
+    assert pool.stats() == before
+    big = pool.reserve_up_to(pool.capacity_nbytes * 2, min_nbytes=16)
+    assert big is not None and big.nbytes == before.largest_free_nbytes
+    assert pool.reserve_up_to(16, min_nbytes=16) is None  # nothing left
+    big.release()
+    assert pool.stats() == before
+
+
+def test_unpack_takes_what_pack_returns(pool):
+    obj = {"a": torch.arange(6.0).view(2, 3), "b": [torch.ones(2, dtype=torch.int64)]}
+    packed = pool.pack(obj)
+    for got in (tensorferry.unpack(packed), tensorferry.unpack([pool.view(b) for b in packed.blocks], packed.layout)):
+        assert torch.equal(got["a"], obj["a"]) and torch.equal(got["b"][0], obj["b"][0])
+    with pytest.raises(LayoutMismatchError, match="needs a layout"):
+        tensorferry.unpack([pool.view(b) for b in packed.blocks])
+    packed.release()

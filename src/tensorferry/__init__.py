@@ -37,7 +37,8 @@ _LAZY = {
     "Packed": "tensorferry.pool",
     "Block": "tensorferry.pool",
     "PoolStats": "tensorferry.pool",
-    "unpack": "tensorferry.pool",
+    "unpack": "tensorferry._views",
+    "Lease": "tensorferry.pool",
     "Layout": "tensorferry.layout",
     "Ticket": "tensorferry.ticket",
     "Sender": "tensorferry.sender",
@@ -51,6 +52,7 @@ __all__ = [
     "Block",
     "PoolStats",
     "unpack",
+    "Lease",
     "Layout",
     "Ticket",
     "Sender",
@@ -75,7 +77,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .pool import Block, MemoryPool, Packed, PoolStats, unpack
+    from ._views import unpack
+    from .pool import Block, Lease, MemoryPool, Packed, PoolStats
     from .receiver import Receiver
     from .sender import Sender
     from .layout import Layout

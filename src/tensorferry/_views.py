@@ -41,7 +41,7 @@ def owned_view(buffer: Any, offset: int, nbytes: int, on_release: Callable[[], N
     return view
 
 
-def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
+def unpack(blocks: Any, layout: Layout | None = None) -> Any:
     """Rebuild the original structure as zero-copy views of ``blocks``.
 
     Runs on the receiver (or on the sender over its pool). Copies nothing:
@@ -50,7 +50,8 @@ def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
 
     Args:
         blocks: one 1-D uint8 tensor per block, in order, each starting at a
-            16-byte aligned address.
+            16-byte aligned address; or what ``MemoryPool.pack`` returned
+            (a ``Packed``, then without ``layout``: views of its pool).
         layout: the sender's :class:`Layout`.
 
     Returns:
@@ -60,6 +61,13 @@ def unpack(blocks: Sequence[torch.Tensor], layout: Layout) -> Any:
         LayoutMismatchError: the blocks' sizes or alignment do not match the
             layout (the message gives the numbers).
     """
+    if layout is None:
+        pool = getattr(blocks, "pool", None)
+        if pool is None or not hasattr(blocks, "layout"):
+            raise LayoutMismatchError(
+                f"unpack({type(blocks).__name__}) needs a layout: pass unpack(blocks, layout), or the Packed that pack() returned"
+            )
+        return pool.unpack(blocks)
     sizes = []
     for b, blk in enumerate(blocks):
         if blk.dtype != torch.uint8 or blk.dim() != 1 or not blk.is_contiguous():
