@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -55,3 +57,16 @@ def rollup_truth(pid: int) -> dict[str, int]:
             if len(parts) == 3 and parts[2] == "kB":
                 out[parts[0].rstrip(":")] = int(parts[1]) * 1024
     return out
+
+
+def wait_until(condition: Callable[[], bool], *, timeout_seconds: float = 10.0, what: str = "condition") -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout_seconds``.
+
+    The timeout only bounds a broken run: a passing one returns as soon as the
+    condition holds, however slow or loaded the machine.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_seconds} s")
+        time.sleep(0.005)

@@ -3,6 +3,7 @@ and cost over fixture /proc trees), stall limit, ages, grouping, cgroups."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from monitor_helpers import FIXTURES
+from monitor_helpers import FIXTURES, wait_until
 
+from tensorferry.errors import ConfigurationError
 from tensorferry.monitor import Agent, AgentConfig, Selection, group_samples, sample
 from tensorferry.monitor._cgroup import CgroupReader
 from tensorferry.monitor._group import group_key
@@ -241,7 +243,7 @@ def test_grouping_by_ray_title_and_bounded_groups(proc_tree: Path) -> None:
              for i, w in enumerate(workers)]
     g = group_samples(exact)[0]
     assert (g.uss_bytes, g.pss_bytes, g.max_exact_age_seconds) == (10 * MIB, 20 * MIB, 9.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match=r"group_samples\(max_groups=0\)"):
         group_samples(exact, max_groups=0)
 
 
@@ -322,11 +324,12 @@ def test_run_ticks_for_duration_and_background_thread_stops(start_target) -> Non
     assert snaps[-1].samples[0].rss_bytes >= 32 * MIB
     assert snaps[0].samples[0].uss_source == "pagemap"  # small process, budget allows
     agent.start()
-    time.sleep(0.3)
+    wait_until(lambda: agent.stats().ticks >= len(snaps) + 3, what="three ticks of the background thread")
     agent.stop()
     ticks = agent.stats().ticks
+    # This sleep is the test: over 2 intervals after stop(), no tick may come.
     time.sleep(0.25)
-    assert agent.stats().ticks == ticks > len(snaps)
+    assert agent.stats().ticks == ticks >= len(snaps) + 3
     assert agent.latest is not None and agent.latest.stats.ticks == ticks
 
 
@@ -334,23 +337,36 @@ def test_run_ticks_for_duration_and_background_thread_stops(start_target) -> Non
     "kwargs",
     [
         {"interval_seconds": 0},
+        {"interval_seconds": math.nan},
+        {"interval_seconds": "1"},
         {"jitter_fraction": 1.0},
         {"cpu_budget_fraction": 0},
         {"cpu_budget_fraction": 2},
         {"max_stall_seconds": -1},
         {"rss_change_fraction": 0},
+        {"walk_base_seconds": -1e-3},
+        {"pagemap_seconds_per_page": math.inf},
         {"max_groups": 0},
+        {"max_groups": 2.5},
+        {"fds_every_ticks": 0},
+        {"status_max_age_seconds": -1},
+        {"rescan_seconds": 0},
     ],
 )
-def test_config_validation_raises_value_error(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
+def test_config_validation_names_the_field_and_value(kwargs: dict) -> None:
+    ((name, bad),) = kwargs.items()
+    with pytest.raises(ConfigurationError, match=re.escape(f"AgentConfig({name}={bad!r}): must be")) as info:
         AgentConfig(**kwargs)
+    assert isinstance(info.value, ValueError)
 
 
 def test_selection_validation() -> None:
-    with pytest.raises(ValueError, match="not a valid regular expression"):
+    with pytest.raises(ConfigurationError, match=r"Selection\(pattern='\('\) is not a valid regular expression"):
         Selection(pattern="(")
-    with pytest.raises(ValueError):
-        Selection(pids=(0,))
-    with pytest.raises(ValueError, match="selection is empty"):
+    for pids in [(0,), (-3,), ("12",), (True,)]:
+        with pytest.raises(ConfigurationError, match=re.escape(f"Selection(pids={pids[0]!r}): each pid")):
+            Selection(pids=pids)
+    with pytest.raises(ConfigurationError, match=r"Selection\(tree_root_pid=0\)"):
+        Selection(tree_root_pid=0)
+    with pytest.raises(ConfigurationError, match="selects nothing"):
         Agent(Selection())

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tensorferry.errors import NoSuchProcess
+from tensorferry.errors import ConfigurationError, NoSuchProcess
 from tensorferry.monitor import Agent, AgentConfig, Selection
-from tensorferry.monitor._procfs import ProcfsBackend, _parse_status_kb, _status_block_figures
-from tensorferry.monitor._sample import with_exact
-from tensorferry.monitor._types import ExactMemory
+from tensorferry.monitor._procfs import ProcfsBackend
+from tensorferry.monitor._sample import EXACT_FIELDS, with_exact
+from tensorferry.monitor._status import parse_status_kb, status_block_figures
+from tensorferry.monitor._types import ExactMemory, ProcessMemory
 
 KIB = 1024
 MIB = 1 << 20
@@ -98,7 +99,7 @@ def test_status_reread_when_vsize_moves_or_too_old_or_age_zero(proc_tree: Path) 
     time.sleep(0.02)
     s = b.cheap_reusing(100, max_status_age_seconds=0.01)
     assert (s.swap_bytes, s.status_age_seconds) == (1024 * KIB, 0.0)
-    with pytest.raises(ValueError, match="max_status_age_seconds"):
+    with pytest.raises(ConfigurationError, match=r"cheap_reusing\(max_status_age_seconds=-1\)"):
         b.cheap_reusing(100, max_status_age_seconds=-1)
 
 
@@ -132,6 +133,13 @@ def test_fd_count_carried_between_counts_and_forgotten_by_retain(proc_tree: Path
     assert b.cheap_reusing(100, count_fds=False).num_fds is None
 
 
+def test_with_exact_replaces_five_fields_in_a_row() -> None:
+    # with_exact() slices the tuple around these fields; ProcessMemory must keep them together.
+    start = ProcessMemory._fields.index(EXACT_FIELDS[0])
+    assert ProcessMemory._fields[start:start + len(EXACT_FIELDS)] == EXACT_FIELDS
+    assert EXACT_FIELDS == ("uss_bytes", "pss_bytes", "uss_source", "exact_age_seconds", "exact_cost_seconds")
+
+
 def test_with_exact_keeps_the_status_age(proc_tree: Path) -> None:
     b = fixture_backend(proc_tree)
     b.cheap_reusing(100)
@@ -159,7 +167,7 @@ def test_agent_refreshes_when_the_fixture_rss_moves(proc_tree: Path) -> None:
     every.tick()
     edit(proc_tree / "100" / "status", r"RssFile:\s+\d+", "RssFile:\t2000")
     assert every.tick().samples[0].file_bytes == 2000 * KIB
-    with pytest.raises(ValueError, match="status_max_age_seconds"):
+    with pytest.raises(ConfigurationError, match=r"AgentConfig\(status_max_age_seconds=-1\)"):
         AgentConfig(status_max_age_seconds=-1)
 
 
@@ -167,9 +175,9 @@ def test_fast_status_parse_matches_the_line_parse_on_real_processes() -> None:
     for pid in (os.getpid(), os.getppid()):
         with open(f"/proc/{pid}/status", "rb") as f:
             status = f.read()
-        fast = _status_block_figures(status)
+        fast = status_block_figures(status)
         assert fast is not None, "this kernel's status layout is not the one the fast path knows"
-        kb = _parse_status_kb(status)
+        kb = parse_status_kb(status)
         want = tuple(int(kb[k]) << 10 for k in (
             b"VmRSS:", b"RssAnon:", b"RssFile:", b"RssShmem:", b"VmSwap:", b"VmHWM:", b"VmSize:", b"VmPTE:"))
         assert fast == want

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from monitor_helpers import rollup_truth
 
-from tensorferry.errors import NoSuchProcess
+from tensorferry.errors import ConfigurationError, NoSuchProcess
 from tensorferry.monitor import sample
 from tensorferry.monitor._pagemap import PagemapWalk, WalkUnstable, _subtract, _union, slice_nbytes_for_stall
 from tensorferry.monitor._procfs import ProcfsBackend
@@ -233,7 +233,7 @@ def test_slice_follows_the_stall_limit() -> None:
     assert slice_nbytes_for_stall(0.02) > slice_nbytes_for_stall(0.002) >= 2 * MIB
     assert slice_nbytes_for_stall(1e-9) == 2 * MIB
     assert slice_nbytes_for_stall(0.02) % (2 * MIB) == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match=r"max_stall_seconds=0: must be > 0"):
         slice_nbytes_for_stall(0)
 
 

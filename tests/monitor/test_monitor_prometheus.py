@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 import urllib.request
 
 import pytest
+from monitor_helpers import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from tensorferry.errors import ConfigurationError
 from tensorferry.monitor import (
     Agent,
     AgentConfig,
@@ -65,23 +68,32 @@ def test_group_metrics_match_the_snapshot(start_target) -> None:
 def test_per_process_labels_and_scrapes_follow_the_running_agent(start_target) -> None:
     t = start_target("sleep")
     agent = Agent(Selection(pids=(t.pid,)), AgentConfig(interval_seconds=0.05, jitter_fraction=0.0))
-    agent.tick()
+    started = time.monotonic()
+    (before,) = agent.tick().samples
     with serve_prometheus(agent, port=0, labels="process") as server:
         first = scrape(server.url)
         agent.start()
         try:
-            import time
-
-            time.sleep(0.3)
+            wait_until(lambda: agent.stats().ticks >= 4, what="three ticks of the background thread")
         finally:
             agent.stop()
         second = scrape(server.url)
-    rss = value(first["tensorferry_process_memory_bytes"], "tensorferry_process_memory_bytes",
-                pid=str(t.pid), kind="rss")
-    assert rss == agent.latest.samples[0].rss_bytes or rss > 0
-    assert value(second["tensorferry_monitor_ticks"], "tensorferry_monitor_ticks_total") > 2
-    assert value(second["tensorferry_process_exact_age_seconds"], "tensorferry_process_exact_age_seconds",
-                 pid=str(t.pid)) >= 0
+    (after,) = agent.latest.samples
+    assert agent.latest.stats.ticks >= 4
+    # Each scrape shows the snapshot that was latest when it ran, to the byte
+    # and the second.
+    assert value(first["tensorferry_process_memory_bytes"], "tensorferry_process_memory_bytes",
+                 pid=str(t.pid), kind="rss") == before.rss_bytes
+    assert value(second["tensorferry_process_memory_bytes"], "tensorferry_process_memory_bytes",
+                 pid=str(t.pid), kind="uss") == after.uss_bytes
+    assert value(second["tensorferry_monitor_ticks"], "tensorferry_monitor_ticks_total") == agent.latest.stats.ticks
+    # Exact figures were read at the first tick (a small process, within the
+    # budget); the scrape gives their age as the last snapshot has it, which
+    # cannot exceed the time the agent has been running.
+    assert before.uss_source == after.uss_source == "pagemap" and after.exact_age_seconds is not None
+    age = value(second["tensorferry_process_exact_age_seconds"], "tensorferry_process_exact_age_seconds",
+                pid=str(t.pid))
+    assert age == after.exact_age_seconds < time.monotonic() - started
 
 
 def test_pool_sources_through_the_same_collector() -> None:
@@ -110,9 +122,22 @@ def test_pool_sources_through_the_same_collector() -> None:
 
 
 def test_register_pool_source_validates() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match=r"register_pool_source\(name=''\)"):
         register_pool_source("", dict)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match=r"register_pool_source\(source=42\) for 'p'"):
         register_pool_source("p", 42)  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match=r"labels='pid'.*'group'.*'process'"):
         serve_prometheus(None, port=0, labels="pid")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("port", [-1, 70000, "9464", True])
+def test_serve_prometheus_port_out_of_range(port) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigurationError, match=rf"serve_prometheus\(port={port!r}\)"):
+        serve_prometheus(None, port=port)
+
+
+def test_serve_prometheus_port_in_use() -> None:
+    with serve_prometheus(None, port=0) as server:
+        with pytest.raises(ConfigurationError, match=f"port={server.port}.*cannot bind") as info:
+            serve_prometheus(None, port=server.port)
+    assert isinstance(info.value.__cause__, OSError)

@@ -6,53 +6,123 @@ __all__ = ["add_subcommands"]
 
 import argparse
 import json
+import math
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple, get_args
 
-from tensorferry.errors import MonitorError
+from tensorferry.errors import ConfigurationError, MonitorError
 
 from ._agent import Agent, AgentConfig, Selection, Snapshot
+from ._types import SortKey
 
 _EXIT_OK, _EXIT_FAILURE, _EXIT_USAGE = 0, 1, 2
+# 65535: the largest TCP port; 0 lets the OS pick a free one.
+_MAX_PORT = 65535
 
 
-def _budget(text: str) -> float:
-    """``0.001`` or ``0.1%``: a fraction of one core."""
+class _Options(NamedTuple):
+    """The command line, checked and converted: what the verbs run with."""
+
+    selection: Selection
+    config: AgentConfig
+    duration_seconds: float | None
+    port: int
+    sort_by: SortKey
+    limit: int | None
+
+
+def _bad(option: str, text: str, need: str) -> ConfigurationError:
+    return ConfigurationError(f"{option} {text!r}: {need}")
+
+
+def _number(option: str, text: str, need: str, ok: Callable[[float], bool], *, percent: bool = False) -> float:
     try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        value = float(text[:-1]) / 100 if percent and text.endswith("%") else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budget must be a fraction of a core (0.001) or a percentage (0.1%), got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"budget must be in (0, 1] of a core, got {text!r}")
+        raise _bad(option, text, need) from None
+    if not ok(value):  # NaN fails every comparison
+        raise _bad(option, text, need)
     return value
 
 
-def _positive_float(text: str) -> float:
+def _int(option: str, text: str, need: str, minimum: int, maximum: int | None = None) -> int:
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        raise _bad(option, text, need) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise _bad(option, text, need)
     return value
+
+
+def _options(args: argparse.Namespace) -> _Options:
+    """Check every option before anything is built; a bad value names the option, the value and what works.
+
+    Raises:
+        ConfigurationError: a usage error (the CLI prints one line and exits 2).
+    """
+    pids = tuple(_int("--pid/-p", p, "must be a process id (a positive int)", 1) for p in args.pid)
+    tree = None if args.tree is None else _int("--tree/-t", args.tree, "must be a process id (a positive int)", 1)
+    positive = lambda v: 0 < v < math.inf  # noqa: E731
+    seconds = "must be a number of seconds > 0"
+    interval = _number("--interval/-i", args.interval, seconds + " (default 1)", positive)
+    budget = _number("--budget/-b", args.budget, "must be a fraction of one core in (0, 1], as 0.001 or 0.1%",
+                     lambda v: 0 < v <= 1, percent=True)
+    max_stall = _number("--max-stall", args.max_stall, seconds + " (default 0.02)", positive)
+    duration = None if args.duration is None else _number("--duration/-d", args.duration, seconds, positive)
+    port = 0
+    if getattr(args, "port", None) is not None:
+        port = _int("--port/-P", args.port, f"must be a port in 0..{_MAX_PORT} (0: a free one)", 0, _MAX_PORT)
+    sort_by, limit = "rss", None
+    if getattr(args, "sort", None) is not None:
+        if args.sort not in get_args(SortKey):
+            raise _bad("--sort/-s", args.sort, f"must be one of {', '.join(get_args(SortKey))}")
+        sort_by = args.sort
+    if getattr(args, "limit", None) is not None:
+        limit = _int("--limit/-n", args.limit, "must be a number of rows >= 1", 1)
+    selection = Selection(
+        pids=pids,
+        pattern=args.pattern,
+        tree_root_pid=tree,
+        all_processes=args.all or not (pids or args.pattern or tree),
+    )
+    config = AgentConfig(
+        interval_seconds=interval,
+        exact=not args.no_exact,
+        cpu_budget_fraction=budget,
+        max_stall_seconds=max_stall,
+        force_exact=args.force_exact,
+        cgroups=args.cgroup,
+        count_fds=not args.no_fds,
+    )
+    return _Options(selection, config, duration, port, sort_by, limit)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
+    # Values are taken as text and checked by _options (the verbs' `check`):
+    # a bad one is then one line `ConfigurationError: ...` and exit 2, as
+    # every usage error of the CLI.
     sel = p.add_argument_group("selection (the union; all processes when none is given)")
-    sel.add_argument("--pid", "-p", type=int, action="append", default=[], metavar="PID", help="a process (repeatable)")
+    sel.add_argument("--pid", "-p", action="append", default=[], metavar="PID", help="a process (repeatable)")
     sel.add_argument("--pattern", "-k", metavar="REGEX", help="processes whose command line matches")
-    sel.add_argument("--tree", "-t", type=int, metavar="PID", help="a process and all its descendants")
+    sel.add_argument("--tree", "-t", metavar="PID", help="a process and all its descendants")
     sel.add_argument("--all", "-a", action="store_true", help="every process")
     smp = p.add_argument_group("sampling")
-    smp.add_argument("--interval", "-i", type=_positive_float, default=1.0, metavar="SECONDS", help="time between ticks (default 1)")
-    smp.add_argument("--budget", "-b", type=_budget, default=0.001, metavar="FRACTION", help="CPU for exact USS/PSS reads: 0.001 or 0.1%% of a core (default)")
-    smp.add_argument("--max-stall", type=_positive_float, default=0.02, metavar="SECONDS", help="longest one step of an exact walk may take: sizes the pagemap slice; smaps_rollup (where pagemap is absent) is not read above it (default 0.02)")
+    smp.add_argument("--interval", "-i", default="1", metavar="SECONDS", help="time between ticks (default 1)")
+    smp.add_argument("--budget", "-b", default="0.001", metavar="FRACTION", help="CPU for exact USS/PSS reads: 0.001 or 0.1%% of a core (default)")
+    smp.add_argument("--max-stall", default="0.02", metavar="SECONDS", help="longest one step of an exact walk may take: sizes the pagemap slice; smaps_rollup (where pagemap is absent) is not read above it (default 0.02)")
     smp.add_argument("--force-exact", action="store_true", help="read smaps_rollup even above --max-stall (still within --budget)")
     smp.add_argument("--no-exact", action="store_true", help="cheap figures only: no pagemap or smaps_rollup walks at all")
     smp.add_argument("--cgroup", "-c", action="store_true", help="also report the processes' memory cgroups (v1/v2)")
     smp.add_argument("--no-fds", action="store_true", help="do not count open fds")
-    smp.add_argument("--duration", "-d", type=_positive_float, metavar="SECONDS", help="stop after this long (default: until interrupted)")
+    smp.add_argument("--duration", "-d", metavar="SECONDS", help="stop after this long (default: until interrupted)")
     smp.add_argument("--proc-root", default=None, help=argparse.SUPPRESS)
+
+
+def _check(args: argparse.Namespace) -> None:
+    # cli.main calls this before the verb: a ConfigurationError is a usage error there.
+    _options(args)
 
 
 def add_subcommands(subparsers: Any) -> None:
@@ -64,11 +134,11 @@ def add_subcommands(subparsers: Any) -> None:
     )
     _add_common(mon)
     out = mon.add_argument_group("output")
-    out.add_argument("--port", "-P", type=int, default=9464, help="serve /metrics on this port (0: a free one; default 9464)")
+    out.add_argument("--port", "-P", default="9464", help="serve /metrics on this port (0: a free one; default 9464)")
     out.add_argument("--host", "-H", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     out.add_argument("--json", "-j", action="store_true", help="write one JSON object per tick to stdout instead of serving")
     out.add_argument("--per-process", action="store_true", help="label metrics by pid (unbounded over time) instead of by name group")
-    mon.set_defaults(func=_run_monitor)
+    mon.set_defaults(func=_run_monitor, check=_check)
 
     top = subparsers.add_parser(
         "top",
@@ -76,38 +146,38 @@ def add_subcommands(subparsers: Any) -> None:
         description="A live table of processes sorted by memory, with the age of exact figures; q quits.",
     )
     _add_common(top)
-    top.add_argument("--sort", "-s", choices=["rss", "uss", "pss", "anon", "shmem", "swap", "cpu"], default="rss", help="sort column (default rss)")
-    top.add_argument("--limit", "-n", type=int, default=None, help="rows to show (default: fit the screen)")
-    top.set_defaults(func=_run_top)
+    top.add_argument("--sort", "-s", default="rss", metavar="COLUMN", help=f"sort column: {', '.join(get_args(SortKey))} (default rss)")
+    top.add_argument("--limit", "-n", default=None, help="rows to show (default: fit the screen)")
+    top.set_defaults(func=_run_top, check=_check)
 
 
 def _error(exc: BaseException) -> None:
     print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def _agent(args: argparse.Namespace) -> Agent:
-    selection = Selection(
-        pids=tuple(args.pid),
-        pattern=args.pattern,
-        tree_root_pid=args.tree,
-        all_processes=args.all or not (args.pid or args.pattern or args.tree),
-    )
-    config = AgentConfig(
-        interval_seconds=args.interval,
-        exact=not args.no_exact,
-        cpu_budget_fraction=args.budget,
-        max_stall_seconds=args.max_stall,
-        force_exact=args.force_exact,
-        cgroups=args.cgroup,
-        count_fds=not args.no_fds,
-    )
+def _agent(args: argparse.Namespace, opts: _Options) -> Agent:
     from ._sample import default_backend
 
-    backend = default_backend(args.proc_root, count_fds=config.count_fds)
+    backend = default_backend(args.proc_root, count_fds=opts.config.count_fds)
     # Named processes must exist at start; later exits are counted, not fatal.
-    for pid in [*args.pid, *([args.tree] if args.tree else [])]:
+    named = opts.selection.pids + ((opts.selection.tree_root_pid,) if opts.selection.tree_root_pid else ())
+    for pid in named:
         backend.cheap(pid)
-    return Agent(selection, config, backend=backend)
+    return Agent(opts.selection, opts.config, backend=backend)
+
+
+def _start(args: argparse.Namespace) -> tuple[_Options, Agent] | int:
+    """The checked options and the agent, or the exit status of why not."""
+    try:
+        opts = _options(args)
+    except ConfigurationError as exc:
+        _error(exc)
+        return _EXIT_USAGE
+    try:
+        return opts, _agent(args, opts)
+    except MonitorError as exc:
+        _error(exc)
+        return _EXIT_FAILURE
 
 
 def _snapshot_json(snap: Snapshot) -> str:
@@ -130,14 +200,10 @@ def _snapshot_json(snap: Snapshot) -> str:
 
 
 def _run_monitor(args: argparse.Namespace) -> int:
-    try:
-        agent = _agent(args)
-    except ValueError as exc:
-        _error(exc)
-        return _EXIT_USAGE
-    except MonitorError as exc:
-        _error(exc)
-        return _EXIT_FAILURE
+    started = _start(args)
+    if isinstance(started, int):
+        return started
+    opts, agent = started
     server = None
     try:
         if args.json:
@@ -145,17 +211,21 @@ def _run_monitor(args: argparse.Namespace) -> int:
                 sys.stdout.write(_snapshot_json(snap) + "\n")
                 sys.stdout.flush()
 
-            agent.run(duration_seconds=args.duration, on_snapshot=emit)
+            agent.run(duration_seconds=opts.duration_seconds, on_snapshot=emit)
             return _EXIT_OK
         from ._prometheus import serve_prometheus
 
         agent.tick()  # the first scrape already has figures
         server = serve_prometheus(
-            agent, host=args.host, port=args.port, labels="process" if args.per_process else "group"
+            agent, host=args.host, port=opts.port, labels="process" if args.per_process else "group"
         )
         print(f"serving {server.url}", file=sys.stderr, flush=True)
-        agent.run(duration_seconds=args.duration)
+        agent.run(duration_seconds=opts.duration_seconds)
         return _EXIT_OK
+    except ConfigurationError as exc:
+        # --host/--port that cannot be bound: the options' fault, not the run's.
+        _error(exc)
+        return _EXIT_USAGE
     except KeyboardInterrupt:
         return _EXIT_OK
     except BrokenPipeError:
@@ -170,18 +240,14 @@ def _run_monitor(args: argparse.Namespace) -> int:
 
 
 def _run_top(args: argparse.Namespace) -> int:
-    try:
-        agent = _agent(args)
-    except ValueError as exc:
-        _error(exc)
-        return _EXIT_USAGE
-    except MonitorError as exc:
-        _error(exc)
-        return _EXIT_FAILURE
+    started = _start(args)
+    if isinstance(started, int):
+        return started
+    opts, agent = started
     from ._top import run_top
 
     try:
-        run_top(agent, sort_by=args.sort, limit=args.limit, duration_seconds=args.duration)
+        run_top(agent, sort_by=opts.sort_by, limit=opts.limit, duration_seconds=opts.duration_seconds)
     except KeyboardInterrupt:
         pass
     return _EXIT_OK

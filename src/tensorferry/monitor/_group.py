@@ -12,6 +12,7 @@ __all__ = ["GroupMemory", "group_key", "group_samples"]
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from ._checks import check_int
 from ._types import ProcessMemory
 
 OTHER_GROUP = "other"
@@ -93,10 +94,9 @@ def group_samples(samples: Iterable[ProcessMemory], *, max_groups: int = 50) -> 
             folded into one ``other`` group so the label set stays bounded.
 
     Raises:
-        ValueError: ``max_groups`` is below 1.
+        ConfigurationError: ``max_groups`` is not an int of at least 1.
     """
-    if max_groups < 1:
-        raise ValueError(f"max_groups must be at least 1, got {max_groups}")
+    check_int("group_samples(max_groups)", max_groups, 1, "must be an int >= 1 groups (default 50)")
     by_key: dict[str, list[ProcessMemory]] = {}
     for s in samples:
         by_key.setdefault(group_key(s), []).append(s)

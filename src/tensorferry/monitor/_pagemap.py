@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING
 
 from tensorferry.errors import NoSuchProcess, ZombieProcess
 
+from ._checks import check_int, check_number
 from ._oserror import translate as _translate
+from ._status import PF_KTHREAD
 from ._types import ExactMemory
 
 if TYPE_CHECKING:
@@ -66,8 +68,6 @@ _ENTRY_NBYTES = 8
 _PAGE_NBYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Addresses from here up are the kernel's on 64-bit Linux ([vsyscall] shows in maps).
 _KERNEL_HALF = 1 << 63
-# PF_KTHREAD in include/linux/sched.h.
-_PF_KTHREAD = 0x00200000
 
 StatReader = Callable[[int], "tuple[str, str, int, int, float, float, int, int]"]
 """``ProcfsBackend.stat``: (name, state, ppid, flags, user_s, system_s, threads, start ticks)."""
@@ -141,10 +141,10 @@ def slice_nbytes_for_stall(max_stall_seconds: float) -> int:
     """Address space one slice covers so that reading it takes at most ``max_stall_seconds``.
 
     Raises:
-        ValueError: ``max_stall_seconds`` is not positive.
+        ConfigurationError: ``max_stall_seconds`` is not positive.
     """
-    if not max_stall_seconds > 0:
-        raise ValueError(f"max_stall_seconds must be > 0, got {max_stall_seconds}")
+    check_number("max_stall_seconds", max_stall_seconds, lambda v: v > 0,
+                 "must be > 0 seconds, the longest one walk step may stall its target (default 0.02)")
     pages = int(max_stall_seconds / WALK_SECONDS_PER_PAGE)
     nbytes = pages * _PAGE_NBYTES // _SLICE_ALIGN * _SLICE_ALIGN
     return max(_MIN_SLICE_NBYTES, nbytes)
@@ -268,7 +268,7 @@ class PagemapWalk:
         NoSuchProcess, ZombieProcess: the process is gone or exited.
         AccessDenied: its pagemap is not readable by this user.
         FileNotFoundError: this kernel has no pagemap (the process exists).
-        ValueError: ``slice_nbytes`` is smaller than a page.
+        ConfigurationError: ``slice_nbytes`` is smaller than a page.
     """
 
     def __init__(
@@ -281,8 +281,8 @@ class PagemapWalk:
         kpagecount_fd: int | None,
         expect_start_ticks: int | None = None,
     ) -> None:
-        if slice_nbytes < _PAGE_NBYTES:
-            raise ValueError(f"slice_nbytes must be at least a page ({_PAGE_NBYTES}), got {slice_nbytes}")
+        check_int("PagemapWalk(slice_nbytes)", slice_nbytes, _PAGE_NBYTES,
+                  f"must be an int of at least a page ({_PAGE_NBYTES} bytes); slice_nbytes_for_stall() sizes one")
         self.pid = pid
         self.proc_root = proc_root
         self._stat = stat
@@ -342,7 +342,7 @@ class PagemapWalk:
             raise NoSuchProcess(self.pid, name)
         if state in ("Z", "X"):
             raise ZombieProcess(self.pid, name)
-        self.kernel_thread = bool(flags & _PF_KTHREAD)
+        self.kernel_thread = bool(flags & PF_KTHREAD)
         return start
 
     def _read_spans(self) -> list[tuple[int, int]]:

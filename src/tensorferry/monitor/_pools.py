@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from tensorferry.errors import ConfigurationError
+
 POOL_KEYS = ("capacity_nbytes", "used_nbytes", "largest_free_nbytes", "transfers", "bytes_moved")
 """The keys a pool source's dict must have, all non-negative ints."""
 
@@ -57,12 +59,17 @@ def register_pool_source(name: str, source: Callable[[], Mapping[str, int]]) -> 
             not block (read counters, do not lock the pool for long).
 
     Raises:
-        ValueError: ``name`` is empty or ``source`` is not callable.
+        ConfigurationError: ``name`` is empty or ``source`` is not callable.
     """
     if not name or not isinstance(name, str):
-        raise ValueError(f"pool source name must be a non-empty str, got {name!r}")
+        raise ConfigurationError(
+            f"register_pool_source(name={name!r}): must be a non-empty str (the pool label, e.g. 'sender')"
+        )
     if not callable(source):
-        raise ValueError(f"pool source {name!r} must be callable returning a dict, got {source!r}")
+        raise ConfigurationError(
+            f"register_pool_source(source={source!r}) for {name!r}: must be a callable returning a dict "
+            f"with keys {', '.join(POOL_KEYS)} (e.g. lambda: pool.stats()._asdict())"
+        )
     with _lock:
         _sources[name] = source
         _warned.discard(name)
@@ -89,7 +96,7 @@ def collect_pool_figures() -> tuple[list[PoolFigures], int]:
             d = source()
             values = [int(d[k]) for k in POOL_KEYS]
             if any(v < 0 for v in values):
-                raise ValueError(f"negative figure in {dict(d)!r}")
+                raise ConfigurationError(f"pool source {name!r} returned a negative figure: {dict(d)!r}")
         except Exception as exc:  # noqa: BLE001 - user callables may raise anything
             failed += 1
             if name not in _warned:

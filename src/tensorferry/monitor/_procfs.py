@@ -20,58 +20,21 @@ from collections.abc import Iterable
 
 from tensorferry.errors import NoSuchProcess, ZombieProcess
 
+from ._checks import check_number
+from ._fds import FdCounter
 from ._oserror import translate as _translate
 from ._pagemap import PagemapWalk, WalkUnstable, slice_nbytes_for_stall
+from ._rollup import read_rollup
+from ._status import PF_KTHREAD, status_block_figures, status_figures
 from ._types import ExactMemory, ProcessMemory
 
-# PF_KTHREAD in include/linux/sched.h: the flags field of /proc/PID/stat.
-_PF_KTHREAD = 0x00200000
 # A process's title changes rarely but does change (setproctitle); reread it this often.
 CMDLINE_REFRESH_SECONDS = 10.0
-# One read covers status (~1.5 KiB) and stat; smaps_rollup is ~1 KiB.
+# One read covers status (~1.5 KiB) or stat.
 _READ_NBYTES = 16384
 
-_STATUS_FIELDS = (
-    b"VmRSS:", b"RssAnon:", b"RssFile:", b"RssShmem:", b"VmSwap:", b"VmHWM:", b"VmSize:", b"VmPTE:",
-)
-_STATUS_SET = frozenset(_STATUS_FIELDS)
-_ROLLUP_RE = re.compile(rb"^(Pss|Private_Clean|Private_Dirty|SwapPss):\s+(\d+) kB", re.M)
-# The Vm*/Rss* block of status as Linux 4.5+ prints it (task_mem() in
-# fs/proc/task_mmu.c): 15 "Name: N kB" lines in this order. Matching the whole
-# block checks the layout and captures the 8 figures used in one pass (~2 µs,
-# half of splitting it); any other layout falls back to a line-by-line parse.
-_VM_BLOCK_RE = re.compile(
-    rb"VmPeak:\s+\d+ kB\nVmSize:\s+(\d+) kB\nVmLck:\s+\d+ kB\nVmPin:\s+\d+ kB\n"
-    rb"VmHWM:\s+(\d+) kB\nVmRSS:\s+(\d+) kB\nRssAnon:\s+(\d+) kB\nRssFile:\s+(\d+) kB\n"
-    rb"RssShmem:\s+(\d+) kB\nVmData:\s+\d+ kB\nVmStk:\s+\d+ kB\nVmExe:\s+\d+ kB\n"
-    rb"VmLib:\s+\d+ kB\nVmPTE:\s+(\d+) kB\nVmSwap:\s+(\d+) kB\n"
-)
-# CAP_SYS_PTRACE in include/uapi/linux/capability.h: lets root list any process's fds.
-_CAP_SYS_PTRACE = 19
 # sample(pid, exact=True) walks with the slice the agent's default stall limit gives.
 DEFAULT_MAX_STALL_SECONDS = 0.02
-
-
-def _status_block_figures(status: bytes) -> tuple[int, ...] | None:
-    """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, if status has the standard layout."""
-    m = _VM_BLOCK_RE.search(status)
-    if m is None:
-        return None
-    vms, peak, rss, anon, file_, shmem, pte, swap = map(int, m.groups())
-    return (rss << 10, anon << 10, file_ << 10, shmem << 10, swap << 10, peak << 10, vms << 10, pte << 10)
-
-
-def _parse_status_kb(status: bytes) -> dict[bytes, bytes]:
-    """The ``Name: N kB`` lines of status, ``{b"VmRSS:": b"1234"}`` (kB, unconverted)."""
-    start = status.find(b"\nVm")
-    if start < 0:
-        return {}
-    out: dict[bytes, bytes] = {}
-    for line in status[start:].split(b"\n"):
-        parts = line.split()
-        if len(parts) == 3 and parts[2] == b"kB":
-            out[parts[0]] = parts[1]
-    return out
 
 
 def _is_kernel_proc(proc_root: str) -> bool:
@@ -156,10 +119,7 @@ class ProcfsBackend:
         # Two fds per process, at most a quarter of the fd limit in all; past
         # that, processes are read with open/read/close as cheap() does.
         self.max_open_processes = max(0, min(4096, soft // 8))
-        self._euid = os.geteuid()
-        # None: not probed yet; see _probe_fd_count.
-        self._fd_size_counts: bool | None = None
-        self._fd_size_any_owner = False
+        self._fds = FdCounter(proc_root)
 
     # -- raw reads ---------------------------------------------------------------
 
@@ -226,59 +186,6 @@ class ProcfsBackend:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    def _probe_fd_count(self) -> bool:
-        """Whether the size of /proc/PID/fd is its fd count here (Linux 6.2+).
-
-        Probed on this tree's ``self``: opening one more fd must grow the size
-        by one. Older kernels report 0, and fixture trees have no ``self``.
-        """
-        path = f"{self.proc_root}/self/fd"
-        try:
-            before = os.stat(path).st_size
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                after = os.stat(path).st_size
-            finally:
-                os.close(fd)
-        except OSError:
-            return False
-        ok = before > 0 and after == before + 1
-        if ok and self._euid == 0:
-            # Root lists other users' fds only with CAP_SYS_PTRACE (not in a
-            # default container); without it, their counts stay None as a
-            # listdir would leave them.
-            try:
-                with open(f"{self.proc_root}/self/status", "rb") as f:
-                    m = re.search(rb"^CapEff:\s+([0-9a-fA-F]+)", f.read(), re.M)
-                self._fd_size_any_owner = m is not None and bool(int(m.group(1), 16) >> _CAP_SYS_PTRACE & 1)
-            except OSError:
-                pass
-        return ok
-
-    def _count_fds(self, pid: int) -> int | None:
-        """Open fds of ``pid``; None where this user may not list them."""
-        fds = self._fd_size_counts
-        euid = os.geteuid()
-        if fds is None or euid != self._euid:
-            # Probed again after a setuid (a forked child dropping privileges):
-            # who may list which fds changed with it.
-            self._euid = euid
-            self._fd_size_any_owner = False
-            fds = self._fd_size_counts = self._probe_fd_count()
-        path = f"{self.proc_root}/{pid}/fd"
-        try:
-            if fds:
-                st = os.stat(path)
-                # The size is there for everyone, but only who may list the
-                # fds is given a count (the directory is owned by the process's
-                # dump owner, as the kernel's own access check reads it).
-                if st.st_uid == self._euid or self._fd_size_any_owner:
-                    return st.st_size
-            return len(os.listdir(path))
-        except OSError:
-            # Another user's fds are unreadable; memory figures still are.
-            return None
 
     def boot_time(self) -> float:
         """Seconds since the epoch when the kernel booted (``btime`` in /proc/stat)."""
@@ -386,10 +293,10 @@ class ProcfsBackend:
 
         Raises:
             NoSuchProcess, ZombieProcess, AccessDenied: as :meth:`cheap`.
-            ValueError: ``max_status_age_seconds`` is negative.
+            ConfigurationError: ``max_status_age_seconds`` is negative.
         """
-        if not max_status_age_seconds >= 0:
-            raise ValueError(f"max_status_age_seconds must be >= 0, got {max_status_age_seconds}")
+        check_number("cheap_reusing(max_status_age_seconds)", max_status_age_seconds, lambda v: v >= 0,
+                     "must be >= 0 seconds (0 re-reads status every call)")
         return self._cheap(pid, self.count_fds if count_fds is None else count_fds, max_status_age_seconds)
 
     def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
@@ -411,29 +318,11 @@ class ProcfsBackend:
         raise NoSuchProcess(pid)
 
     def _status_figures(self, pid: int, status: bytes, kthread: bool) -> tuple[int, ...]:
-        """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, from status."""
-        fast = _status_block_figures(status)
-        if fast is not None:
-            return fast
-        kb = _parse_status_kb(status)
-        page = self._page_nbytes
-        shmem = int(kb.get(b"RssShmem:", 0)) << 10
-        file_ = int(kb.get(b"RssFile:", 0)) << 10
-        if b"VmRSS:" in kb and b"RssAnon:" in kb:
-            rss = int(kb[b"VmRSS:"]) << 10
-            anon = int(kb[b"RssAnon:"]) << 10
-            vms = int(kb.get(b"VmSize:", 0)) << 10
-        else:
-            # Kernels before 4.5 lack Rss*, kernel threads lack all Vm*: statm
-            # has resident and shared (file + shmem) in pages, and RSS - shared
-            # is the anonymous part; shared goes to file, shmem stays 0.
-            statm = self._read(pid, "statm").split()
-            vms, rss, shared = (int(x) * page for x in statm[:3])
-            anon = rss - shared
-            if b"RssFile:" not in kb:
-                file_ = shared
-        if not kthread and not _STATUS_SET <= kb.keys():
-            missing = sorted(f.decode()[:-1] for f in _STATUS_FIELDS if f not in kb)
+        """``(rss, anon, file, shmem, swap, peak, vms, page tables)`` in bytes, from status (statm where it lacks them)."""
+        figures, missing = status_figures(
+            status, kthread=kthread, read_statm=lambda: self._read(pid, "statm"), page_nbytes=self._page_nbytes
+        )
+        if missing:
             # One warning per kind of gap, not per process per tick: a scan must go on.
             self._warn_once(
                 "status:" + ",".join(missing),
@@ -441,10 +330,7 @@ class ProcfsBackend:
                 "reporting 0 for them, anon as statm's RSS - shared and file as shared "
                 "(which then includes shmem)",
             )
-        return (
-            rss, anon, file_, shmem, int(kb.get(b"VmSwap:", 0)) << 10, int(kb.get(b"VmHWM:", 0)) << 10,
-            vms, int(kb.get(b"VmPTE:", 0)) << 10,
-        )
+        return figures
 
     def _cheap(self, pid: int, count_fds: bool, reuse_age: float | None) -> ProcessMemory:
         # This runs for every process every tick: plain bytes operations, no
@@ -473,7 +359,7 @@ class ProcfsBackend:
         state = f[0]
         if state == b"Z" or state == b"X":
             raise ZombieProcess(pid, name)
-        kthread = bool(int(f[6]) & _PF_KTHREAD)
+        kthread = bool(int(f[6]) & PF_KTHREAD)
         start = int(f[19])
         now = time.monotonic()
         last = self._last.get(pid) if reuse else None
@@ -501,10 +387,10 @@ class ProcfsBackend:
                         os.close(fd)
                 except OSError as exc:
                     raise _translate(exc, pid) from exc
-            figures = _status_block_figures(status) or self._status_figures(pid, status, kthread)
+            figures = status_block_figures(status) or self._status_figures(pid, status, kthread)
             read_at = now
         if count_fds:
-            num_fds = self._count_fds(pid)
+            num_fds = self._fds.count(pid)
         else:
             num_fds = last[5] if last is not None else None
         if reuse:
@@ -569,7 +455,7 @@ class ProcfsBackend:
         Raises:
             NoSuchProcess, ZombieProcess: the process is gone or exited.
             AccessDenied: another user's process.
-            ValueError: ``slice_nbytes`` is smaller than a page.
+            ConfigurationError: ``slice_nbytes`` is smaller than a page.
         """
         if not self.pagemap:
             return None
@@ -599,7 +485,7 @@ class ProcfsBackend:
         Raises:
             NoSuchProcess, ZombieProcess: the process is gone or exited.
             AccessDenied: another user's process (statm stays readable).
-            ValueError: ``max_stall_seconds`` is not positive.
+            ConfigurationError: ``max_stall_seconds`` is not positive.
         """
         walk = self.start_walk(pid, slice_nbytes=slice_nbytes_for_stall(max_stall_seconds))
         if walk is not None:
@@ -615,54 +501,13 @@ class ProcfsBackend:
         """USS and PSS of ``pid`` from smaps_rollup; one walk of its page tables
         under its mmap lock (the target's mmap/munmap wait for all of it).
 
-        Returns None for a process without user memory (a kernel thread: the
-        kernel answers ESRCH or nothing).
+        Returns None for a process without user memory (a kernel thread).
 
         Raises:
             NoSuchProcess, ZombieProcess: the process is gone or exited.
             AccessDenied: another user's process (statm stays readable).
         """
-        t0 = time.perf_counter()
-        path = f"{self.proc_root}/{pid}/smaps_rollup"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                raw = os.read(fd, _READ_NBYTES)
-            finally:
-                os.close(fd)
-        except ProcessLookupError:
-            # ESRCH with the pid still present: no mm (kernel thread or zombie).
-            raw = b""
-        except FileNotFoundError as exc:
-            self.stat(pid)  # raises NoSuchProcess if the process is what is missing
-            self._warn_once(
-                "no-rollup",
-                f"{path} does not exist (kernel < 4.14?); no exact figures "
-                "(tensorferry never falls back to smaps, which costs as much per read)",
-            )
-            return None
-        except OSError as exc:
-            raise _translate(exc, pid) from exc
-        cost = time.perf_counter() - t0
-        if not raw:
-            name, state, _, flags, *_ = self.stat(pid)
-            if state in ("Z", "X"):
-                raise ZombieProcess(pid, name)
-            if not flags & _PF_KTHREAD:
-                self._warn_once("rollup-empty", f"{path} is empty for a user process; no exact figures")
-            return None
-        kb = {k: int(v) * 1024 for k, v in _ROLLUP_RE.findall(raw)}
-        if b"Pss" not in kb:
-            self._warn_once("rollup-pss", f"{path} has no Pss line; no exact figures")
-            return None
-        return ExactMemory(
-            uss_bytes=kb.get(b"Private_Clean", 0) + kb.get(b"Private_Dirty", 0),
-            pss_bytes=kb[b"Pss"],
-            swap_pss_bytes=kb.get(b"SwapPss", 0),
-            cost_seconds=cost,
-            source="smaps_rollup",
-            max_step_seconds=cost,
-        )
+        return read_rollup(self.proc_root, pid, stat=self.stat, warn_once=self._warn_once)
 
     def self_rss_bytes(self) -> int:
         """This process's own RSS (the agent's self-cost), from the real /proc."""

@@ -22,7 +22,10 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from tensorferry.errors import ConfigurationError
+
 from ._agent import Agent
+from ._checks import check_int
 from ._pools import collect_pool_figures
 
 _KINDS = ("rss", "anon", "file", "shmem", "swap", "uss", "pss")
@@ -40,7 +43,10 @@ class MonitorCollector:
 
     def __init__(self, agent: Agent | None = None, *, labels: Literal["group", "process"] = "group") -> None:
         if labels not in ("group", "process"):
-            raise ValueError(f"labels must be 'group' or 'process', got {labels!r}")
+            raise ConfigurationError(
+                f"MonitorCollector(labels={labels!r}): must be 'group' (one series per name group, "
+                "bounded) or 'process' (one per pid)"
+            )
         self.agent = agent
         self.labels = labels
 
@@ -223,10 +229,24 @@ def serve_prometheus(
 
     Returns:
         The running server.
+
+    Raises:
+        ConfigurationError: ``labels`` is neither choice, ``port`` is not in
+            0..65535, or ``host:port`` cannot be bound (in use, not an
+            address of this machine); the OS's error is the cause.
     """
     from prometheus_client import start_http_server
 
+    # 65535: the largest TCP port; 0 lets the OS pick a free one.
+    if check_int("serve_prometheus(port)", port, 0, "must be an int in 0..65535 (0: a free one)") > 65535:
+        raise ConfigurationError(f"serve_prometheus(port={port!r}): must be an int in 0..65535 (0: a free one)")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MonitorCollector(agent, labels=labels))
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"serve_prometheus(host={host!r}, port={port}): cannot bind ({exc.strerror or exc}); "
+            "pick another port (0: a free one) or an address of this machine"
+        ) from exc
     return PrometheusServer(httpd, thread, registry)

@@ -14,16 +14,14 @@ import select
 import sys
 import time
 from collections.abc import Callable
-from typing import IO, Literal
+from typing import IO
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ._agent import Agent, Snapshot
-from ._types import ProcessMemory
-
-SortKey = Literal["rss", "uss", "pss", "anon", "shmem", "swap", "cpu"]
+from ._types import ProcessMemory, SortKey
 
 _QUIT_KEYS = frozenset("qQ")
 

@@ -5,11 +5,13 @@ Every figure is in bytes or seconds, and every estimate says what it is.
 
 from __future__ import annotations
 
-__all__ = ["ExactMemory", "ProcessMemory", "UssSource"]
+__all__ = ["ExactMemory", "ProcessMemory", "SortKey", "UssSource"]
 
 from typing import Literal, NamedTuple
 
 UssSource = Literal["pagemap", "smaps_rollup", "platform", "none"]
+# The columns ``tensorferry top`` sorts by (``--sort``, ``build_table(sort_by=)``).
+SortKey = Literal["rss", "uss", "pss", "anon", "shmem", "swap", "cpu"]
 """Where a sample's USS came from: ``pagemap`` (Linux: /proc/PID/pagemap walked
 in bounded slices), ``smaps_rollup`` (Linux: one walk under the target's mmap
 lock; where pagemap is not readable), ``platform`` (macOS, Windows: the
