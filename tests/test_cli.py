@@ -68,7 +68,10 @@ def test_demo_runs_and_prints_the_table():
 def test_bad_usage_exits_2(args):
     out = run(*args, timeout=60)
     assert out.returncode == 2, (out.returncode, out.stderr)
-    assert "usage:" in out.stderr
+    # One line, ErrorType: message, pointing at --help.
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("UsageError: tensorferry"), out.stderr
+    assert "--help" in lines[0]
     assert out.stdout == ""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from . import __version__
 from .errors import ConfigurationError, TensorferryError
@@ -38,13 +38,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line ``UsageError: message``
+    on stderr and exit 2 (an unknown option, a missing value, a bad int)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"UsageError: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tensorferry",
         description="Move many PyTorch tensors between processes and hosts at memory speed.",
     )
     parser.add_argument("-V", "--version", action="version", version=f"tensorferry {__version__}")
-    sub = parser.add_subparsers(dest="verb", metavar="<verb>")
+    sub = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("info", help="versions and which optional backends are available")
