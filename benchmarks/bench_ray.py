@@ -144,7 +144,9 @@ MODEL_SYNC_WORKERS = 2
 # The trainer's pool is made and prefaulted when the WeightSync is created,
 # so one warm-up (connections, the workers' first mapping) is enough.
 MODEL_SYNC_WARMUPS = 1
-MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("objstore", "Ray object store"), ("tf", "tensorferry WeightSync"))
+# The object store last: its plasma memory (OBJECT_STORE_NBYTES) stays
+# resident after its objects are freed, which leaves less for what runs next.
+MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"), ("objstore", "Ray object store"))
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The consumer's prefaulted receive pool for "tensorferry + receive pool" (the
 # counterpart of Ray's NIXL memory pool on the producer): room for one 1 GiB
@@ -696,12 +698,14 @@ def run_transport(ray: Any, tr: Transport, Producer: Any, Consumer: Any, repeats
 def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch, *,
                     spec: dict | None = None, methods: tuple = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"),
                                                               ("nixl_pool", "Ray nixl + pool")),
-                    num_workers: int = SYNC_WORKERS, warmups: int = SYNC_WARMUPS) -> dict:
+                    num_workers: int = SYNC_WORKERS, warmups: int = SYNC_WARMUPS, fresh_trainer: bool = False) -> dict:
     """Sync one trainer's state dict to ``num_workers`` workers by each method in turn.
 
     ``spec``: ``{"kind": "synthetic", "nbytes", "num_tensors"}`` (default) or
     ``{"kind": <a MODELS name>}``. A trainer is reused across methods, except
-    that ``nixl_pool`` gets a fresh one with Ray's NIXL pool registered.
+    that ``nixl_pool`` gets a fresh one with Ray's NIXL pool registered, and
+    every method does with ``fresh_trainer`` (no method's memory, such as
+    tensorferry's pool of two versions, burdens the next).
     """
     import tensorferry.ray as tfr
 
@@ -719,7 +723,7 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
             out["methods"][key] = res
             mem.mark()
             try:
-                if trainer is None or key == "nixl_pool":
+                if trainer is None or key == "nixl_pool" or fresh_trainer:
                     if trainer is not None:
                         _kill(ray, [trainer])
                     trainer = Trainer.options(**opts).remote(spec, NIXL_POOL_NBYTES if key == "nixl_pool" else 0)
@@ -1079,7 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             models[name] = run_weight_sync(
                 ray, Trainer, Worker, args.repeats, log, mem, spec={"kind": name}, methods=MODEL_SYNC_METHODS,
-                num_workers=MODEL_SYNC_WORKERS, warmups=MODEL_SYNC_WARMUPS)
+                num_workers=MODEL_SYNC_WORKERS, warmups=MODEL_SYNC_WARMUPS, fresh_trainer=True)
     finally:
         ray.shutdown()
         mem.stop()
