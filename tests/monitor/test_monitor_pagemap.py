@@ -173,20 +173,35 @@ def test_mapping_added_mid_walk_is_walked_too(start_target) -> None:
 
 
 def test_mappings_that_keep_changing_give_no_figure(start_target) -> None:
+    """A process that maps more every time the walk re-reads ``maps``: the
+    walk gives up (no figure) instead of chasing it. Deterministic: the
+    target maps 16 MiB before the step that reads the last slice of each
+    round (that step re-reads ``maps``), whatever the machine's speed."""
     t = start_target("sleep")
-    t.proc.stdin.write("grow 10\n")  # type: ignore[union-attr]
-    t.proc.stdin.flush()  # type: ignore[union-attr]
-    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]
     b = ProcfsBackend()
+    slice_nbytes = 4 * MIB
     try:
-        w = b.start_walk(t.pid, slice_nbytes=1 * MIB)
+        w = b.start_walk(t.pid, slice_nbytes=slice_nbytes)
         assert w is not None
+        rounds = 0
+        mapped_this_round = False
+        last_remaining = w.remaining_nbytes
         with pytest.raises(WalkUnstable) as info:
-            # 1 MiB slices of a process mapping a new region thousands of
-            # times a second: every re-read of maps finds many MiB more.
-            while not w.step():
-                pass
-        assert info.value.changed_nbytes > MIB
+            while True:
+                remaining = w.remaining_nbytes
+                if remaining > last_remaining:
+                    mapped_this_round = False  # the walk queued what we mapped
+                last_remaining = remaining
+                if remaining <= slice_nbytes and not mapped_this_round:
+                    rounds += 1
+                    assert rounds < 10, "the walk never gave up"
+                    t.proc.stdin.write("map 16\n")  # type: ignore[union-attr]
+                    t.proc.stdin.flush()  # type: ignore[union-attr]
+                    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]
+                    mapped_this_round = True
+                if w.step():
+                    break
+        assert info.value.changed_nbytes >= 16 * MIB
         assert w.done and w.result is None
     finally:
         os.kill(t.pid, signal.SIGKILL)
