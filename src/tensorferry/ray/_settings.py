@@ -17,10 +17,11 @@ import os
 from typing import Callable, Mapping, NamedTuple, TypeVar
 
 from ..errors import ConfigurationError
+from ..ticket import TRANSPORTS as _TICKET_TRANSPORTS
 
 __all__ = ["Settings", "settings", "TRANSPORTS", "DEFAULT_POOL_NBYTES"]
 
-TRANSPORTS = ("auto", "shm", "tcp", "nixl")
+TRANSPORTS = ("auto", *_TICKET_TRANSPORTS)
 # The first pool segment of a source actor. A memfd costs memory only for
 # pages that were written, so a generous size is free until used.
 DEFAULT_POOL_NBYTES = 1 << 30
@@ -77,7 +78,7 @@ def _read(env: Mapping[str, str], name: str, default: T, parse: Callable[[str], 
         return default
     try:
         return parse(raw.strip())
-    except (ValueError, OverflowError):
+    except (ValueError, OverflowError):  # a parser's bare ConfigurationError(raw) too
         raise ConfigurationError(
             f"{name}={raw!r} cannot be used: it must be {want}; fix it in the runtime_env's env_vars "
             f"(tensorferry.ray.runtime_env(...) checks them in the driver), or unset it for the default, {default!r}"
@@ -88,7 +89,7 @@ def _nbytes(minimum: int) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         value = int(raw.replace("_", ""))
         if value < minimum:
-            raise ValueError(raw)
+            raise ConfigurationError(raw)
         return value
 
     return parse
@@ -97,7 +98,7 @@ def _nbytes(minimum: int) -> Callable[[str], int]:
 def _seconds(raw: str) -> float:
     value = float(raw)
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(raw)
+        raise ConfigurationError(raw)
     return value
 
 
@@ -107,18 +108,18 @@ def _flag(raw: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(raw)
+    raise ConfigurationError(raw)
 
 
 def _transport(raw: str) -> str:
     if raw not in TRANSPORTS:
-        raise ValueError(raw)
+        raise ConfigurationError(raw)
     return raw
 
 
 def _host(raw: str) -> str:
     if not raw:
-        raise ValueError(raw)
+        raise ConfigurationError(raw)
     return raw
 
 

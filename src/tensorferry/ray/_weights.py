@@ -50,7 +50,9 @@ def _default_state_dict(actor: Any) -> Any:
         return model.state_dict()
     if hasattr(actor, "state_dict"):
         return actor.state_dict()
-    raise AttributeError(
+    from ..errors import ConfigurationError
+
+    raise ConfigurationError(
         f"{type(actor).__name__} has no .model.state_dict() or .state_dict(); "
         "pass state_dict=lambda actor: ... to WeightSync"
     )
