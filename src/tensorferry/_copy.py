@@ -421,9 +421,12 @@ def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out:
     # enough. Device copies go through a storage's tensor, so there a run
     # must also stay inside one storage.
     breaks = None
+    sptrs = info.storage_ptrs
     if not host:
+        if sptrs is None:  # host leaves into a device pool
+            sptrs = np.fromiter((t.untyped_storage().data_ptr() for t in leaves), dtype=np.int64, count=len(leaves))
         breaks = np.zeros(len(leaves), dtype=bool)
-        breaks[1:] = info.storage_ptrs[1:] != info.storage_ptrs[:-1]
+        breaks[1:] = sptrs[1:] != sptrs[:-1]
     plan = CopyPlan.build(dst, info.data_ptrs, nbytes, raw=info.raw, breaks=breaks)
     if whole:
         d, src, n, heads = plan.dst, plan.src, plan.nbytes, plan.heads
@@ -435,7 +438,7 @@ def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out:
         storages: dict[tuple[int, str], torch.Tensor] = {}
         for d0, s0, k, i in zip(d.tolist(), src.tolist(), n.tolist(), heads.tolist()):
             t = leaves[i]
-            key = (int(info.storage_ptrs[i]), str(t.device))
+            key = (int(sptrs[i]), str(t.device))
             storage = storages.get(key)
             if storage is None:
                 st = t.untyped_storage()
