@@ -227,12 +227,12 @@ class CopyPlan:
             caller copies those value by value.
     """
 
-    __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_src_end")
-    _src_end: tuple[np.ndarray, bool] | None
+    __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_ends")
+    _ends: tuple[np.ndarray, bool] | None
 
     def __init__(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, elementwise: np.ndarray) -> None:
         self.dst, self.src, self.nbytes, self.heads, self.elementwise = dst, src, nbytes, heads, elementwise
-        self._src_end = None  # (ends of the windowed side, which side)
+        self._ends = None  # (run ends on the side windowed last, that side)
 
     @classmethod
     def build(cls, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, *, raw: np.ndarray | None = None, breaks: np.ndarray | None = None) -> "CopyPlan":
@@ -279,9 +279,9 @@ class CopyPlan:
         destination (``by_dst``) or source lies in ``[lo, hi)``; that side
         must ascend."""
         key = self.dst if by_dst else self.src
-        if self._src_end is None or self._src_end[1] is not by_dst:
-            self._src_end = (key + self.nbytes, by_dst)
-        end = self._src_end[0]
+        if self._ends is None or self._ends[1] is not by_dst:
+            self._ends = (key + self.nbytes, by_dst)
+        end = self._ends[0]
         first = int(np.searchsorted(end, lo, side="right"))
         last = int(np.searchsorted(key, hi, side="left"))
         k0 = key[first:last]
@@ -308,6 +308,14 @@ def dense_host_mask(targets: Sequence[torch.Tensor]) -> np.ndarray:
     return ok
 
 
+def _addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndarray:
+    """int64 address of each target where ``ok`` (written by address), 0 elsewhere."""
+    dst = np.zeros(len(targets), dtype=np.int64)
+    if ok.any():
+        dst[ok] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=len(targets))[ok]
+    return dst
+
+
 class StagedCopy:
     """Copies a byte stream that arrives a chunk at a time into its targets.
 
@@ -322,7 +330,6 @@ class StagedCopy:
     """
 
     def __init__(self, block_nbytes: Sequence[int], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
-        count = len(targets)
         block_start = np.zeros(len(block_nbytes), dtype=np.int64)
         if len(block_nbytes) > 1:
             block_start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
@@ -330,10 +337,7 @@ class StagedCopy:
         start = block_start[block_of] + np.asarray(offsets, dtype=np.int64)
         n = np.asarray(nbytes, dtype=np.int64)
         ok = dense_host_mask(targets)
-        dst = np.zeros(count, dtype=np.int64)
-        raw = np.flatnonzero(ok)
-        if raw.size:
-            dst[raw] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[raw]
+        dst = _addresses(targets, ok)
         self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in np.flatnonzero(~ok & (n > 0)).tolist():
             staged = torch.empty(int(n[i]), dtype=torch.uint8)
@@ -385,10 +389,7 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
         ok = dense_host_mask(targets)
     else:
         ok = np.zeros(count, dtype=bool)
-    dst = np.zeros(count, dtype=np.int64)
-    if ok.any():
-        dst[ok] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=count)[ok]
-    plan = CopyPlan.build(dst, src, nbytes, raw=ok)
+    plan = CopyPlan.build(_addresses(targets, ok), src, nbytes, raw=ok)
     plan.execute()
     rest = plan.elementwise
     if rest.size:

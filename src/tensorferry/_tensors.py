@@ -46,6 +46,12 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _CODE_BY_TORCH[dtype]
 
 
+def _listed(problems: list[str], shown: int) -> str:
+    """The first ``shown`` problems, and how many more there are."""
+    more = f" (and {len(problems) - shown} more)" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
+
+
 def _path(parts: list[Any]) -> str:
     return "obj" + "".join(f"[{p!r}]" for p in parts)
 
@@ -165,9 +171,7 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
 
     walk(obj, 0)
     if problems:
-        shown = "; ".join(problems[:10])
-        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise UnsupportedTensorError(f"cannot pack {len(problems)} leaves: {shown}{more}")
+        raise UnsupportedTensorError(f"cannot pack {len(problems)} leaves: {_listed(problems, 10)}")
     return leaves, ops, counts, keys, copied
 
 
@@ -257,7 +261,7 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
             codes = np.full(n, _CODE_BY_TORCH[dtypes[0]], dtype=np.uint8)
         else:
             codes = np.fromiter(map(_CODE_BY_TORCH.__getitem__, dtypes), dtype=np.uint8, count=n)
-        aliases = _find_aliases(leaves, ptrs, codes, ndims, dims)
+        aliases = _find_aliases(leaves, ptrs)
         lay = Layout(codes, ndims, dims, np.asarray(ops, dtype=np.uint8), np.asarray(counts, dtype=np.int64), tuple(keys), aliases)
         # A meta tensor has no memory: address 0. Ask the few address-0
         # leaves (empty tensors have it too) whether they are meta, nested
@@ -266,10 +270,7 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
         bad = any(_leaf_problem(leaves[i]) for i in zero)
     if bad:
         problems = _find_problems(obj)
-        raise UnsupportedTensorError(
-            f"cannot pack {len(problems)} leaves: " + "; ".join(problems[:10])
-            + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "")
-        )
+        raise UnsupportedTensorError(f"cannot pack {len(problems)} leaves: {_listed(problems, 10)}")
     raw = np.fromiter(map(torch.Tensor.is_contiguous, leaves), dtype=bool, count=n)
     # The conjugate and negative bits make a tensor's bytes differ from its
     # values; such a tensor is copied value by value instead.
@@ -284,7 +285,7 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     return LeafInfo(lay, ptrs, storage_ptrs, raw, all_cpu)
 
 
-def _find_aliases(leaves: Sequence[torch.Tensor], ptrs: np.ndarray, codes: np.ndarray, ndims: np.ndarray, dims: np.ndarray) -> np.ndarray:
+def _find_aliases(leaves: Sequence[torch.Tensor], ptrs: np.ndarray) -> np.ndarray:
     """Pairs ``(i, j)``, ``j < i``: leaf ``i`` is the same view as leaf ``j``.
 
     Tied weights (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``)
@@ -402,10 +403,8 @@ def match_into(layout: Layout, into: Any) -> list[torch.Tensor]:
     if not problems:
         problems = _type_problems(layout, targets, skeleton)
     if problems:
-        shown = "; ".join(problems[:_SHOWN_PROBLEMS])
-        more = f" (and {len(problems) - _SHOWN_PROBLEMS} more)" if len(problems) > _SHOWN_PROBLEMS else ""
         raise LayoutMismatchError(
-            f"into= does not match what was sent: {shown}{more}. Pass tensors nested as the sender put them "
+            f"into= does not match what was sent: {_listed(problems, _SHOWN_PROBLEMS)}. Pass tensors nested as the sender put them "
             "(dicts with the same keys, lists and tuples of the same lengths), of the same dtypes and shapes"
         )
     return targets
