@@ -18,6 +18,8 @@ from .errors import (
     MonitorError,
     NoSuchProcess,
     PeerGoneError,
+    PlanBusyError,
+    PlanStaleError,
     PoolCreationError,
     PoolExhaustedError,
     ProtocolError,
@@ -43,6 +45,8 @@ _LAZY = {
     "Ticket": "tensorferry.ticket",
     "Sender": "tensorferry.sender",
     "Receiver": "tensorferry.receiver",
+    "SendPlan": "tensorferry.plans",
+    "RecvPlan": "tensorferry.plans",
 }
 
 __all__ = [
@@ -57,6 +61,8 @@ __all__ = [
     "Ticket",
     "Sender",
     "Receiver",
+    "SendPlan",
+    "RecvPlan",
     "TensorferryError",
     "PoolExhaustedError",
     "PoolCreationError",
@@ -70,6 +76,8 @@ __all__ = [
     "ProtocolError",
     "BackendUnavailableError",
     "ConfigurationError",
+    "PlanStaleError",
+    "PlanBusyError",
     "MonitorError",
     "NoSuchProcess",
     "ZombieProcess",
@@ -79,6 +87,7 @@ __all__ = [
 if TYPE_CHECKING:
     from ._views import unpack
     from .pool import Block, Lease, MemoryPool, Packed, PoolStats
+    from .plans import RecvPlan, SendPlan
     from .receiver import Receiver
     from .sender import Sender
     from .layout import Layout

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from . import packing
+from ._tensors import torch_dtype
 from .errors import ConfigurationError
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "copy_bytes",
     "copy_from_blocks",
     "copy_staged",
+    "copy_values",
     "copy_threads",
     "dense_host_mask",
     "executor",
@@ -447,22 +449,32 @@ def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out:
                 storages[key] = storage
             off = s0 - key[0]
             copy_bytes(out[d0 - lo : d0 - lo + k], storage[off : off + k])
-    elementwise = 0
+    return int(n.size), copy_values(leaves, info.layout, dst, out, lo, hi, plan.elementwise)
+
+
+def copy_values(leaves: Sequence[torch.Tensor], layout: Any, dst: np.ndarray, out: torch.Tensor, lo: int, hi: int, indices: np.ndarray) -> int:
+    """Copy the leaves ``indices`` value by value into ``out`` (sender side):
+    leaf ``i`` belongs at byte ``dst[i]`` as the layout's dtype (converted
+    when that differs from the leaf's), and only its bytes in ``[lo, hi)``
+    are written, at ``out[... - lo]``. Returns how many were copied."""
+    nbytes, codes = layout.nbytes, layout.dtype_codes
+    copied = 0
     with torch.no_grad():
-        for i in plan.elementwise.tolist():
+        for i in indices.tolist():
             start, size = int(dst[i]), int(nbytes[i])
             a, b = max(lo, start), min(hi, start + size)
             if a >= b:
                 continue
             t = leaves[i]
+            dtype = torch_dtype(int(codes[i]))
             value = t.resolve_conj().resolve_neg() if (t.is_conj() or t.is_neg()) else t
             if a == start and b == start + size:
-                out[start - lo : start - lo + size].view(t.dtype).view(t.shape).copy_(value)
+                out[start - lo : start - lo + size].view(dtype).view(t.shape).copy_(value)
             else:  # a piece boundary cuts the tensor: its bytes, then the part
-                part = value.contiguous().reshape(-1).view(torch.uint8)[a - start : b - start]
+                part = value.to(dtype).contiguous().reshape(-1).view(torch.uint8)[a - start : b - start]
                 copy_bytes(out[a - lo : b - lo], part.to(out.device))
-            elementwise += 1
-    return int(n.size), elementwise
+            copied += 1
+    return copied
 
 
 def scatter_segments(layout: Any, block_nbytes: list[int], targets: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -15,13 +15,9 @@ import hmac
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import torch
+from typing import Any, Callable
 
 from . import _protocol as P
-from ._tensors import LeafInfo
 from .errors import PoolExhaustedError
 from .pool import MemoryPool, Packed
 
@@ -50,18 +46,20 @@ class _Entry:
     deadline: float
     pieces: list[_Piece]
     streamed: bool
-    # Only for streamed objects: what the packer needs to pack later pieces.
-    leaves: list[torch.Tensor] | None = None
-    info: LeafInfo | None = None
-    offsets: np.ndarray | None = None
+    # Only for streamed objects: pack(voffset, nbytes) -> Packed packs a
+    # later piece (its tensors are kept alive through it).
+    pack: Callable[[int, int], Packed] | None = None
     digest: bytes = b""  # Ticket.digest of the ticket put() returned
+    # Served from the tensors' own memory (a plan put with snapshot=False):
+    # only a transport that sends from any address (tcp) may serve it.
+    sourced: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class Ledger:
     """The sender's book of tickets and reader slots. Thread-safe.
 
-    Transports call :meth:`acquire`, :meth:`release`, :meth:`held_blocks`
+    Transports call :meth:`acquire`, :meth:`release`, :meth:`held_buffers`
     and :meth:`drop_connection` from their connection threads.
     """
 
@@ -103,6 +101,11 @@ class Ledger:
                 piece.readers = piece.finished + piece.holding
                 self._settle(entry, piece)
 
+    def is_done(self, ticket_id: int) -> bool:
+        """Every reader of the ticket released it (or it expired, or was never put)."""
+        with self._cond:
+            return ticket_id not in self._entries
+
     def live_entries(self) -> int:
         with self._cond:
             return len(self._entries)
@@ -136,6 +139,10 @@ class Ledger:
                 return P.Failure(kind="altered", message=(
                     f"this ticket {msg.ticket_id} does not match what the sender put (its layout, blocks or sizes "
                     "were altered on the way); nothing was taken: redeem the ticket's original bytes"))
+            if entry.sourced and getattr(conn, "transport", "") != "tcp":
+                return P.Failure(kind="unsupported", message=(
+                    f"ticket {msg.ticket_id} was put with snapshot=False: its bytes are the sender's tensors, "
+                    "which only the tcp transport serves; redeem it over tcp, or put it with snapshot=True"))
             piece = entry.pieces[msg.piece]
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
@@ -153,12 +160,13 @@ class Ledger:
             conn.holds[key] = conn.holds.get(key, 0) + 1
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset)
 
-    def held_blocks(self, conn: Any, ticket_id: int, piece_idx: int) -> list[tuple[int, int]] | None:
+    def held_buffers(self, conn: Any, ticket_id: int, piece_idx: int) -> list[memoryview] | None:
+        """The bytes of a piece ``conn`` holds, as buffers to send (pool
+        blocks, or a snapshot=False plan's tensors); None if not held."""
         with self._cond:
             if not conn.holds.get((ticket_id, piece_idx)):
                 return None
-            piece = self._entries[ticket_id].pieces[piece_idx]
-            return [(b.offset, b.nbytes) for b in piece.packed.blocks]
+            return self._entries[ticket_id].pieces[piece_idx].packed.buffers()
 
     def release(self, conn: Any, ticket_id: int, piece_idx: int) -> P.Released | P.Failure:
         with self._cond:
@@ -201,7 +209,7 @@ class Ledger:
         if all(p.finished >= p.readers for p in entry.pieces):
             self._entries.pop(entry.ticket_id, None)
             self.transfers += 1
-            entry.leaves = None
+            entry.pack = None
             entry.done.set()
         self._cond.notify_all()
 
@@ -235,7 +243,7 @@ class Ledger:
             entry, piece = job
             # Copy outside the lock: receivers keep acquiring and releasing.
             try:
-                packed = self.pool.pack_range(entry.leaves, entry.info, entry.offsets, piece.voffset, piece.nbytes)
+                packed = entry.pack(piece.voffset, piece.nbytes)
             except PoolExhaustedError:
                 with self._cond:
                     self._cond.wait(0.05)  # woken early by the next release

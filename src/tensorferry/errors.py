@@ -14,6 +14,8 @@ __all__ = [
     "PoolCreationError",
     "LayoutMismatchError",
     "UnsupportedTensorError",
+    "PlanStaleError",
+    "PlanBusyError",
     "TicketError",
     "TransferError",
     "PeerGoneError",
@@ -100,6 +102,18 @@ class LayoutMismatchError(TensorferryError, ValueError):
 
 class UnsupportedTensorError(TensorferryError, ValueError):
     """An object holds a leaf tensorferry cannot pack (named in the message)."""
+
+
+class PlanStaleError(TensorferryError, RuntimeError):
+    """A kept plan no longer matches the tensors it was made for (a tensor
+    replaced, moved, resized, or a module's parameter reassigned): make a new
+    plan. Nothing was sent."""
+
+
+class PlanBusyError(TensorferryError, RuntimeError):
+    """A ``snapshot=False`` put of a plan while receivers still read the
+    previous one (its tensors are the bytes they read): wait for
+    ``Sender.wait_released`` first."""
 
 
 class TicketError(TensorferryError, ValueError):

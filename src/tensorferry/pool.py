@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,11 @@ class Packed:
     def release(self) -> None:
         """Return the blocks to the pool. Releasing twice is harmless."""
         self.pool.free(self)
+
+    def buffers(self) -> list[memoryview]:
+        """The blocks' bytes, in order, as buffers (host pools; a server sends them)."""
+        host = self.pool.buffer.numpy()
+        return [memoryview(host[b.offset : b.offset + b.nbytes]) for b in self.blocks]
 
     def __enter__(self) -> "Packed":
         return self
@@ -297,20 +302,34 @@ class MemoryPool:
         Raises:
             PoolExhaustedError: no free block of ``nbytes``; nothing allocated.
         """
+        n = info.layout.nbytes
+        count = int(((offsets < start + nbytes) & (offsets + n > start) & (n > 0)).sum())
+        return self.pack_with(
+            info.layout, nbytes, lambda out: pack_leaves(leaves, info, offsets, out, start, start + nbytes), num_tensors=count
+        )
+
+    def pack_with(self, layout: Layout, nbytes: int, fill: Callable[[torch.Tensor], tuple[int, int]], *, num_tensors: int) -> Packed:
+        """One block of ``nbytes`` that ``fill(view of the block)`` writes
+        and returns ``(copy runs, value-by-value copies)`` of: a piece of a
+        streamed object, or the put of a kept plan. Atomic: if ``fill``
+        raises, the block is free again.
+
+        Raises:
+            PoolExhaustedError: no free block of ``nbytes``; nothing allocated.
+        """
         self._check_open()
         block = self._allocator.allocate(nbytes)
         try:
             with gc_paused():
-                runs, strided = pack_leaves(leaves, info, offsets, self.view(Block(block.offset, nbytes)), start, start + nbytes)
+                runs, strided = fill(self.view(Block(block.offset, nbytes)))
         except BaseException:
             self._allocator.free(block.offset)
             raise
-        n = info.layout.nbytes
         packed = Packed(
             blocks=(Block(block.offset, nbytes),),
-            layout=info.layout,
+            layout=layout,
             nbytes=nbytes,
-            num_tensors=int(((offsets < start + nbytes) & (offsets + n > start) & (n > 0)).sum()),
+            num_tensors=num_tensors,
             copy_runs=runs,
             strided_copies=strided,
             pool=self,

@@ -14,17 +14,20 @@ space frees up and freed once every reader has read it (backpressure).
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Any
 
 import msgspec
+import torch
 
 from . import packing
 from ._args import positive_seconds, reader_count
 from ._ledger import Ledger, _Entry, _Piece
 from ._tensors import flatten, gc_paused, inspect_leaves
-from .errors import ConfigurationError, PoolExhaustedError, TransferTimeoutError
+from .errors import ConfigurationError, PlanBusyError, PoolExhaustedError, TransferTimeoutError
+from .plans import SendPlan, SourcedPiece
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
 from .transports import TransportName
 from .ticket import Ticket
@@ -120,9 +123,44 @@ class Sender:
             raise
         self.server = self.servers[transport]
         self.address = self.server.address
+        self._closed = False
 
-    def put(self, obj: Any, *, readers: int | None = 1, lease_seconds: float | None = None, one_shot: bool = False) -> Ticket:
-        """Pack ``obj`` and return its ticket at once.
+    def plan(self, obj: Any, *, dtype: torch.dtype | None = None) -> SendPlan:
+        """Inspect ``obj`` once and keep what every later put of it needs.
+
+        Runs on the sender; copies nothing. The plan keeps the tensors (they
+        live as long as the plan), the encoded layout and the copy runs;
+        ``put(plan)`` then sends their current contents with no per-tensor
+        work but a check that they did not move.
+
+        Args:
+            obj: a tensor, any nesting of lists, tuples and dicts of tensors,
+                or an ``nn.Module`` (planned over its ``state_dict()``;
+                ``put`` then also checks that no parameter or buffer was
+                replaced).
+            dtype: send floating-point tensors as this floating-point dtype
+                (e.g. ``torch.bfloat16`` from an fp32 trainer: half the
+                bytes); integer and bool tensors go as they are. The plan's
+                layout says what receivers get.
+
+        Raises:
+            UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
+            ConfigurationError: ``dtype`` is not a floating-point dtype; the
+                sender is closed.
+        """
+        self._check_open()
+        return SendPlan(self, obj, dtype=dtype)
+
+    def put(
+        self,
+        obj: Any,
+        *,
+        readers: int | None = 1,
+        lease_seconds: float | None = None,
+        one_shot: bool = False,
+        snapshot: bool = True,
+    ) -> Ticket:
+        """Pack ``obj`` (or replay a plan's copy) and return its ticket at once.
 
         Copies each view's bytes into the pool (only its own bytes). An object
         that does not fit in the free space is streamed in pieces, unless
@@ -130,81 +168,139 @@ class Sender:
         streamed object until :meth:`wait_released` returns.
 
         Args:
-            obj: a tensor or any nesting of lists, tuples and dicts of tensors.
+            obj: a tensor or any nesting of lists, tuples and dicts of tensors;
+                or a :class:`SendPlan` of this sender (its tensors' current
+                contents are sent).
             readers: number of receivers that will get it; ``None`` for any
                 number, until :meth:`discard` (the lease does not apply).
             lease_seconds: how long slots nobody acquired are kept.
             one_shot: raise instead of streaming when it does not fit.
+            snapshot: plans only. ``True``: copy the tensors into the pool
+                and return once the caller may change them. ``False``: copy
+                nothing and serve the tensors' own memory (tcp); the caller
+                must not change them until :meth:`wait_released` returns.
 
         Raises:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
             PoolExhaustedError: ``one_shot`` and it does not fit; nothing held.
-            ConfigurationError: ``readers`` below 1, or ``lease_seconds`` not
-                a positive number of seconds (as for the Sender's own).
+            PlanStaleError: a planned tensor moved, was resized or replaced.
+            PlanBusyError: ``snapshot=False`` while the previous such put of
+                the plan is still being read.
+            ConfigurationError: ``readers`` below 1, ``lease_seconds`` not a
+                positive number of seconds, ``snapshot=False`` without a plan
+                or on a transport other than tcp, the sender closed.
         """
+        self._check_open()
         readers = reader_count(readers)
         lease = self.lease_seconds if lease_seconds is None else positive_seconds("put(lease_seconds)", lease_seconds, allow_inf=True)
+        planned = obj if isinstance(obj, SendPlan) else None
+        if not snapshot and planned is None:
+            raise ConfigurationError("put(snapshot=False) needs a plan: put(sender.plan(obj), snapshot=False)")
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
         if readers is None:
             # Any number of gets until discard(); the lease does not apply.
             readers, deadline = _UNLIMITED, float("inf")
+        if planned is not None:
+            planned.check(self)
+            if not snapshot:
+                return self._put_sourced(planned, ticket_id, readers, lease, deadline)
+            layout, layout_bytes, count = planned.layout, planned.layout_bytes, planned.num_tensors
+            total = planned.total_nbytes
         try:
-            packed = self.pool.pack(obj)
+            if planned is None:
+                packed = self.pool.pack(obj)
+                layout, layout_bytes = packed.layout, packed.layout.to_bytes()
+            elif total:
+                packed = self.pool.pack_with(layout, total, lambda out: planned.fill(out, 0, total), num_tensors=count)
+            else:
+                packed = None
         except PoolExhaustedError:
             if one_shot:
                 raise
-            return self._put_streamed(obj, ticket_id, readers, lease, deadline)
-        piece = _Piece(voffset=0, nbytes=sum(b.nbytes for b in packed.blocks), readers=readers, packed=packed)
+            if planned is None:
+                return self._put_streamed(obj, ticket_id, readers, lease, deadline)
+            return self._add_streamed(planned.layout, planned.layout_bytes, total, planned.fill_piece(self.pool), ticket_id, readers, lease, deadline)
+        blocks = list(packed.blocks) if packed is not None else []
+        if planned is None:
+            total = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
+        piece = _Piece(voffset=0, nbytes=sum(b.nbytes for b in blocks), readers=readers, packed=packed)
         entry = _Entry(ticket_id, readers, lease, deadline, [piece], streamed=False)
-        ticket = Ticket(
-            id=ticket_id,
-            transport=self.transport,
-            address=self.address,
-            pool_generation=self.pool.generation,
-            layout_bytes=packed.layout.to_bytes(),
-            blocks=[(b.offset, b.nbytes) for b in packed.blocks],
-            total_nbytes=packing.packed_offsets(packed.layout.nbytes, packed.layout.alignments)[1],
-            piece_nbytes=0,
-            num_pieces=1,
-            readers=0 if readers == _UNLIMITED else readers,
-            lease_seconds=lease,
-        )
+        ticket = self._ticket(ticket_id, layout_bytes, [(b.offset, b.nbytes) for b in blocks], total, 0, 1, readers, lease)
         entry.digest = ticket.digest
-        if not packed.blocks:
+        if not blocks:
             piece.finished = readers  # nothing to read: done already
-            packed.release()  # no ledger entry will: drop it from the pool's live set
+            if packed is not None:
+                packed.release()  # no ledger entry will: drop it from the pool's live set
             entry.done.set()
             return ticket
         self.ledger.add(entry)
         return ticket
+
+    def _ticket(self, ticket_id: int, layout_bytes: bytes, blocks: list[tuple[int, int]], total: int, piece_nbytes: int, num_pieces: int, readers: int, lease: float) -> Ticket:
+        return Ticket(
+            id=ticket_id,
+            transport=self.transport,
+            address=self.address,
+            pool_generation=self.pool.generation,
+            layout_bytes=layout_bytes,
+            blocks=blocks,
+            total_nbytes=total,
+            piece_nbytes=piece_nbytes,
+            num_pieces=num_pieces,
+            readers=0 if readers == _UNLIMITED else readers,
+            lease_seconds=lease,
+        )
 
     def _put_streamed(self, obj: Any, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
         with gc_paused():
             leaves, ops, counts, keys, _ = flatten(obj)
             info = inspect_leaves(obj, leaves, ops, counts, keys)
         offsets, total = packing.packed_offsets(info.layout.nbytes, info.layout.alignments)
+        pack = functools.partial(self.pool.pack_range, list(leaves), info, offsets)
+        return self._add_streamed(info.layout, info.layout.to_bytes(), total, pack, ticket_id, readers, lease, deadline)
+
+    def _add_streamed(self, layout: Any, layout_bytes: bytes, total: int, pack: Any, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
+        """A ticket of pieces of the one-block layout, each packed by
+        ``pack(voffset, nbytes)`` when the pool has room for it."""
         size = self.piece_nbytes
-        pieces = [
-            _Piece(voffset=s, nbytes=min(size, total - s), readers=readers)
-            for s in range(0, total, size)
-        ]
-        entry = _Entry(ticket_id, readers, lease, deadline, pieces, streamed=True, leaves=list(leaves), info=info, offsets=offsets)
-        ticket = Ticket(
-            id=ticket_id,
-            transport=self.transport,
-            address=self.address,
-            pool_generation=self.pool.generation,
-            layout_bytes=info.layout.to_bytes(),
-            blocks=[],
-            total_nbytes=total,
-            piece_nbytes=size,
-            num_pieces=len(pieces),
-            readers=0 if readers == _UNLIMITED else readers,
-            lease_seconds=lease,
-        )
+        pieces = [_Piece(voffset=s, nbytes=min(size, total - s), readers=readers) for s in range(0, total, size)]
+        entry = _Entry(ticket_id, readers, lease, deadline, pieces, streamed=True, pack=pack)
+        ticket = self._ticket(ticket_id, layout_bytes, [], total, size, len(pieces), readers, lease)
         entry.digest = ticket.digest
         self.ledger.add(entry)
+        return ticket
+
+    def _put_sourced(self, plan: SendPlan, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
+        """A plan served from its tensors' own memory, in pieces (tcp sends
+        from any address; the pool holds nothing of it)."""
+        if self.transport != "tcp":
+            raise ConfigurationError(
+                f"put(plan, snapshot=False) serves the tensors' own memory, which only the tcp transport can send; "
+                f"this sender is {self.transport}: use snapshot=True"
+            )
+        with plan.lock:
+            busy = plan.last_unsnapshotted
+            if busy is not None and not self.ledger.is_done(busy):
+                raise PlanBusyError(
+                    f"put(plan, snapshot=False): ticket {busy} of this plan is still being read, and its bytes are the "
+                    "tensors this put would send; call sender.wait_released(ticket) first (or use snapshot=True)"
+                )
+            plan.source_buffers(0, 0)  # built now: refused here, not mid-transfer, if it cannot be
+            total = plan.total_nbytes
+            size = self.piece_nbytes
+            pieces = [
+                _Piece(voffset=s, nbytes=min(size, total - s), readers=readers, packed=SourcedPiece(plan, s, min(s + size, total)))
+                for s in range(0, total, size)
+            ]
+            entry = _Entry(ticket_id, readers, lease, deadline, pieces, streamed=True, sourced=True)
+            ticket = self._ticket(ticket_id, plan.layout_bytes, [], total, size, max(1, len(pieces)), readers, lease)
+            entry.digest = ticket.digest
+            if not pieces:
+                entry.done.set()
+                return ticket
+            self.ledger.add(entry)
+            plan.last_unsnapshotted = ticket_id
         return ticket
 
     def discard(self, ticket: Ticket) -> None:
@@ -245,8 +341,13 @@ class Sender:
             "bytes_moved": self.ledger.bytes_served,
         }
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("this Sender is closed; make a new one (and new plans: a plan belongs to its sender)")
+
     def close(self) -> None:
         """Stop serving and free every block (receivers mid-read will fail)."""
+        self._closed = True
         for server in self.servers.values():
             server.close()
         self.ledger.close()

@@ -67,9 +67,10 @@ _STREAM_ALIGNMENT = 4096
 class Connection:
     """One accepted receiver connection and the reader slots it holds."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, transport: str = "") -> None:
         self.sock = sock
         self.peer = peer
+        self.transport = transport
         self.holds: dict[tuple[int, int], int] = {}
         self.lock = threading.Lock()
 
@@ -127,7 +128,7 @@ class ControlServer:
                     return
                 time.sleep(0.01)
                 continue
-            conn = Connection(sock, str(addr))
+            conn = Connection(sock, str(addr), self.transport)
             with self._lock:
                 if self._handshaking >= _MAX_HANDSHAKING:
                     self.refused += 1

@@ -178,16 +178,14 @@ class TcpServer(TcpControlServer):
     def _handle_extra(self, conn: Connection, msg) -> bool:
         if not isinstance(msg, P.Fetch):
             return False
-        blocks = self.ledger.held_blocks(conn, msg.ticket_id, msg.piece)
-        if blocks is None:
+        buffers = self.ledger.held_buffers(conn, msg.ticket_id, msg.piece)
+        if buffers is None:
             P.send_msg(conn.sock, P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not acquired on this connection"))
             return True
-        pool = self.ledger.pool
-        host = pool.buffer.numpy()
-        P.send_data_header(conn.sock, sum(n for _, n in blocks))
+        P.send_data_header(conn.sock, sum(b.nbytes for b in buffers))
         # The frame timeout stays on: a receiver that stops reading for that
         # long (hung, stopped) must not pin the piece's blocks forever.
-        P.send_all_views(conn.sock, [memoryview(host[off : off + n]) for off, n in blocks])
+        P.send_all_views(conn.sock, buffers)
         return True
 
 
@@ -222,7 +220,13 @@ class TcpChannel(Channel):
         return fill
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
+        self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)
+
+    def read_buffers(self, ticket_id: int, piece: int, blocks, buffers: list[memoryview], *, deadline: float) -> None:
+        """:meth:`read_into` into writable byte buffers (a kept plan's
+        segments: no tensor or buffer object made per get)."""
         want = self._fetch(ticket_id, piece, blocks, deadline)
-        if sum(d.numel() for d in dests) != want:
-            raise ProtocolError(f"destination segments hold {sum(d.numel() for d in dests):,} bytes, the blocks {want:,}")
-        P.recv_scatter_into(self.sock, [memoryview(d.numpy()) for d in dests], deadline=deadline)
+        have = sum(map(len, buffers))
+        if have != want:
+            raise ProtocolError(f"destination segments hold {have:,} bytes, the blocks {want:,}")
+        P.recv_scatter_into(self.sock, buffers, deadline=deadline)

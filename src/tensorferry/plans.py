@@ -1,0 +1,563 @@
+"""Kept plans: a transfer's per-tensor work done once, replayed on every sync.
+
+RL weight sync sends the same state dict, changed in place, to the same
+workers thousands of times. Without a plan every sync pays for every tensor
+again: the sender inspects each one and encodes a layout, each receiver
+decodes it, matches it to its targets and computes its copy runs.
+
+* :class:`SendPlan` (``Sender.plan``): the tensors inspected once, the layout
+  encoded once, the copy runs into a pool block computed once (dtype
+  conversions included). ``Sender.put(plan)`` checks that the tensors still
+  live where the plan found them (a few C-level passes) and moves bytes.
+* :class:`RecvPlan` (``Receiver.plan``): the ticket's layout checked once
+  against ``into=`` targets (or destination tensors allocated once), the
+  runs from the received byte stream into them computed once.
+  ``Receiver.get(ticket, into=plan)`` compares the ticket's layout bytes with
+  the plan's, moves bytes, and returns the same tensor objects every time.
+
+Coordinates: a ticket's bytes form one *stream*, its blocks (resident) or
+its pieces (streamed) concatenated. A planned sender always puts one block,
+or pieces of the one-block layout, so stream positions are the packed
+offsets; a ticket with several blocks (a plain ``put`` into a fragmented
+pool) gets its positions from the block sizes, vectorised, cached per sizes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import operator
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from . import packing
+from ._copy import CopyPlan, copy_staged, copy_values, dense_host_mask, memmove_runs, pack_leaves
+from ._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
+from ._views import build_views
+from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
+from .layout import DTYPES, Layout
+
+if TYPE_CHECKING:
+    from .pool import Block
+    from .receiver import Receiver
+    from .sender import Sender
+    from .ticket import Ticket
+
+__all__ = ["SendPlan", "RecvPlan"]
+
+# Alignment gaps between packed tensors are shorter than the largest element
+# size (16, complex128); a snapshot=False stream fills them from this.
+_GAP = bytes(16)
+
+
+def _buffer_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte buffer over host memory someone else owns (no copy)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+class SendPlan:
+    """A sender's kept plan of one object (``Sender.plan``); sender side.
+
+    Holds the planned tensors (they stay alive as long as the plan does)
+    and replays their copy into the pool on every ``Sender.put(plan)``.
+
+    Attributes:
+        layout: what receivers get: the tensors' dtypes (after ``dtype=``),
+            shapes and nesting.
+        layout_bytes: the encoded layout, reused by every ticket.
+        total_nbytes: the packed size of one put.
+        num_tensors: planned tensors (tied names counted once each).
+    """
+
+    def __init__(self, sender: "Sender", obj: Any, *, dtype: torch.dtype | None = None) -> None:
+        self._sender = sender
+        module = obj if isinstance(obj, torch.nn.Module) else None
+        src = module.state_dict(keep_vars=True) if module is not None else obj
+        with gc_paused():
+            leaves, ops, counts, keys, staged = flatten(src)
+            info = inspect_leaves(src, leaves, ops, counts, keys)
+        if staged:
+            raise UnsupportedTensorError(
+                f"{staged} numpy arrays are read-only or have negative strides, so torch cannot share their memory; "
+                "a plan would send the copy made now on every put: pass writable, C-ordered arrays (np.ascontiguousarray(a).copy())"
+            )
+        sent, convert = _converted(info.layout, dtype)
+        self.layout: Layout = sent
+        self.layout_bytes: bytes = sent.to_bytes()
+        self.offsets, self.total_nbytes = packing.packed_offsets(sent.nbytes, sent.alignments)
+        self.num_tensors = len(leaves)
+        self.dtype = dtype
+        self._converting = bool(convert.any())
+        self._leaves = leaves
+        self._keys = list(src.keys()) if isinstance(src, dict) else None
+        # The copy sees converted leaves as values (not raw bytes) and the
+        # layout's dtype as their destination type.
+        self._info = info._replace(layout=sent, raw=info.raw & ~convert)
+        self._ptrs = info.data_ptrs.copy()
+        self._numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=len(leaves))
+        self._slots = _module_slots(module, self._keys, leaves) if module is not None else None
+        self._host = info.all_cpu and sender.pool.device.type == "cpu"
+        self._sources: tuple[list[memoryview], np.ndarray, np.ndarray] | None = None
+        self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
+        self.lock = threading.Lock()
+        if self._host:
+            self._copy = CopyPlan.build(self.offsets, info.data_ptrs, sent.nbytes, raw=self._info.raw)
+            self._conversions, converted = _conversion_runs(leaves, info, sent, self.offsets, convert)
+            self._values = np.setdiff1d(self._copy.elementwise, converted)
+
+    def __repr__(self) -> str:
+        return (
+            f"SendPlan(num_tensors={self.num_tensors:,}, total_nbytes={self.total_nbytes:,}, "
+            f"dtype={self.dtype}, copy_runs={self.copy_runs if self._host else 'device'})"
+        )
+
+    @property
+    def copy_runs(self) -> int:
+        """Copies one snapshot put issues (merged runs, conversion runs, value copies)."""
+        if not self._host:
+            return self.num_tensors
+        return self._copy.num_runs + len(self._conversions) + int(self._values.size)
+
+    # -- what put() calls ------------------------------------------------------------------
+
+    def check(self, sender: "Sender") -> None:
+        """Raise unless this plan belongs to ``sender`` and its tensors are
+        still where it found them: the same objects in the module (if one
+        was planned), at the same addresses, of the same sizes. A few
+        C-level passes over the tensors, no Python per tensor but for a
+        module's slots.
+
+        Raises:
+            ConfigurationError: another sender's plan.
+            PlanStaleError: a tensor moved, was replaced or resized.
+        """
+        if sender is not self._sender:
+            raise ConfigurationError("put(plan): this plan was made by another Sender; make one with this sender's plan()")
+        leaves = self._leaves
+        n = len(leaves)
+        if self._slots is not None:
+            now = [slot.get(name) for slot, name in self._slots]
+            if not all(map(operator.is_, now, leaves)):
+                i = next(i for i, (a, b) in enumerate(zip(now, leaves)) if a is not b)
+                raise PlanStaleError(
+                    f"put(plan): the module's {self._name(i)} is no longer the tensor the plan was made with "
+                    "(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); nothing was sent: "
+                    "make a new plan with sender.plan(module)"
+                )
+        ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        bad = np.flatnonzero((ptrs != self._ptrs) | (numels != self._numels))
+        if bad.size:
+            i = int(bad[0])
+            what = f"moved from address {self._ptrs[i]:#x} to {ptrs[i]:#x}" if ptrs[i] != self._ptrs[i] else (
+                f"was resized from {self._numels[i]:,} to {numels[i]:,} elements")
+            raise PlanStaleError(
+                f"put(plan): {self._name(i)} {what} since the plan was made ({bad.size:,} tensors changed; e.g. "
+                "`.data` reassigned, module.to(), resize_); nothing was sent: make a new plan"
+            )
+
+    def fill(self, out: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+        """Write bytes ``[lo, hi)`` of the packed object into ``out`` (a pool
+        block of ``hi - lo`` bytes): the kept runs by address, conversions
+        a run at a time, the rest value by value. Returns ``(copies, value copies)``."""
+        if not self._host:
+            return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi)
+        copy = self._copy
+        if lo == 0 and hi >= self.total_nbytes:
+            d, s, n = copy.dst, copy.src, copy.nbytes
+        else:
+            d, s, n, _ = copy.window(lo, hi, by_dst=True)
+        memmove_runs(d + (out.data_ptr() - lo), s, n)
+        with torch.no_grad():
+            for start, nbytes, dt, src in self._conversions:
+                a, b = max(lo, start), min(hi, start + nbytes)
+                if a < b:
+                    size = dt.itemsize
+                    out[a - lo : b - lo].view(dt).copy_(src[(a - start) // size : (b - start) // size])
+        values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
+        return int(n.size) + len(self._conversions), values
+
+    def fill_piece(self, pool: Any) -> Any:
+        """``pack(voffset, nbytes) -> Packed``: one piece of a streamed put,
+        packed into ``pool`` from the kept runs."""
+        nbytes, offsets = self.layout.nbytes, self.offsets
+
+        def pack(voffset: int, size: int) -> Any:
+            count = int(((offsets < voffset + size) & (offsets + nbytes > voffset) & (nbytes > 0)).sum())
+            return pool.pack_with(self.layout, size, lambda out: self.fill(out, voffset, voffset + size), num_tensors=count)
+
+        return pack
+
+    def source_buffers(self, lo: int, hi: int) -> list[memoryview]:
+        """Bytes ``[lo, hi)`` of the packed object as buffers of the
+        tensors' own memory (and zeros for alignment gaps): what a
+        ``snapshot=False`` put serves. Built once per plan.
+
+        Raises:
+            ConfigurationError: the plan converts dtypes, or has tensors
+                that are not dense host memory (their bytes are not their values).
+        """
+        if self._sources is None:
+            self._sources = self._build_sources()
+        bufs, starts, ends = self._sources
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(starts, hi, side="left"))
+        out = bufs[first:last]
+        if out:
+            s0, e1 = int(starts[first]), int(ends[last - 1])
+            if s0 < lo or e1 > hi:
+                out = list(out)
+                if len(out) == 1:
+                    out[0] = out[0][max(lo, s0) - s0 : min(hi, e1) - s0]
+                else:
+                    out[0] = out[0][max(lo, s0) - s0 :]
+                    out[-1] = out[-1][: min(hi, e1) - int(starts[last - 1])]
+        return out
+
+    def _build_sources(self) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
+        if not self._host or self._converting or self._values.size:
+            why = (
+                "it converts dtypes (dtype=)" if self._converting else
+                "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
+            )
+            raise ConfigurationError(
+                f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
+                "use snapshot=True (the bytes are converted into the pool)"
+            )
+        bufs: list[memoryview] = []
+        starts: list[int] = []
+        pos = 0
+        for d, s, n in zip(self._copy.dst.tolist(), self._copy.src.tolist(), self._copy.nbytes.tolist()):
+            if d > pos:
+                bufs.append(memoryview(_GAP)[: d - pos])
+                starts.append(pos)
+            bufs.append(_buffer_at(s, n))
+            starts.append(d)
+            pos = d + n
+        if pos < self.total_nbytes:
+            bufs.append(memoryview(bytes(self.total_nbytes - pos)))
+            starts.append(pos)
+        st = np.asarray(starts, dtype=np.int64)
+        return bufs, st, st + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+
+    def _name(self, i: int) -> str:
+        if self._keys is not None and i < len(self._keys):
+            return f"tensor {self._keys[i]!r}"
+        return f"tensor #{i}"
+
+
+class SourcedPiece:
+    """A piece of a ``snapshot=False`` put: served from the tensors' own
+    memory, so it holds no pool block. Stands where a :class:`Packed` does
+    in the sender's ledger (``blocks``, ``buffers()``, ``release()``)."""
+
+    def __init__(self, plan: SendPlan, lo: int, hi: int) -> None:
+        from .pool import Block
+
+        self.plan, self.lo, self.hi = plan, lo, hi
+        # Offsets relative to the piece: the receiver checks them against
+        # the sender's pool size, which a piece never exceeds.
+        self.blocks: tuple[Block, ...] = (Block(0, hi - lo),)
+
+    def buffers(self) -> list[memoryview]:
+        return self.plan.source_buffers(self.lo, self.hi)
+
+    def release(self) -> None:
+        """Nothing to free: the bytes are the caller's tensors."""
+
+
+def _converted(layout: Layout, dtype: torch.dtype | None) -> tuple[Layout, np.ndarray]:
+    """The layout with floating-point tensors as ``dtype``, and which changed."""
+    if dtype is None:
+        return layout, np.zeros(layout.num_tensors, dtype=bool)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigurationError(
+            f"plan(dtype={dtype!r}): expected a floating-point torch dtype (torch.bfloat16, torch.float16, ...); "
+            "integer and bool tensors are always sent as they are"
+        )
+    try:
+        target = dtype_code(dtype)
+    except KeyError as exc:
+        raise ConfigurationError(f"plan(dtype={dtype}): tensorferry cannot send {dtype}; use torch.bfloat16 or torch.float16") from exc
+    codes = layout.dtype_codes
+    convert = _FLOATING[codes] & (codes != target) if codes.size else np.zeros(0, dtype=bool)
+    if not convert.any():
+        return layout, convert
+    new_codes = codes.copy()
+    new_codes[convert] = target
+    return dataclasses.replace(layout, dtype_codes=new_codes), convert
+
+
+def _floating_codes() -> np.ndarray:
+    """bool per wire code: a floating-point dtype (what ``dtype=`` converts)."""
+    out = np.zeros(max(code for code, _ in DTYPES.values()) + 1, dtype=bool)
+    for code, _ in DTYPES.values():
+        out[code] = torch_dtype(code).is_floating_point
+    return out
+
+
+_FLOATING = _floating_codes()
+
+
+def _conversion_runs(leaves: Sequence[torch.Tensor], info: LeafInfo, sent: Layout, offsets: np.ndarray, convert: np.ndarray) -> tuple[list[tuple[int, int, torch.dtype, torch.Tensor]], np.ndarray]:
+    """Dense host tensors converted on the way, merged into runs of one
+    source dtype that touch on both sides (views of a flat buffer: one
+    run), each with a tensor over its source memory made once.
+
+    Returns ``(runs, converted)``: ``(destination offset, destination
+    bytes, destination dtype, source tensor)`` per run, and the indices of
+    the tensors the runs cover.
+    """
+    src_size = info.layout.alignments
+    idx = np.flatnonzero(convert & info.raw & (sent.nbytes > 0))
+    idx = idx[info.data_ptrs[idx] % src_size[idx] == 0]
+    if not idx.size:
+        return [], idx
+    codes = info.layout.dtype_codes[idx]
+    breaks = np.zeros(idx.size, dtype=bool)
+    breaks[1:] = codes[1:] != codes[:-1]
+    dst_size = sent.alignments[idx]
+    # In elements: a run is adjacent on both sides in its own element size.
+    runs = packing.merge_runs(offsets[idx] // dst_size, info.data_ptrs[idx] // src_size[idx], sent.numels[idx], breaks)
+    out = []
+    for de, se, n, h in zip(runs.dst.tolist(), runs.src.tolist(), runs.nbytes.tolist(), runs.heads.tolist()):
+        i = int(idx[h])
+        sdt, ddt = leaves[i].dtype, torch_dtype(int(sent.dtype_codes[i]))
+        src = torch.frombuffer(_buffer_at(se * sdt.itemsize, n * sdt.itemsize), dtype=sdt)
+        out.append((de * ddt.itemsize, n * ddt.itemsize, ddt, src))
+    return out, idx
+
+
+def _module_slots(module: torch.nn.Module, keys: list[Any], leaves: Sequence[torch.Tensor]) -> list[tuple[dict, Any]]:
+    """Where each state-dict entry lives in the module: ``(the owning
+    module's _parameters or _buffers, name)``, so a put can look each up
+    again and see whether it was replaced. An entry a state_dict hook made
+    has no such place: its slot holds the planned tensor (checked by
+    address and size only)."""
+    where: dict[str, tuple[dict, str]] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        head = f"{prefix}." if prefix else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                where[head + name] = (m._parameters, name)
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                where[head + name] = (m._buffers, name)
+    return [where.get(k) or ({k: t}, k) for k, t in zip(keys, leaves)]
+
+
+class RecvPlan:
+    """A receiver's kept plan for one layout (``Receiver.plan``); receiver side.
+
+    ``Receiver.get(ticket, into=plan)`` writes every ticket of that layout
+    into the same destinations and returns :attr:`result`: the caller's
+    ``into=`` object, or the tensors the plan allocated. Not for concurrent
+    gets (they would write the same tensors): gets of one plan take turns.
+
+    Attributes:
+        layout: the planned layout.
+        layout_bytes: its encoding; a ticket must carry exactly these bytes.
+        result: what every get returns (the same objects each time).
+        total_nbytes: bytes one get moves (packed, one block).
+    """
+
+    def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any = None) -> None:
+        self._receiver = receiver
+        layout = ticket.layout
+        self.layout = layout
+        self.layout_bytes = ticket.layout_bytes
+        self.offsets, self.total_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)
+        self.lock = threading.Lock()
+        self._lease = None
+        self._own: torch.Tensor | None = None
+        if into is None:
+            # Destination tensors of our own: one buffer in the one-block
+            # layout, so a planned sender's stream lands in it as it is.
+            self._own = self._own_buffer(max(self.total_nbytes, 1))
+            own = self._own[: self.total_nbytes]
+            with gc_paused():
+                targets = build_views([own], layout, packing.group_by_block(layout.nbytes, layout.alignments, [self.total_nbytes]))
+            self.result = unflatten(layout, targets)
+        else:
+            targets = match_into(layout, into)
+            self.result = into
+        self._targets = targets
+        ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
+        self._dst = np.zeros(len(targets), dtype=np.int64)
+        if ok.any():
+            self._dst[ok] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=len(targets))[ok]
+        n = layout.nbytes
+        # Targets that cannot be written by address get a buffer each, kept.
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in np.flatnonzero(~ok & (n > 0)).tolist():
+            staged = torch.empty(int(n[i]), dtype=torch.uint8)
+            self._dst[i] = staged.data_ptr()
+            self._fixups.append((staged, targets[i]))
+        self._coords: dict[tuple[int, ...], _Coords] = {}
+        self._aliased = bool(layout.aliases.size)
+
+    def __repr__(self) -> str:
+        kind = "own tensors" if self._own is not None else "into="
+        return f"RecvPlan(num_tensors={self.layout.num_tensors:,}, total_nbytes={self.total_nbytes:,}, {kind})"
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """The destination tensor of each sent tensor, in layout order."""
+        return self._targets
+
+    def _own_buffer(self, nbytes: int) -> torch.Tensor:
+        """From the receive pool where it has room (registered for NIXL),
+        released when the last of the plan's tensors is collected."""
+        pool = self._receiver.pool
+        if pool is not None and pool.device.type == "cpu":
+            from .errors import PoolExhaustedError
+
+            try:
+                return pool.reserve(packing.align_up(nbytes, packing.BLOCK_ALIGNMENT)).owned_view()
+            except PoolExhaustedError:
+                pass
+        from ._memory import new_host_bytes
+
+        return new_host_bytes(nbytes)
+
+    def coords(self, block_nbytes: tuple[int, ...]) -> "_Coords":
+        """The copy runs from a stream of blocks of these sizes (cached)."""
+        c = self._coords.get(block_nbytes)
+        if c is None:
+            if len(block_nbytes) <= 1:
+                pos = self.offsets
+            else:
+                layout = self.layout
+                groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
+                start = np.zeros(len(block_nbytes), dtype=np.int64)
+                start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+                block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
+                pos = start[block_of] + groups.offsets
+            c = _Coords(CopyPlan.build(self._dst, pos, self.layout.nbytes), sum(block_nbytes))
+            self._coords[block_nbytes] = c
+        return c
+
+    def own_window(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Our own buffer's bytes ``[lo, hi)`` of the one-block stream, if
+        the plan owns its destination (the stream lands there as it is)."""
+        return None if self._own is None else self._own[lo:hi]
+
+    def finish(self) -> None:
+        """After the bytes landed: targets that are not dense host memory
+        get their staged bytes; untied aliases get a copy."""
+        if self._fixups:
+            copy_staged(self._fixups)
+        if self._aliased:
+            for dup, orig in self.layout.aliases.tolist():
+                a, b = self._targets[dup], self._targets[orig]
+                if a is not b and not (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()):
+                    with torch.no_grad():
+                        a.copy_(b)
+
+    def check(self, receiver: "Receiver", ticket: "Ticket") -> None:
+        """Raise unless ``ticket`` carries this plan's layout (bytes compared,
+        nothing decoded) and the plan belongs to ``receiver``.
+
+        Raises:
+            ConfigurationError: another receiver's plan.
+            LayoutMismatchError: another layout; names what differs.
+        """
+        if receiver is not self._receiver:
+            raise ConfigurationError("get(into=plan): this plan was made by another Receiver; make one with this receiver's plan()")
+        if ticket.layout_bytes != self.layout_bytes or ticket.total_nbytes != self.total_nbytes:
+            raise LayoutMismatchError(
+                f"get(into=plan): the ticket's layout is not the plan's: {_difference(self.layout, ticket)}; "
+                "nothing was written: make a new plan for this layout (receiver.plan(ticket, into=...))"
+            )
+
+
+class _Coords:
+    """A plan's runs from one stream geometry, and (lazily) the same runs
+    as a list of buffers covering the whole stream (tcp's scatter list)."""
+
+    def __init__(self, copy: CopyPlan, total: int) -> None:
+        self.copy = copy
+        self.total = total
+        self._segments: tuple[list[memoryview], np.ndarray, np.ndarray] | None = None
+
+    def execute_window(self, lo: int, hi: int, src_base: int) -> None:
+        """Copy stream bytes ``[lo, hi)``, found at address ``src_base + lo``, to their targets."""
+        self.copy.execute_window(lo, hi, 0, src_base)
+
+    def segments(self, lo: int, hi: int) -> list[memoryview]:
+        """Buffers that receive stream bytes ``[lo, hi)`` in order: the
+        targets' memory, and a scratch for the gaps between them."""
+        if self._segments is None:
+            self._segments = self._build_segments()
+        bufs, starts, ends = self._segments
+        first = int(np.searchsorted(ends, lo, side="right"))
+        last = int(np.searchsorted(starts, hi, side="left"))
+        out = bufs[first:last]
+        if out:
+            s0, e1 = int(starts[first]), int(ends[last - 1])
+            if s0 < lo or e1 > hi:
+                out = list(out)
+                if len(out) == 1:
+                    out[0] = out[0][max(lo, s0) - s0 : min(hi, e1) - s0]
+                else:
+                    out[0] = out[0][max(lo, s0) - s0 :]
+                    out[-1] = out[-1][: min(hi, e1) - int(starts[last - 1])]
+        return out
+
+    def _build_segments(self) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
+        c = self.copy
+        order = np.argsort(c.src, kind="stable")
+        bufs: list[memoryview] = []
+        starts: list[int] = []
+        pos = 0
+        scratch_needed = 0
+        gaps: list[tuple[int, int]] = []
+        for s, d, n in zip(c.src[order].tolist(), c.dst[order].tolist(), c.nbytes[order].tolist()):
+            if s > pos:
+                gaps.append((len(bufs), s - pos))
+                bufs.append(None)  # type: ignore[arg-type]
+                starts.append(pos)
+                scratch_needed = max(scratch_needed, s - pos)
+            bufs.append(_buffer_at(d, n))
+            starts.append(s)
+            pos = s + n
+        if pos < self.total:
+            gaps.append((len(bufs), self.total - pos))
+            bufs.append(None)  # type: ignore[arg-type]
+            starts.append(pos)
+            scratch_needed = max(scratch_needed, self.total - pos)
+        # Gap bytes are thrown away: every gap may share one scratch.
+        self._scratch = bytearray(scratch_needed)
+        for at, k in gaps:
+            bufs[at] = memoryview(self._scratch)[:k]
+        st = np.asarray(starts, dtype=np.int64)
+        return bufs, st, st + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+
+
+def _difference(layout: Layout, ticket: "Ticket") -> str:
+    """What differs between the planned layout and a ticket's (decoded
+    here, on the error path only)."""
+    try:
+        other = ticket.layout
+    except Exception as exc:  # a ticket's layout that does not decode
+        return f"its layout does not decode ({exc})"
+    if other.num_tensors != layout.num_tensors:
+        return f"{other.num_tensors:,} tensors sent, {layout.num_tensors:,} planned"
+    if other.keys != layout.keys:
+        for i, (a, b) in enumerate(zip(other.keys, layout.keys)):
+            if a != b:
+                return f"key #{i} is {a!r}, planned {b!r}"
+        return f"{len(other.keys)} keys sent, {len(layout.keys)} planned"
+    codes = np.flatnonzero(other.dtype_codes != layout.dtype_codes)
+    if codes.size:
+        i = int(codes[0])
+        return f"tensor #{i} is {other.dtype_names()[i]}, planned {layout.dtype_names()[i]} ({codes.size:,} dtypes differ)"
+    a, b = other.shapes(), layout.shapes()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"tensor #{i} has shape {tuple(x)}, planned {tuple(y)}"
+    return "the nesting or the tied tensors differ"
