@@ -378,9 +378,9 @@ class RecvPlan:
             # Destination tensors of our own: one buffer in the one-block
             # layout, so a planned sender's stream lands in it as it is.
             self._own = self._own_buffer(max(self.total_nbytes, 1))
-            own = self._own[: self.total_nbytes]
+            blocks = [self._own[: self.total_nbytes]] if self.total_nbytes else []
             with gc_paused():
-                targets = build_views([own], layout, packing.group_by_block(layout.nbytes, layout.alignments, [self.total_nbytes]))
+                targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
             self.result = unflatten(layout, targets)
         else:
             targets = match_into(layout, into)

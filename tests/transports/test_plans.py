@@ -1,0 +1,404 @@
+"""Kept plans (``Sender.plan``, ``Receiver.plan``) over every transport.
+
+Real senders and receivers, real sockets and pools; one test runs the sender
+in another process. Every sync changes the data in place first, so a plan
+that replayed stale bytes (or wrote the wrong targets) fails the comparison.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from _transfer_helpers import assert_same, make_tensor, pool_empty, require, state_dict, wait_until
+from tensorferry import (
+    ConfigurationError,
+    LayoutMismatchError,
+    PlanBusyError,
+    PlanStaleError,
+    Receiver,
+    RecvPlan,
+    SendPlan,
+    Sender,
+    Ticket,
+    TransferError,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=("shm", "tcp", "nixl"))
+def transport(request) -> str:
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture
+def sender(transport):
+    with Sender(transport, capacity_nbytes=8 * MiB) as s:
+        yield s
+
+
+@pytest.fixture
+def receiver(transport):
+    with Receiver(transport, timeout=20.0) as r:
+        yield r
+
+
+def bump(obj) -> None:
+    """Change every tensor of ``obj`` in place (what a training step does)."""
+    with torch.no_grad():
+        for t in _leaves(obj):
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            elif t.is_complex() or t.is_floating_point():
+                t.mul_(-1.5).add_(1)
+            else:
+                t.add_(3)
+
+
+def _leaves(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _leaves(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _leaves(v)]
+    return []
+
+
+def first_sync(sender, receiver, plan, into=None):
+    """The first sync: put, make the receiver's plan from its ticket, get it."""
+    ticket = sender.put(plan)
+    rplan = receiver.plan(ticket, into=into)
+    receiver.get(ticket, into=rplan)
+    return rplan
+
+
+def idle(sender) -> bool:
+    return wait_until(lambda: pool_empty(sender.pool) and sender.stats()["live_tickets"] == 0, 5.0)
+
+
+# -- replays -------------------------------------------------------------------------------
+
+
+def test_planned_syncs_carry_every_change_into_the_same_objects(sender, receiver):
+    obj = state_dict(1)
+    plan = sender.plan(obj)
+    assert isinstance(plan, SendPlan) and plan.num_tensors == len(_leaves(obj))
+    ticket = sender.put(plan)
+    rplan = receiver.plan(ticket)
+    assert isinstance(rplan, RecvPlan)
+    first = receiver.get(ticket, into=rplan)
+    assert_same(first, obj)
+    for _ in range(3):
+        bump(obj)
+        ticket = sender.put(plan)
+        got = receiver.get(ticket, into=rplan)
+        assert got is first  # the same structure and tensor objects, every time
+        assert_same(got, obj)
+        sender.wait_released(ticket, timeout=10.0)
+    assert idle(sender)
+
+
+def test_planned_get_into_existing_tensors_of_any_shape_of_memory(sender, receiver):
+    obj = state_dict(2)
+    plan = sender.plan(obj)
+    g = torch.Generator().manual_seed(9)
+    targets = state_dict(3)  # same layout, other values
+    # A transposed (non-contiguous) target is written through a kept staging buffer.
+    targets["layers"][0]["w"] = make_tensor(g, torch.float32, (32, 64)).t()
+    rplan = first_sync(sender, receiver, plan, into=targets)
+    for _ in range(2):
+        bump(obj)
+        before = targets["layers"][1]["w"]._version
+        assert receiver.get(sender.put(plan), into=rplan) is targets
+        assert_same(targets, obj)
+        assert targets["layers"][1]["w"]._version > before  # autograd sees the in-place write
+    assert idle(sender)
+
+
+def test_views_of_one_flat_buffer_are_one_copy_each_side(sender, receiver):
+    flat = torch.arange(100_000, dtype=torch.float32)
+    views = list(flat.view(1000, 100).unbind(0))
+    plan = sender.plan(views)
+    assert plan.copy_runs == 1
+    ticket = sender.put(plan)
+    rplan = receiver.plan(ticket, into=[torch.empty(100) for _ in range(1000)])
+    assert rplan.coords(tuple(n for _, n in ticket.blocks) or (ticket.total_nbytes,)).copy.num_runs == 1000  # targets apart
+    own = receiver.plan(ticket)
+    sender.discard(ticket)  # only planned from
+    flat.add_(7)
+    ticket = sender.put(plan, readers=2)
+    got = receiver.get(ticket, into=own)
+    assert torch.equal(torch.stack(got), flat.view(1000, 100))
+    receiver.get(ticket, into=rplan)
+    assert torch.equal(torch.stack(rplan.result), flat.view(1000, 100))
+    assert idle(sender)
+
+
+def test_tied_tensors_in_a_plan(sender, receiver):
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight  # tied, as in GPT-2
+    plan = sender.plan(model)
+    twin = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))  # untied here
+    rplan = first_sync(sender, receiver, plan, into=twin.state_dict())
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    receiver.get(sender.put(plan), into=rplan)
+    assert torch.equal(twin[0].weight, model[0].weight) and torch.equal(twin[1].weight, model[0].weight)
+
+
+def test_a_plan_of_an_object_larger_than_the_pool_streams(transport, receiver):
+    with Sender(transport, capacity_nbytes=1 * MiB) as sender:
+        g = torch.Generator().manual_seed(4)
+        obj = [make_tensor(g, torch.float32, (300_000,)), make_tensor(g, torch.float64, (100_000,)), make_tensor(g, torch.int16, (999,))]
+        plan = sender.plan(obj)
+        ticket = sender.put(plan)
+        assert ticket.streamed
+        rplan = receiver.plan(ticket)
+        targets = [torch.empty_like(t) for t in obj]
+        tplan = receiver.plan(ticket, into=targets)
+        assert_same(receiver.get(ticket, into=rplan), obj)
+        bump(obj)
+        ticket = sender.put(plan)
+        receiver.get(ticket, into=tplan)
+        assert_same(targets, obj)
+        assert idle(sender)
+
+
+def test_a_ticket_of_several_blocks_lands_by_the_kept_runs(transport, receiver):
+    # A plain put into a fragmented pool splits the object over several
+    # blocks; a plan follows whatever blocks a ticket has.
+    with Sender(transport, capacity_nbytes=1 * MiB) as sender:
+        pool = sender.pool
+        hold = [pool.pack(torch.zeros(n // 4)) for n in (300_000, 300_000, 300_000)]
+        hold[1].release()
+        # 250,000 bytes fit the 300,000-byte hole, 120,000 the 148,576-byte tail.
+        obj = [torch.arange(62_500, dtype=torch.float32), torch.arange(15_000, dtype=torch.int64) * 3]
+        ticket = sender.put(obj, one_shot=True)
+        assert len(ticket.blocks) > 1, ticket.blocks
+        targets = [torch.zeros(62_500), torch.zeros(15_000, dtype=torch.int64)]
+        tplan = receiver.plan(ticket, into=targets)
+        own = receiver.plan(ticket)
+        sender.discard(ticket)  # only planned from
+        sender.wait_released(ticket, timeout=5.0)
+        ticket = sender.put(obj, readers=2, one_shot=True)
+        assert len(ticket.blocks) > 1
+        receiver.get(ticket, into=tplan)
+        assert_same(targets, obj)
+        assert_same(receiver.get(ticket, into=own), obj)
+        for p in hold:
+            p.release()
+
+
+def test_dtype_converts_floating_point_only(sender, receiver):
+    g = torch.Generator().manual_seed(5)
+    flat = make_tensor(g, torch.float32, (10_000,))
+    obj = {
+        "w": flat[:6000].view(60, 100),
+        "b": flat[6000:],
+        "t": make_tensor(g, torch.float64, (30, 20)).t(),  # non-contiguous: converted value by value
+        "steps": torch.arange(5, dtype=torch.int64),
+        "mask": torch.ones(4, dtype=torch.bool),
+    }
+    plan = sender.plan(obj, dtype=torch.bfloat16)
+    assert plan.total_nbytes < sum(t.numel() * t.element_size() for t in obj.values())
+    assert [plan.layout.dtype_names()[i] for i in range(5)] == ["bfloat16", "bfloat16", "bfloat16", "int64", "bool"]
+    rplan = first_sync(sender, receiver, plan)
+    bump(obj)
+    got = receiver.get(sender.put(plan), into=rplan)
+    for k, v in obj.items():
+        want = v.to(torch.bfloat16) if v.is_floating_point() else v
+        assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
+
+
+def test_dtype_conversion_across_streamed_pieces(transport, receiver):
+    with Sender(transport, capacity_nbytes=1 * MiB) as sender:
+        flat = torch.randn(700_000)  # 2.8 MB of fp32, 1.4 MB sent: pieces cut the run
+        plan = sender.plan([flat[:400_001], flat[400_001:]], dtype=torch.float16)
+        ticket = sender.put(plan)
+        assert ticket.streamed
+        got = receiver.get(ticket, into=receiver.plan(ticket))
+        assert torch.equal(torch.cat(got), flat.to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "bfloat16"])
+def test_dtype_must_be_a_floating_point_dtype(sender, dtype):
+    with pytest.raises(ConfigurationError, match="floating-point"):
+        sender.plan([torch.zeros(3)], dtype=dtype)
+
+
+def test_empty_and_zero_size_plans(sender, receiver):
+    for obj in ({}, [torch.empty(0), {"z": torch.empty(2, 0)}]):
+        plan = sender.plan(obj)
+        ticket = sender.put(plan)
+        got = receiver.get(ticket, into=receiver.plan(ticket))
+        assert_same(got, obj)
+
+
+# -- stale plans and misuse -------------------------------------------------------------------
+
+
+def test_module_plans_refuse_moved_or_replaced_parameters(sender):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    either = r"'(0\.weight|1\.running_mean)' (moved|is no longer)"
+    cases = [
+        (r"'0\.weight' moved", lambda: setattr(model[0].weight, "data", torch.zeros(8, 4))),
+        # These give parameters new memory (or new objects) and buffers new
+        # objects: whichever comes first in the state dict is named.
+        (either, lambda: model.load_state_dict({**model.state_dict(), "1.running_mean": torch.ones(8)}, assign=True)),
+        (r"'1\.running_var' is no longer", lambda: model[1].register_buffer("running_var", torch.ones(8))),
+        (either, lambda: model.to(torch.float64)),
+    ]
+    for pattern, change in cases:
+        plan = sender.plan(model)
+        change()
+        with pytest.raises(PlanStaleError, match=pattern):
+            sender.put(plan)
+        assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
+
+
+def test_plain_plans_refuse_resized_tensors(sender):
+    a, b = torch.zeros(10), torch.zeros(10)
+    plan = sender.plan({"a": a, "b": b})
+    b.resize_(5)
+    with pytest.raises(PlanStaleError, match="'b'.*resized from 10 to 5"):
+        sender.put(plan)
+    b.resize_(100_000)  # grows: new memory
+    with pytest.raises(PlanStaleError, match="'b' moved"):
+        sender.put(plan)
+    assert pool_empty(sender.pool)
+
+
+def test_a_plan_belongs_to_its_sender_and_receiver(transport, sender, receiver):
+    plan = sender.plan([torch.ones(4)])
+    ticket = sender.put(plan)
+    rplan = receiver.plan(ticket)
+    with Sender(transport) as other:
+        with pytest.raises(ConfigurationError, match="another Sender"):
+            other.put(plan)
+    with Receiver(transport) as other:
+        with pytest.raises(ConfigurationError, match="another Receiver"):
+            other.get(ticket, into=rplan)
+    receiver.get(ticket, into=rplan)  # the slot was not taken by the refusals
+    with Sender(transport) as closing:
+        p = closing.plan([torch.ones(2)])
+    with pytest.raises(ConfigurationError, match="closed"):
+        closing.put(p)
+    with Receiver(transport) as closing_r:
+        rp = closing_r.plan(ticket)
+    with pytest.raises(TransferError, match="closed"):
+        closing_r.get(ticket, into=rp)
+
+
+def test_a_ticket_of_another_layout_is_refused_before_any_slot_is_taken(sender, receiver):
+    plan_a = sender.plan({"w": torch.ones(4, 4)})
+    plan_b = sender.plan({"w": torch.ones(4, 5)})
+    rplan = first_sync(sender, receiver, plan_a)
+    other = sender.put(plan_b)
+    with pytest.raises(LayoutMismatchError, match=r"shape \(4, 5\), planned \(4, 4\)"):
+        receiver.get(other, into=rplan)
+    assert torch.equal(receiver.get(other)["w"], torch.ones(4, 5))  # the slot was still there
+
+
+def test_plan_from_ticket_bytes_and_a_forged_size(sender, receiver):
+    ticket = sender.put(sender.plan([torch.ones(8)]))
+    receiver.plan(ticket.to_bytes())  # bytes are fine
+    import msgspec
+
+    forged = msgspec.structs.replace(ticket, total_nbytes=ticket.total_nbytes + 16)
+    from tensorferry import TicketError
+
+    with pytest.raises(TicketError, match="packs into"):
+        receiver.plan(forged)
+
+
+# -- snapshot=False -------------------------------------------------------------------------------
+
+
+def test_snapshot_false_serves_the_tensors_themselves_over_tcp():
+    with Sender("tcp", capacity_nbytes=1 * MiB) as sender, Receiver("tcp", timeout=20.0) as receiver:
+        flat = torch.randn(600_000)  # 2.4 MB: more than the pool, served in pieces
+        obj = {"a": flat[:1000].view(10, 100), "b": torch.arange(7, dtype=torch.int16), "c": flat[1000:]}
+        plan = sender.plan(obj)
+        rplan = first_sync(sender, receiver, plan)
+        assert idle(sender)
+        for _ in range(2):
+            bump(obj)
+            ticket = sender.put(plan, snapshot=False)
+            assert pool_empty(sender.pool)  # nothing copied into the pool
+            with pytest.raises(PlanBusyError, match="wait_released"):
+                sender.put(plan, snapshot=False)
+            assert_same(receiver.get(ticket, into=rplan), obj)
+            sender.wait_released(ticket, timeout=10.0)
+        assert_same(receiver.get(sender.put(plan, snapshot=False)), obj)  # a plain get reads it too
+
+
+def test_snapshot_false_is_refused_where_it_cannot_work(transport, sender):
+    plan = sender.plan([torch.ones(4)])
+    if transport != "tcp":
+        with pytest.raises(ConfigurationError, match="only the tcp transport"):
+            sender.put(plan, snapshot=False)
+    with pytest.raises(ConfigurationError, match="needs a plan"):
+        sender.put([torch.ones(4)], snapshot=False)
+    if transport == "tcp":
+        with pytest.raises(ConfigurationError, match="converts dtypes"):
+            sender.put(sender.plan([torch.ones(4)], dtype=torch.float16), snapshot=False)
+        with pytest.raises(ConfigurationError, match="not dense host memory"):
+            sender.put(sender.plan([torch.ones(4, 3).t()]), snapshot=False)
+    assert pool_empty(sender.pool) and sender.stats()["live_tickets"] == 0
+
+
+def test_a_shm_receiver_cannot_take_a_snapshot_false_ticket():
+    with Sender("tcp", extra_transports=("shm",)) as sender, Receiver("shm") as receiver:
+        plan = sender.plan([torch.ones(4)])
+        ticket = sender.ticket_for(sender.put(plan, snapshot=False), "shm")
+        with pytest.raises(TransferError, match="snapshot=False"):
+            receiver.get(ticket)
+
+
+# -- another process ------------------------------------------------------------------------------
+
+
+def _plan_sender(transport: str, rounds: int, out_q, in_q) -> None:
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    from tensorferry import Sender
+
+    obj = state_dict(11, scale=8)
+    with Sender(transport, capacity_nbytes=8 * MiB) as sender:
+        plan = sender.plan(obj)
+        for _ in range(rounds):
+            bump(obj)
+            ticket = sender.put(plan)
+            out_q.put(ticket.to_bytes())
+            sender.wait_released(ticket, timeout=30.0)
+            in_q.get()
+
+
+def test_a_sender_process_replays_its_plan(transport):
+    ctx = mp.get_context("spawn")
+    out_q, in_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_plan_sender, args=(transport, 3, out_q, in_q), daemon=True)
+    proc.start()
+    try:
+        want = state_dict(11, scale=8)
+        with Receiver(transport, timeout=30.0) as receiver:
+            rplan = None
+            for _ in range(3):
+                ticket = Ticket.from_bytes(out_q.get(timeout=120))
+                rplan = rplan or receiver.plan(ticket)
+                got = receiver.get(ticket, into=rplan)
+                bump(want)
+                assert_same(got, want)
+                in_q.put(None)
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        gc.collect()
