@@ -66,6 +66,7 @@ class SendPlan:
     and replays their copy into the pool on every ``Sender.put(plan)``.
 
     Attributes:
+        source: the object planned (an ``nn.Module``, or the tensors' nesting).
         layout: what receivers get: the tensors' dtypes (after ``dtype=``),
             shapes and nesting.
         layout_bytes: the encoded layout, reused by every ticket.
@@ -75,6 +76,7 @@ class SendPlan:
 
     def __init__(self, sender: "Sender", obj: Any, *, dtype: torch.dtype | None = None) -> None:
         self._sender = sender
+        self.source = obj  # what was planned (a module, or the object itself)
         module = obj if isinstance(obj, torch.nn.Module) else None
         src = module.state_dict(keep_vars=True) if module is not None else obj
         with gc_paused():
@@ -97,9 +99,7 @@ class SendPlan:
         # The copy sees converted leaves as values (not raw bytes) and the
         # layout's dtype as their destination type.
         self._info = info._replace(layout=sent, raw=info.raw & ~convert)
-        self._ptrs = info.data_ptrs.copy()
-        self._numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=len(leaves))
-        self._slots = _module_slots(module, self._keys, leaves) if module is not None else None
+        self._watch = _Watch(leaves, self._keys, module, ops, counts, keys)
         self._host = info.all_cpu and sender.pool.device.type == "cpu"
         self._sources: tuple[list[memoryview], np.ndarray, np.ndarray] | None = None
         self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
@@ -137,28 +137,14 @@ class SendPlan:
         """
         if sender is not self._sender:
             raise ConfigurationError("put(plan): this plan was made by another Sender; make one with this sender's plan()")
-        leaves = self._leaves
-        n = len(leaves)
-        if self._slots is not None:
-            now = [slot.get(name) for slot, name in self._slots]
-            if not all(map(operator.is_, now, leaves)):
-                i = next(i for i, (a, b) in enumerate(zip(now, leaves)) if a is not b)
-                raise PlanStaleError(
-                    f"put(plan): the module's {self._name(i)} is no longer the tensor the plan was made with "
-                    "(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); nothing was sent: "
-                    "make a new plan with sender.plan(module)"
-                )
-        ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
-        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
-        bad = np.flatnonzero((ptrs != self._ptrs) | (numels != self._numels))
-        if bad.size:
-            i = int(bad[0])
-            what = f"moved from address {self._ptrs[i]:#x} to {ptrs[i]:#x}" if ptrs[i] != self._ptrs[i] else (
-                f"was resized from {self._numels[i]:,} to {numels[i]:,} elements")
-            raise PlanStaleError(
-                f"put(plan): {self._name(i)} {what} since the plan was made ({bad.size:,} tensors changed; e.g. "
-                "`.data` reassigned, module.to(), resize_); nothing was sent: make a new plan"
-            )
+        self._watch.check("put(plan)", "sender.plan(...)")
+
+    def matches(self, obj: Any) -> bool:
+        """Whether ``obj`` is made of the planned tensors' memory, nested
+        the same way (a fresh ``state_dict()`` of the same model is): its
+        tensors may then be sent by this plan. One flatten of ``obj`` and a
+        few C-level passes."""
+        return self._watch.matches(obj)
 
     def fill(self, out: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
         """Write bytes ``[lo, hi)`` of the packed object into ``out`` (a pool
@@ -244,12 +230,6 @@ class SendPlan:
         st = np.asarray(starts, dtype=np.int64)
         return bufs, st, st + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
 
-    def _name(self, i: int) -> str:
-        if self._keys is not None and i < len(self._keys):
-            return f"tensor {self._keys[i]!r}"
-        return f"tensor #{i}"
-
-
 class SourcedPiece:
     """A piece of a ``snapshot=False`` put: served from the tensors' own
     memory, so it holds no pool block. Stands where a :class:`Packed` does
@@ -332,6 +312,71 @@ def _conversion_runs(leaves: Sequence[torch.Tensor], info: LeafInfo, sent: Layou
     return out, idx
 
 
+class _Watch:
+    """What a kept plan checks before each use: that its tensors are still
+    where it found them (same addresses and sizes) and, for a module, still
+    the module's own (a parameter or buffer replaced is another tensor)."""
+
+    def __init__(self, leaves: Sequence[torch.Tensor], names: list[Any] | None, module: torch.nn.Module | None, ops: Sequence[int], counts: Sequence[int], keys: Sequence[Any]) -> None:
+        n = len(leaves)
+        self.leaves = leaves
+        self.names = names
+        self.ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+        self.numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        self.dtypes = list(map(_get_dtype, leaves))
+        self.tree = (list(ops), list(counts), list(keys))
+        self.slots = _module_slots(module, names or [], leaves) if module is not None else None
+
+    def check(self, what: str, fix: str) -> None:
+        """Raises PlanStaleError naming the first tensor that changed."""
+        leaves = self.leaves
+        if self.slots is not None:
+            now = [slot.get(name) for slot, name in self.slots]
+            if not all(map(operator.is_, now, leaves)):
+                i = next(i for i, (a, b) in enumerate(zip(now, leaves)) if a is not b)
+                raise PlanStaleError(
+                    f"{what}: the module's {self.name(i)} is no longer the tensor the plan was made with "
+                    f"(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); nothing was moved: "
+                    f"make a new plan with {fix}"
+                )
+        n = len(leaves)
+        ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        bad = np.flatnonzero((ptrs != self.ptrs) | (numels != self.numels))
+        if bad.size:
+            i = int(bad[0])
+            change = f"moved from address {self.ptrs[i]:#x} to {ptrs[i]:#x}" if ptrs[i] != self.ptrs[i] else (
+                f"was resized from {self.numels[i]:,} to {numels[i]:,} elements")
+            raise PlanStaleError(
+                f"{what}: {self.name(i)} {change} since the plan was made ({bad.size:,} tensors changed; e.g. "
+                f"`.data` reassigned, module.to(), resize_); nothing was moved: make a new plan with {fix}"
+            )
+
+    def matches(self, obj: Any) -> bool:
+        src = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else obj
+        try:
+            leaves, ops, counts, keys, staged = flatten(src)
+        except UnsupportedTensorError:
+            return False
+        n = len(leaves)
+        if staged or n != len(self.leaves) or (ops, counts, keys) != self.tree or list(map(_get_dtype, leaves)) != self.dtypes:
+            return False
+        try:
+            ptrs = np.fromiter(map(torch.Tensor.data_ptr, leaves), dtype=np.int64, count=n)
+        except RuntimeError:  # a tensor without memory (meta, sparse)
+            return False
+        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        return bool((ptrs == self.ptrs).all() and (numels == self.numels).all())
+
+    def name(self, i: int) -> str:
+        if self.names is not None and i < len(self.names):
+            return f"tensor {self.names[i]!r}"
+        return f"tensor #{i}"
+
+
+_get_dtype = operator.attrgetter("dtype")
+
+
 def _module_slots(module: torch.nn.Module, keys: list[Any], leaves: Sequence[torch.Tensor]) -> list[tuple[dict, Any]]:
     """Where each state-dict entry lives in the module: ``(the owning
     module's _parameters or _buffers, name)``, so a put can look each up
@@ -372,8 +417,8 @@ class RecvPlan:
         self.layout_bytes = ticket.layout_bytes
         self.offsets, self.total_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)
         self.lock = threading.Lock()
-        self._lease = None
         self._own: torch.Tensor | None = None
+        self._watch: _Watch | None = None
         if into is None:
             # Destination tensors of our own: one buffer in the one-block
             # layout, so a planned sender's stream lands in it as it is.
@@ -383,8 +428,13 @@ class RecvPlan:
                 targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
             self.result = unflatten(layout, targets)
         else:
-            targets = match_into(layout, into)
+            src = into.state_dict(keep_vars=True) if isinstance(into, torch.nn.Module) else into
+            targets = match_into(layout, src)
             self.result = into
+            with gc_paused():
+                leaves, ops, counts, keys, _ = flatten(src)
+            names = list(src.keys()) if isinstance(src, dict) else None
+            self._watch = _Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
         self._targets = targets
         ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
         self._dst = np.zeros(len(targets), dtype=np.int64)
@@ -403,6 +453,12 @@ class RecvPlan:
     def __repr__(self) -> str:
         kind = "own tensors" if self._own is not None else "into="
         return f"RecvPlan(num_tensors={self.layout.num_tensors:,}, total_nbytes={self.total_nbytes:,}, {kind})"
+
+    def matches(self, into: Any) -> bool:
+        """Whether ``into`` is made of this plan's targets' memory, nested
+        the same way (a fresh ``state_dict()`` of the same model is), so
+        this plan writes where ``get(into=into)`` would."""
+        return self._watch is not None and self._watch.matches(into)
 
     @property
     def targets(self) -> list[torch.Tensor]:
@@ -468,6 +524,8 @@ class RecvPlan:
         """
         if receiver is not self._receiver:
             raise ConfigurationError("get(into=plan): this plan was made by another Receiver; make one with this receiver's plan()")
+        if self._watch is not None:
+            self._watch.check("get(into=plan)", "receiver.plan(ticket, into=...)")
         if ticket.layout_bytes != self.layout_bytes or ticket.total_nbytes != self.total_nbytes:
             raise LayoutMismatchError(
                 f"get(into=plan): the ticket's layout is not the plan's: {_difference(self.layout, ticket)}; "

@@ -208,3 +208,76 @@ def test_the_trainers_pool_is_made_when_the_weight_sync_is_created(workers):
     assert sync.sync().version == 1
     _assert_all_equal(trainer, workers, expected)
     ray.kill(trainer)
+
+
+def _plan_ids(actor_self):
+    """(the trainer's SendPlan, the worker's RecvPlan) ids in this actor's process."""
+    from tensorferry.ray import _weights
+
+    return (
+        None if _weights._PUBLISHER is None or _weights._PUBLISHER.plan is None else id(_weights._PUBLISHER.plan),
+        None if _weights._RECV_PLAN is None else id(_weights._RECV_PLAN),
+    )
+
+
+def _reassign(actor_self):
+    """Replace every parameter and buffer object (as load_state_dict(assign=True) does)."""
+    state = {k: v.clone() for k, v in actor_self.model.state_dict().items()}
+    actor_self.model.load_state_dict(state, assign=True)
+
+
+@ray.remote
+class HalfWorker:
+    def __init__(self) -> None:
+        self.model = Net().to(torch.bfloat16)
+
+    def digest(self) -> str:
+        return _digest(self.model)
+
+
+@pytest.mark.timeout(180)
+def test_plans_are_kept_across_syncs_and_made_again_when_parameters_are_replaced(workers):
+    trainer = Trainer.remote()
+    sync = tfr.WeightSync(trainer, workers)
+    ids = []
+    for version in range(1, 4):
+        expected = ray.get(trainer.step.remote(200 + version))
+        sync.sync()
+        _assert_all_equal(trainer, workers, expected)
+        ids.append((ray.get(trainer.__ray_call__.remote(_plan_ids))[0], ray.get([w.__ray_call__.remote(_plan_ids) for w in workers])))
+    assert ids[0][0] is not None and None not in [r[1] for r in ids[0][1]]
+    assert ids[0] == ids[1] == ids[2]  # the same plans replayed, both sides
+
+    # The trainer's and one worker's parameters are replaced: their plans are
+    # made again (a stale plan would send, or write, the old tensors).
+    ray.get([trainer.__ray_call__.remote(_reassign), workers[0].__ray_call__.remote(_reassign)])
+    expected = ray.get(trainer.step.remote(300))
+    sync.sync()
+    _assert_all_equal(trainer, workers, expected)
+    assert ray.get(trainer.__ray_call__.remote(_plan_ids))[0] != ids[-1][0]
+    assert ray.get(workers[0].__ray_call__.remote(_plan_ids))[1] != ids[-1][1][0][1]
+    ray.kill(trainer)
+
+
+@pytest.mark.timeout(180)
+def test_dtype_sends_bf16_weights_to_bf16_workers(local_ray):
+    trainer = Trainer.remote()
+    halves = [HalfWorker.remote() for _ in range(2)]
+    sync = tfr.WeightSync(trainer, halves, dtype=torch.bfloat16)
+    for version in (1, 2):
+        ray.get(trainer.step.remote(500 + version))
+        report = sync.sync()
+        assert report.nbytes < _state_nbytes() * len(halves)  # float32 sent as bfloat16: fewer bytes
+        want = ray.get(trainer.__ray_call__.remote(lambda a: _digest(_half(a.model))))
+        assert ray.get([w.digest.remote() for w in halves]) == [want, want]
+    with pytest.raises(Exception, match="floating-point"):
+        tfr.WeightSync(trainer, halves, dtype=torch.int8)
+    for actor in (trainer, *halves):
+        ray.kill(actor)
+
+
+def _half(model: torch.nn.Module) -> torch.nn.Module:
+    """A bfloat16 copy of ``model`` (integer buffers stay as they are)."""
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)

@@ -402,3 +402,31 @@ def test_a_sender_process_replays_its_plan(transport):
         if proc.is_alive():
             proc.kill()
         gc.collect()
+
+
+def test_a_plan_into_a_module_checks_its_parameters_each_get(sender, receiver):
+    src = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4))
+    dst = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.LayerNorm(4))
+    plan = sender.plan(src)
+    rplan = first_sync(sender, receiver, plan, into=dst)
+    assert rplan.result is dst
+    with torch.no_grad():
+        src[0].weight.add_(1)
+    receiver.get(sender.put(plan), into=rplan)
+    assert torch.equal(dst[0].weight, src[0].weight) and torch.equal(dst[1].bias, src[1].bias)
+    dst[1].weight = torch.nn.Parameter(torch.zeros(4))  # replaced on the receiving side
+    ticket = sender.put(plan)
+    with pytest.raises(PlanStaleError, match=r"'1\.weight' is no longer"):
+        receiver.get(ticket, into=rplan)
+    assert torch.equal(dst[1].weight, torch.zeros(4))  # nothing written
+
+
+def test_matches_tells_whether_a_fresh_state_dict_is_the_planned_memory(sender, receiver):
+    model = torch.nn.Linear(5, 3)
+    plan = sender.plan(model.state_dict())
+    assert plan.matches(model.state_dict()) and plan.matches(model)
+    rplan = first_sync(sender, receiver, plan, into=model.state_dict())
+    assert rplan.matches(model.state_dict())
+    model.weight.data = torch.zeros(3, 5)
+    assert not plan.matches(model.state_dict()) and not rplan.matches(model.state_dict())
+    assert not plan.matches({"weight": model.weight}) and not plan.matches([torch.zeros(1)])

@@ -44,6 +44,20 @@ class SyncReport(NamedTuple):
     num_workers: int
 
 
+def _default_source(actor: Any) -> Any:
+    """What the default syncs: ``actor.model`` (or the actor) when it is a
+    module, planned over its state dict and checked for replaced parameters
+    on every version; else what :func:`_default_state_dict` finds."""
+    import torch
+
+    model = getattr(actor, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return model
+    if isinstance(actor, torch.nn.Module):
+        return actor
+    return _default_state_dict(actor)
+
+
 def _default_state_dict(actor: Any) -> Any:
     model = getattr(actor, "model", None)
     if model is not None and hasattr(model, "state_dict"):
@@ -71,19 +85,25 @@ class _Publisher:
         )
         self.latest: Any = None
         self.latest_version: WeightVersion | None = None
+        self.plan: Any = None  # the SendPlan of what was published last
         self.version = 0
         self.lock = threading.Lock()
 
 
 _PUBLISHER: _Publisher | None = None
 _RECEIVER: Any = None
+_RECV_PLAN: Any = None  # the worker's RecvPlan of the last update
 _STATE_LOCK = threading.Lock()
 
 
 def _state_nbytes(state_dict: Any) -> tuple[int, int]:
-    """Bytes of tensor data and number of tensors in ``state_dict``."""
+    """Bytes of tensor data and number of tensors in ``state_dict`` (or a module's)."""
+    import torch
+
     from .._tensors import flatten
 
+    if isinstance(state_dict, torch.nn.Module):
+        state_dict = state_dict.state_dict()
     leaves, *_ = flatten(state_dict)
     return sum(t.numel() * t.element_size() for t in leaves), len(leaves)
 
@@ -97,8 +117,17 @@ def _publisher(nbytes: int, capacity_nbytes: int | None) -> _Publisher:
         return _PUBLISHER
 
 
-def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None) -> WeightVersion:
-    """Pack ``state_dict`` as the next version (runs in the trainer process).
+def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None, dtype: Any = None) -> WeightVersion:
+    """Send the current weights as the next version (runs in the trainer process).
+
+    The first version plans ``state_dict`` (a module or a nesting of
+    tensors; ``Sender.plan``); later versions replay that plan, with no
+    work per tensor, as long as ``state_dict`` is the planned module or
+    made of the same memory (a fresh ``state_dict()`` of the same model);
+    otherwise, or when a parameter was replaced, it plans again.
+
+    Args:
+        dtype: send floating-point tensors as this dtype (e.g. bfloat16).
 
     Raises:
         PoolExhaustedError: the state dict does not fit even in an empty pool.
@@ -106,17 +135,22 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
     """
     import ray
 
-    from ..errors import PoolExhaustedError, TransferTimeoutError
+    from ..errors import PlanStaleError, PoolExhaustedError, TransferTimeoutError
 
-    nbytes, num_tensors = _state_nbytes(state_dict)
-    pub = _publisher(nbytes, capacity_nbytes)
+    pub = _PUBLISHER if _PUBLISHER is not None else _publisher(_state_nbytes(state_dict)[0], capacity_nbytes)
     deadline = time.monotonic() + timeout
     t0 = time.perf_counter()
     with pub.lock:
+        plan = pub.plan
+        if plan is None or plan.dtype != dtype or not (plan.source is state_dict or plan.matches(state_dict)):
+            plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)
         while True:
             try:
-                ticket = pub.sender.put(state_dict, readers=None, one_shot=True)
+                ticket = pub.sender.put(plan, readers=None, one_shot=True)
                 break
+            except PlanStaleError:
+                plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)  # a parameter was replaced
+                continue
             except PoolExhaustedError:
                 if pub.latest is None and pub.sender.pool.stats().used_nbytes == 0:
                     raise
@@ -140,8 +174,8 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
             version=pub.version,
             tickets=tickets,
             node_id=ray.get_runtime_context().get_node_id(),
-            nbytes=nbytes,
-            num_tensors=num_tensors,
+            nbytes=plan.layout.total_nbytes,
+            num_tensors=plan.num_tensors,
             pack_seconds=pack_seconds,
         )
         return pub.latest_version
@@ -155,13 +189,20 @@ def latest() -> WeightVersion | None:
 def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> float:
     """Pull ``version`` into ``targets`` in place (runs in a worker process).
 
+    ``targets`` is a module or a nesting of tensors. The first update plans
+    it (``Receiver.plan``); later ones replay that plan while the layout is
+    the same and ``targets`` is the planned module or made of the same
+    memory; otherwise it plans again.
+
     Returns:
         Seconds the get took.
     """
-    global _RECEIVER
+    global _RECEIVER, _RECV_PLAN
     import ray
 
+    from ..errors import PlanStaleError
     from ..receiver import Receiver
+    from ..ticket import Ticket
     from ._settings import settings
 
     with _STATE_LOCK:
@@ -172,7 +213,16 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
     t0 = time.perf_counter()
-    receiver.get(version.tickets[name], into=targets, timeout=timeout)
+    ticket = Ticket.from_bytes(version.tickets[name])
+    plan = _RECV_PLAN
+    if plan is None or plan.layout_bytes != ticket.layout_bytes or not (plan.result is targets or plan.matches(targets)):
+        plan = _RECV_PLAN = receiver.plan(ticket, into=targets)
+    try:
+        receiver.get(ticket, into=plan, timeout=timeout)
+    except PlanStaleError:
+        # A parameter was replaced since the plan: plan the module as it is now.
+        plan = _RECV_PLAN = receiver.plan(ticket, into=targets)
+        receiver.get(ticket, into=plan, timeout=timeout)
     return time.perf_counter() - t0
 
 
@@ -191,8 +241,8 @@ def _actor_prepare(actor: Any, state_dict_fn: Callable, capacity_nbytes: int | N
     prepare(state_dict_fn(actor), capacity_nbytes=capacity_nbytes)
 
 
-def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None) -> WeightVersion:
-    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes)
+def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None, dtype: Any = None) -> WeightVersion:
+    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes, dtype=dtype)
 
 
 def _actor_latest(actor: Any) -> WeightVersion | None:
@@ -211,14 +261,22 @@ class WeightSync:
     Args:
         trainer: the trainer actor handle.
         workers: the worker actor handles.
-        state_dict: ``fn(trainer_self) -> state dict`` (default
-            ``self.model.state_dict()``).
-        targets: ``fn(worker_self) -> tensors to update in place``, in the
-            same order and shapes (default ``self.model.state_dict()``, whose
-            tensors share memory with the parameters).
+        state_dict: ``fn(trainer_self) -> state dict or module`` (default
+            ``self.model``, or the actor itself if it is a module, else its
+            ``state_dict()``).
+        targets: ``fn(worker_self) -> tensors (or a module) to update in
+            place``, nested as the trainer's (default as for ``state_dict``).
         timeout: seconds for each publish and each worker's update.
         capacity_nbytes: the trainer's pool size (default: room for two
             versions).
+        dtype: send floating-point weights as this dtype (e.g.
+            ``torch.bfloat16`` from an fp32 trainer to bf16 workers: half
+            the bytes); the workers' targets must be of it.
+
+    Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
+    first sync: later syncs move bytes with no work per tensor. A plan is
+    made again when the trainer's or a worker's parameters are replaced
+    (``load_state_dict(assign=True)``, ``module.to()``) or the layout changes.
 
     Creating it sends the trainer a call that makes and prefaults its pool
     (1.3-1.4 s for two ~1 GiB versions on 2 busy cores) in the background; the
@@ -231,11 +289,19 @@ class WeightSync:
         trainer: Any,
         workers: Sequence[Any] = (),
         *,
-        state_dict: Callable[[Any], Any] = _default_state_dict,
-        targets: Callable[[Any], Any] = _default_state_dict,
+        state_dict: Callable[[Any], Any] = _default_source,
+        targets: Callable[[Any], Any] = _default_source,
         timeout: float = 120.0,
         capacity_nbytes: int | None = None,
+        dtype: Any = None,
     ) -> None:
+        import torch
+
+        from ..errors import ConfigurationError
+
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ConfigurationError(f"WeightSync(dtype={dtype!r}): expected a floating-point torch dtype such as torch.bfloat16")
+        self.dtype = dtype
         self.trainer = trainer
         self.workers = list(workers)
         self._state_dict = state_dict
@@ -260,7 +326,7 @@ class WeightSync:
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes))
+        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype))
         refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
