@@ -19,6 +19,7 @@ from tensorferry.monitor._pagemap import PagemapWalk, WalkUnstable, _subtract, _
 from tensorferry.monitor._procfs import ProcfsBackend
 
 MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
 ROOT = os.geteuid() == 0
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="no /proc/PID/pagemap here")
@@ -55,6 +56,24 @@ def test_two_gib_of_small_pages_in_many_slices(start_target) -> None:
     assert w.steps >= 8  # 2 GiB in 256 MiB slices, plus the opening and closing reads
     uss, _ = assert_agrees(t.pid)
     assert uss >= 2048 * MIB
+
+
+def test_dense_and_sparse_memory_side_by_side(start_target) -> None:
+    """64 MiB touched whole, then 1 MiB regions with one page touched each:
+    the walk reads on without PAGEMAP_SCAN through dense memory and goes
+    back to scanning where a read finds it sparse; no page is skipped or
+    counted twice at the changes."""
+    t = start_target("big", "64")
+    t.proc.stdin.write("grow 0.05\nmap 1\n")  # type: ignore[union-attr]
+    t.proc.stdin.flush()  # type: ignore[union-attr]
+    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]
+    assert t.proc.stdout.readline().strip() == "{}"  # type: ignore[union-attr]  # grow has ended
+    with open(f"/proc/{t.pid}/status") as f:
+        status = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if v.strip().endswith("kB")}
+    # Sparse: at least 64 MiB more mapped than resident, beside the dense 64 MiB.
+    assert status["VmSize"] - status["VmRSS"] >= 64 * MIB, status
+    for slice_nbytes in (2 * MIB, 64 * MIB, 1 << 40):
+        assert_agrees(t.pid, slice_nbytes=slice_nbytes)
 
 
 def test_thp_backed_memory(start_target) -> None:
@@ -242,6 +261,53 @@ def test_sample_exact_uses_pagemap(start_target) -> None:
     assert s.uss_bytes is not None and s.uss_bytes >= 64 * MIB
     off = ProcfsBackend(pagemap=False)
     assert sample(t.pid, exact=True, backend=off).uss_source == "smaps_rollup"
+
+
+def adaptive_walk(pid: int, *, first_slice_nbytes: int, step_limit_seconds: float):
+    w = ProcfsBackend().start_walk(pid, slice_nbytes=first_slice_nbytes, step_limit_seconds=step_limit_seconds)
+    assert w is not None
+    while not w.step():
+        pass
+    return w
+
+
+def test_slices_shrink_when_steps_are_slower_than_the_limit(start_target) -> None:
+    """A 1 µs step limit: every real step (a syscall at least) is slower than
+    the half of it aimed at, so after the first 64 MiB slice every slice is
+    the 2 MiB minimum, and every PAGEMAP_SCAN call is held to its minimum.
+    The figures still agree with smaps_rollup."""
+    t = start_target("big", "128")
+    w = adaptive_walk(t.pid, first_slice_nbytes=64 * MIB, step_limit_seconds=1e-6)
+    first, *rest = w.slice_history
+    assert first == 64 * MIB // PAGE
+    assert rest and max(rest) <= 2 * MIB // PAGE
+    # 128 MiB in 2 MiB slices after the first.
+    assert w.steps >= 32
+    if w.scan_calls:
+        assert w.scan_pages == 2 * MIB // PAGE
+        assert w.scan_max_present == 512
+    truth = rollup_truth(t.pid)
+    assert w.result is not None
+    assert abs(w.result.uss_bytes - (truth["Private_Clean"] + truth["Private_Dirty"])) <= 256 * 1024
+
+
+def test_slices_grow_at_most_twice_per_step(start_target) -> None:
+    """A limit no step comes near (1000 s): from a 2 MiB first slice each
+    step may read at most twice the one before, and the slices do grow."""
+    t = start_target("big", "128")
+    w = adaptive_walk(t.pid, first_slice_nbytes=2 * MIB, step_limit_seconds=1000.0)
+    history = w.slice_history
+    assert all(pages <= (2 * MIB // PAGE) << i for i, pages in enumerate(history)), history
+    assert max(history) > 2 * MIB // PAGE
+    truth = rollup_truth(t.pid)
+    assert w.result is not None
+    assert abs(w.result.uss_bytes - (truth["Private_Clean"] + truth["Private_Dirty"])) <= 256 * 1024
+
+
+def test_step_limit_must_be_positive(start_target) -> None:
+    t = start_target("sleep")
+    with pytest.raises(ConfigurationError, match=r"step_limit_seconds.*must be > 0"):
+        ProcfsBackend().start_walk(t.pid, slice_nbytes=2 * MIB, step_limit_seconds=0)
 
 
 def test_slice_follows_the_stall_limit() -> None:

@@ -213,7 +213,9 @@ class ExactScheduler:
                 if walk is None:
                     if not self._affordable(min(est, self._config.max_stall_seconds)):
                         return False
-                    walk = self._start_walk(s.pid, slice_nbytes=self._slice_nbytes)  # type: ignore[misc]
+                    walk = self._start_walk(  # type: ignore[misc]
+                        s.pid, slice_nbytes=self._slice_nbytes, step_limit_seconds=self._config.max_stall_seconds
+                    )
                     if walk is None:
                         # No pagemap for it: smaps_rollup, under the stall limit.
                         state = self._state(key, s, now)

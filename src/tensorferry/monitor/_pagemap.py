@@ -3,8 +3,11 @@
 ``smaps_rollup`` makes the kernel walk the whole address space while holding
 the target's mmap lock, so a process with GiBs of 4 KiB pages cannot mmap or
 munmap for tens of ms. ``pagemap`` is read one slice of address space at a
-time: the kernel takes the lock for at most one slice (for a plain read, one
-2 MiB step at a time), so the stall is bounded by the slice, not the process.
+time, and within a slice the lock is held briefly: a plain read takes it for
+one 2 MiB step at a time, and ``PAGEMAP_SCAN`` (which holds it for all the
+range it is given) is given ranges sized from its own measured time to hold
+it at most :data:`SCAN_HOLD_SECONDS`. Slices are sized from the measured time
+of the walk's own steps so that one step stays within the caller's limit.
 
 A walk (:class:`PagemapWalk`) is resumable: :meth:`~PagemapWalk.step` reads
 one slice and returns, so a caller (the agent) spreads a large process over
@@ -34,6 +37,8 @@ from __future__ import annotations
 
 __all__ = [
     "CHANGE_TOLERANCE",
+    "SCAN_HOLD_SECONDS",
+    "STEP_TARGET_FRACTION",
     "PagemapWalk",
     "WalkUnstable",
     "hugetlb_devices",
@@ -42,6 +47,7 @@ __all__ = [
 
 import errno
 import fcntl
+import math
 import os
 import re
 import struct
@@ -83,8 +89,14 @@ _SCAN_REGIONS = 512
 # Present regions closer than this (in pages) are read with one pread: 512
 # pages (2 MiB of address space) cost 4 KiB of pagemap, less than a syscall.
 _MERGE_GAP_PAGES = 512
-# At most this many entries per pread (8 MiB of pagemap, 4 GiB of address space).
-_MAX_PREAD_PAGES = 1 << 20
+# At most this many entries per pread, into one buffer reused for the whole
+# walk: 512 KiB of pagemap (256 MiB of address space) stays in cache for
+# counting and is not allocated and faulted in afresh per read.
+_PREAD_PAGES = 1 << 16
+# Where a PAGEMAP_SCAN call finds all it walked present, the walk reads on
+# without scanning (a scan of dense memory costs ~11 ns a page and finds
+# nothing to skip) until a read finds less than this fraction present.
+_DENSE_FRACTION = 0.875
 # kpagecount is read in runs of sorted PFNs, reading through gaps of up to 8
 # PFNs: the kernel spends ~0.2 µs per PFN read, about a pread's own cost
 # (measured: 67k shared pages of a forked child, gap 0: 110 ms, 8: 15 ms,
@@ -92,15 +104,41 @@ _MAX_PREAD_PAGES = 1 << 20
 _KPC_GAP_PFNS = 8
 
 # Reading a slice costs about this per page of address space when every page
-# is a present 4 KiB page (pagemap read, PAGEMAP_SCAN and counting measured
-# at 15-30 ns on a loaded 2-core machine; margin on top). The slice is sized
-# so that reading it takes at most the stall limit even on a kernel that held
-# the target's lock for a whole read (Linux takes it per 2 MiB step). Looking
-# up shared pages in kpagecount (~0.2 µs each) takes no lock of the target.
+# is a present 4 KiB page (PAGEMAP_SCAN ~11 ns, pagemap read ~25 ns and
+# counting, on a quiet 2-core machine; margin on top). The agent's cost
+# estimate of a process not walked yet.
 WALK_SECONDS_PER_PAGE = 50e-9
+# A walk's first slice assumes this per page, four times the estimate: a step
+# of a 4 GiB process measured 60-250 ns per page on a loaded 2-core machine.
+# Later slices follow the walk's measured rate.
+_FIRST_SLICE_SECONDS_PER_PAGE = 200e-9
+STEP_TARGET_FRACTION = 0.5
+"""Adaptive slices aim each step at this fraction of the step limit, so a step
+that runs twice as slow as the one before it still fits the limit."""
+# A slice grows at most this much per step: a fast step over sparse address
+# space must not size the next one for dense memory it has not measured.
+_SLICE_GROWTH = 2
 # Slices are whole multiples of 2 MiB (the kernel's pagemap step).
 _SLICE_ALIGN = 2 << 20
 _MIN_SLICE_NBYTES = 2 << 20
+SCAN_HOLD_SECONDS = 250e-6
+"""The longest one ``PAGEMAP_SCAN`` call is meant to take. The kernel holds the
+target's mmap lock for the whole of one call (a plain pagemap read drops it
+every 2 MiB), so each call is bounded from the measured time of the calls
+before it. 250 µs is ~90 MiB of present 4 KiB pages at ~11 ns each: an eighth
+of the 2 ms a victim may be stalled, leaving room for the monitor to be
+descheduled while it holds the lock on a busy machine."""
+# A call is bounded twice: by the present pages it may report (max_pages; the
+# cost of dense memory) and by its range of address space (the cost of page
+# tables full of empty entries; ranges without page tables cost next to
+# nothing, so the range grows over sparse address space). The first call's
+# bounds: 64 MiB (~0.2 ms of present pages at 11 ns); each call's bounds grow
+# at most _SCAN_GROWTH times over the one before, as slices do.
+_FIRST_SCAN_PAGES = (64 << 20) // _PAGE_NBYTES
+_SCAN_GROWTH = 4
+# A call that walks or reports fewer pages than this (the end of a slice, a
+# small mapping) says little about their cost: the syscall's own ~2 µs dominates.
+_SCAN_MIN_SAMPLE_PAGES = 512
 
 CHANGE_TOLERANCE = 0.01
 """Mappings may change during a walk by this fraction of the resident memory
@@ -137,17 +175,27 @@ class WalkUnstable(Exception):
         )
 
 
+def _align_slice_pages(pages: float) -> int:
+    """``pages`` rounded down to whole 2 MiB steps, at least one step."""
+    nbytes = int(pages) * _PAGE_NBYTES // _SLICE_ALIGN * _SLICE_ALIGN
+    return max(_MIN_SLICE_NBYTES, nbytes) // _PAGE_NBYTES
+
+
 def slice_nbytes_for_stall(max_stall_seconds: float) -> int:
-    """Address space one slice covers so that reading it takes at most ``max_stall_seconds``.
+    """A walk's first slice under a step limit of ``max_stall_seconds``.
+
+    Sized at a pessimistic rate (:data:`_FIRST_SLICE_SECONDS_PER_PAGE`) to
+    take :data:`STEP_TARGET_FRACTION` of the limit; a walk given the limit
+    (``PagemapWalk(step_limit_seconds=...)``) sizes later slices from its
+    measured steps.
 
     Raises:
         ConfigurationError: ``max_stall_seconds`` is not positive.
     """
     check_number("max_stall_seconds", max_stall_seconds, lambda v: v > 0,
                  "must be > 0 seconds, the longest one walk step may stall its target (default 0.02)")
-    pages = int(max_stall_seconds / WALK_SECONDS_PER_PAGE)
-    nbytes = pages * _PAGE_NBYTES // _SLICE_ALIGN * _SLICE_ALIGN
-    return max(_MIN_SLICE_NBYTES, nbytes)
+    pages = max_stall_seconds * STEP_TARGET_FRACTION / _FIRST_SLICE_SECONDS_PER_PAGE
+    return _align_slice_pages(pages) * _PAGE_NBYTES
 
 
 _HUGETLB_DEVS: frozenset[int] | None = None
@@ -258,17 +306,24 @@ class PagemapWalk:
         proc_root: where /proc is mounted.
         pid: the process.
         stat: reads the process's stat (``ProcfsBackend.stat``).
-        slice_nbytes: address space per step (see :func:`slice_nbytes_for_stall`).
+        slice_nbytes: address space of the first step (of every step when
+            ``step_limit_seconds`` is None); see :func:`slice_nbytes_for_stall`.
         kpagecount_fd: an open /proc/kpagecount for PSS, or None (no PSS).
         expect_start_ticks: the process's start time (stat field 22) if the
             caller already knows it; a different process under the pid
             raises NoSuchProcess.
+        step_limit_seconds: the longest one step should take, or None for
+            fixed slices. After each step the next slice is scaled from the
+            step's measured time per page to take :data:`STEP_TARGET_FRACTION`
+            of it (growing at most 2x a step, never below 2 MiB), so a slow
+            or busy machine gets smaller slices.
 
     Raises:
         NoSuchProcess, ZombieProcess: the process is gone or exited.
         AccessDenied: its pagemap is not readable by this user.
         FileNotFoundError: this kernel has no pagemap (the process exists).
-        ConfigurationError: ``slice_nbytes`` is smaller than a page.
+        ConfigurationError: ``slice_nbytes`` is smaller than a page, or
+            ``step_limit_seconds`` is not positive.
     """
 
     def __init__(
@@ -280,19 +335,35 @@ class PagemapWalk:
         slice_nbytes: int,
         kpagecount_fd: int | None,
         expect_start_ticks: int | None = None,
+        step_limit_seconds: float | None = None,
     ) -> None:
+        # First: __del__ closes it, even when a check below raises.
+        self._fd: int | None = None
         check_int("PagemapWalk(slice_nbytes)", slice_nbytes, _PAGE_NBYTES,
                   f"must be an int of at least a page ({_PAGE_NBYTES} bytes); slice_nbytes_for_stall() sizes one")
+        if step_limit_seconds is not None:
+            check_number("PagemapWalk(step_limit_seconds)", step_limit_seconds, lambda v: v > 0,
+                         "must be > 0 seconds, the longest one step should take (or None for fixed slices)")
         self.pid = pid
         self.proc_root = proc_root
         self._stat = stat
         self.slice_pages = slice_nbytes // _PAGE_NBYTES
+        """Address space (in pages) the next step reads."""
+        self.step_limit_seconds = step_limit_seconds
+        self.slice_history: list[int] = []
+        """Pages of address space each step read (the end's re-read of maps included)."""
+        self.scan_pages = _FIRST_SCAN_PAGES
+        """Address space (in pages) the next PAGEMAP_SCAN call covers at most."""
+        self.scan_max_present = _FIRST_SCAN_PAGES
+        """Present pages the next PAGEMAP_SCAN call may report (its ``max_pages``)."""
+        self.max_scan_seconds = 0.0
+        """The longest PAGEMAP_SCAN call so far (the longest the walk held the lock at once)."""
+        self.scan_calls = 0
         self._kpc = kpagecount_fd
         self.cost_seconds = 0.0
         self.max_step_seconds = 0.0
         self.steps = 0
         self.kernel_thread = False
-        self._fd: int | None = None
         # Ranges still to read (sorted), and every range queued so far.
         self._todo: list[tuple[int, int]] = []
         self._walked: list[tuple[int, int]] = []
@@ -302,6 +373,10 @@ class PagemapWalk:
         self._pss = 0.0
         self._pfns_hidden = False
         self._scan_ok = True
+        # The last PAGEMAP_SCAN call found all it walked present: read on directly.
+        self._dense = False
+        self._buf: np.ndarray | None = None
+        self._vec: np.ndarray | None = None
         self._result: ExactMemory | None = None
         self._done = False
         # Loaded before maps is read (in a walk of this very process, the
@@ -387,53 +462,124 @@ class PagemapWalk:
         return spans
 
     def _pread_entries(self, start: int, npages: int) -> np.ndarray:
+        """Entries of ``npages`` (at most :data:`_PREAD_PAGES`) from ``start``,
+        in the walk's reused buffer: valid until the next read."""
         import numpy as np
 
-        raw = b""
+        if self._buf is None:
+            self._buf = np.empty(_PREAD_PAGES, dtype=np.uint64)
+        view = memoryview(self._buf).cast("B")[: npages * _ENTRY_NBYTES]
         try:
-            raw = os.pread(self._fd, npages * _ENTRY_NBYTES, (start // _PAGE_NBYTES) * _ENTRY_NBYTES)  # type: ignore[arg-type]
+            nbytes = os.preadv(self._fd, [view], (start // _PAGE_NBYTES) * _ENTRY_NBYTES)  # type: ignore[arg-type]
         except OSError as exc:
             raise _translate(exc, self.pid) from exc
         # A short read: the address space ended (the process exited; checked
         # at the end of the walk). Missing entries are pages not present.
-        return np.frombuffer(raw[: len(raw) // _ENTRY_NBYTES * _ENTRY_NBYTES], dtype=np.uint64)
+        return self._buf[: nbytes // _ENTRY_NBYTES]
 
-    def _present_runs(self, start: int, end: int) -> list[tuple[int, int]] | None:
-        """``[(start, npages)]`` in [start, end) holding present pages (PAGEMAP_SCAN), or None."""
-        if not self._scan_ok:
-            return None
-        import numpy as np
+    def _read_pages(self, start: int, npages: int) -> int:
+        """Count ``npages`` from ``start``; returns how many were present."""
+        present = 0
+        while npages > 0:
+            k = min(npages, _PREAD_PAGES)
+            present += self._count(self._pread_entries(start, k))
+            start += k * _PAGE_NBYTES
+            npages -= k
+        return present
 
-        vec = np.zeros(_SCAN_REGIONS * _REGION_U64S, dtype=np.uint64)
-        runs: list[tuple[int, int]] = []
+    def _read_range(self, start: int, end: int) -> None:
+        """Count the pages of [start, end): PAGEMAP_SCAN a call at a time to
+        find the present ones (read directly through dense memory, and where
+        the kernel has no PAGEMAP_SCAN)."""
         page = _PAGE_NBYTES
         cursor = start
         while cursor < end:
-            arg = bytearray(_PM_SCAN_ARG.pack(
-                _PM_SCAN_ARG.size, 0, cursor, end, 0, vec.ctypes.data, _SCAN_REGIONS, 0,
-                0, _PAGE_IS_PRESENT, 0, _PAGE_IS_PRESENT,
-            ))
-            try:
-                n = fcntl.ioctl(self._fd, _PAGEMAP_SCAN, arg, True)  # type: ignore[arg-type]
-            except OSError as exc:
-                if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
-                    # Before Linux 6.7: read every entry instead.
-                    self._scan_ok = False
-                    return None
-                raise _translate(exc, self.pid) from exc
-            walk_end = _PM_SCAN_ARG.unpack(arg)[4]
-            regions = vec[: n * _REGION_U64S].reshape(-1, _REGION_U64S)
-            for s, e in zip(regions[:, 0].tolist(), regions[:, 1].tolist()):
-                if runs and s - (runs[-1][0] + runs[-1][1] * page) <= _MERGE_GAP_PAGES * page:
-                    runs[-1] = (runs[-1][0], (e - runs[-1][0]) // page)
-                else:
-                    runs.append((s, (e - s) // page))
-            if n < _SCAN_REGIONS or walk_end <= cursor:
-                break
+            if self._dense or not self._scan_ok:
+                n = min((end - cursor) // page, _PREAD_PAGES)
+                if self._read_pages(cursor, n) < _DENSE_FRACTION * n:
+                    self._dense = False
+                cursor += n * page
+                continue
+            scanned = self._scan_call(cursor, end)
+            if scanned is None:
+                continue  # no PAGEMAP_SCAN: read directly
+            walk_end, runs = scanned
+            found = sum(n for _, n in runs)
+            for run_start, n in runs:
+                self._read_pages(run_start, n)
+            walked = (walk_end - cursor) // page
+            self._dense = walked >= _SCAN_MIN_SAMPLE_PAGES and found == walked
             cursor = walk_end
-        return runs
 
-    def _count(self, entries: np.ndarray) -> None:
+    def _scan_call(self, start: int, end: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """One PAGEMAP_SCAN call from ``start``: where it stopped, and
+        ``[(start, npages)]`` holding the present pages it found (runs closer
+        than :data:`_MERGE_GAP_PAGES` joined); None if this kernel has no
+        PAGEMAP_SCAN."""
+        import numpy as np
+
+        if self._vec is None:
+            self._vec = np.zeros(_SCAN_REGIONS * _REGION_U64S, dtype=np.uint64)
+        vec = self._vec
+        page = _PAGE_NBYTES
+        # The kernel holds the target's mmap lock until the call has walked
+        # [start, call_end), found max_pages present pages or filled the 512
+        # regions: these bound the stall.
+        call_end = min(end, start + self.scan_pages * page)
+        arg = bytearray(_PM_SCAN_ARG.pack(
+            _PM_SCAN_ARG.size, 0, start, call_end, 0, vec.ctypes.data, _SCAN_REGIONS,
+            self.scan_max_present, 0, _PAGE_IS_PRESENT, 0, _PAGE_IS_PRESENT,
+        ))
+        t0 = time.perf_counter()
+        try:
+            n = fcntl.ioctl(self._fd, _PAGEMAP_SCAN, arg, True)  # type: ignore[arg-type]
+        except OSError as exc:
+            if exc.errno in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                # Before Linux 6.7: read every entry instead.
+                self._scan_ok = False
+                return None
+            raise _translate(exc, self.pid) from exc
+        took = time.perf_counter() - t0
+        walk_end = _PM_SCAN_ARG.unpack(arg)[4]
+        if walk_end <= start:
+            # No progress reported (not seen from Linux 6.7 to 6.18): read
+            # the call's range whole rather than skip or repeat it.
+            self._adapt_scan(0, 0, took)
+            return call_end, [(start, (call_end - start) // page)]
+        runs: list[tuple[int, int]] = []
+        found = 0
+        regions = vec[: n * _REGION_U64S].reshape(-1, _REGION_U64S)
+        for s, e in zip(regions[:, 0].tolist(), regions[:, 1].tolist()):
+            found += (e - s) // page
+            if runs and s - (runs[-1][0] + runs[-1][1] * page) <= _MERGE_GAP_PAGES * page:
+                runs[-1] = (runs[-1][0], (e - runs[-1][0]) // page)
+            else:
+                runs.append((s, (e - s) // page))
+        self._adapt_scan((walk_end - start) // page, found, took)
+        return walk_end, runs
+
+    def _adapt_scan(self, pages: int, found: int, seconds: float) -> None:
+        """Bound the next PAGEMAP_SCAN call from this one: ``pages`` of address
+        space walked, ``found`` of them present, in ``seconds``.
+
+        Each bound is scaled so that the call would have taken the hold target
+        had it been all that kind of page (an overestimate per page, so a safe
+        one), growing at most :data:`_SCAN_GROWTH` times per call.
+        """
+        self.scan_calls += 1
+        self.max_scan_seconds = max(self.max_scan_seconds, seconds)
+        hold = SCAN_HOLD_SECONDS
+        if self.step_limit_seconds is not None:
+            hold = min(hold, self.step_limit_seconds * STEP_TARGET_FRACTION)
+        if pages >= min(_SCAN_MIN_SAMPLE_PAGES, self.scan_pages):
+            want = pages * hold / seconds if seconds > 0 else math.inf
+            self.scan_pages = _align_slice_pages(min(want, self.scan_pages * _SCAN_GROWTH))
+        if found >= min(_SCAN_MIN_SAMPLE_PAGES, self.scan_max_present):
+            want = found * hold / seconds if seconds > 0 else math.inf
+            self.scan_max_present = max(_SCAN_MIN_SAMPLE_PAGES, int(min(want, self.scan_max_present * _SCAN_GROWTH)))
+
+    def _count(self, entries: np.ndarray) -> int:
+        """Add ``entries`` to the counts; returns how many were present."""
         import numpy as np
 
         present = (entries >> np.uint64(_PM_PRESENT_SHIFT)).astype(bool)
@@ -443,14 +589,15 @@ class PagemapWalk:
         self._present += n_present
         self._exclusive += n_excl
         if self._kpc is None or self._pfns_hidden or n_present == n_excl:
-            return
+            return n_present
         pfns = entries[present & ~exclusive] & np.uint64(_PFN_MASK)
         if not pfns.all():
             # PFN 0 is never a mapped page: PFNs are hidden from this user
             # (no CAP_SYS_ADMIN), so there is nothing to look up.
             self._pfns_hidden = True
-            return
+            return n_present
         self._pss += self._shared_pss(pfns)
+        return n_present
 
     def _shared_pss(self, pfns: np.ndarray) -> float:
         """Sum of page size / mapcount over ``pfns`` (pages not mapped exclusively)."""
@@ -520,6 +667,7 @@ class PagemapWalk:
         if self._done:
             return True
         t0 = time.perf_counter()
+        read_pages = 0
         try:
             budget = self.slice_pages
             page = _PAGE_NBYTES
@@ -528,14 +676,9 @@ class PagemapWalk:
                 lo, end = todo[0]
                 npages = min(budget, (end - lo) // page)
                 hi = lo + npages * page
-                runs = self._present_runs(lo, hi)
-                for start, n in runs if runs is not None else [(lo, npages)]:
-                    while n > 0:
-                        k = min(n, _MAX_PREAD_PAGES)
-                        self._count(self._pread_entries(start, k))
-                        start += k * page
-                        n -= k
+                self._read_range(lo, hi)
                 budget -= npages
+                read_pages += npages
                 if hi >= end:
                     todo.pop(0)
                 else:
@@ -547,12 +690,28 @@ class PagemapWalk:
             self.close()
             raise
         finally:
-            self._charge(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self._charge(took)
+            self.slice_history.append(read_pages)
+        self._adapt_slice(read_pages, took)
         if self._done and self._result is not None:
             self._result = self._result._replace(
                 cost_seconds=self.cost_seconds, max_step_seconds=self.max_step_seconds, steps=self.steps
             )
         return self._done
+
+    def _adapt_slice(self, pages: int, seconds: float) -> None:
+        """Size the next slice from this step: ``pages`` of address space read in ``seconds``.
+
+        The step's time per page (its fixed costs included, so small slices
+        are not underestimated) scaled to :data:`STEP_TARGET_FRACTION` of the
+        limit; growth at most 2x, as a fast step may have read sparse memory.
+        """
+        if self.step_limit_seconds is None or pages <= 0 or self._done:
+            return
+        target = self.step_limit_seconds * STEP_TARGET_FRACTION
+        want = pages * target / seconds if seconds > 0 else math.inf
+        self.slice_pages = _align_slice_pages(min(want, self.slice_pages * _SLICE_GROWTH))
 
     def _reconcile(self) -> None:
         added = _subtract(self._read_spans(), self._walked)

@@ -445,17 +445,25 @@ class ProcfsBackend:
         return fd if fd >= 0 else None
 
     def start_walk(
-        self, pid: int, *, slice_nbytes: int, expect_start_ticks: int | None = None
+        self,
+        pid: int,
+        *,
+        slice_nbytes: int,
+        expect_start_ticks: int | None = None,
+        step_limit_seconds: float | None = None,
     ) -> PagemapWalk | None:
         """A resumable pagemap walk of ``pid`` (see :class:`PagemapWalk`), or None
         where pagemap is off or not there (then :meth:`exact_rollup` is the source).
 
-        A kernel thread's walk is done at once, with no figures.
+        A kernel thread's walk is done at once, with no figures. With
+        ``step_limit_seconds``, slices after the first are sized from the
+        walk's measured steps to stay within it.
 
         Raises:
             NoSuchProcess, ZombieProcess: the process is gone or exited.
             AccessDenied: another user's process.
-            ConfigurationError: ``slice_nbytes`` is smaller than a page.
+            ConfigurationError: ``slice_nbytes`` is smaller than a page, or
+                ``step_limit_seconds`` is not positive.
         """
         if not self.pagemap:
             return None
@@ -463,6 +471,7 @@ class ProcfsBackend:
             return PagemapWalk(
                 self.proc_root, pid, stat=self.stat, slice_nbytes=slice_nbytes,
                 kpagecount_fd=self._kpagecount(), expect_start_ticks=expect_start_ticks,
+                step_limit_seconds=step_limit_seconds,
             )
         except FileNotFoundError:
             # The process exists (the walk checked) but has no pagemap: a
@@ -476,8 +485,9 @@ class ProcfsBackend:
     def exact(self, pid: int, *, max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> ExactMemory | None:
         """USS and PSS of ``pid``: from pagemap in slices where readable, else smaps_rollup.
 
-        The pagemap walk reads one slice of address space at a time (sized so
-        that one slice takes at most ``max_stall_seconds``); smaps_rollup is
+        The pagemap walk reads one slice of address space at a time (each
+        slice sized from the walk's measured steps so that one takes at most
+        ``max_stall_seconds``); smaps_rollup is
         the fallback where pagemap is not there, and for a process whose
         mappings kept changing during the walk. ``source`` of the result says
         which. Returns None for a process without user memory (a kernel thread).
@@ -487,7 +497,8 @@ class ProcfsBackend:
             AccessDenied: another user's process (statm stays readable).
             ConfigurationError: ``max_stall_seconds`` is not positive.
         """
-        walk = self.start_walk(pid, slice_nbytes=slice_nbytes_for_stall(max_stall_seconds))
+        walk = self.start_walk(pid, slice_nbytes=slice_nbytes_for_stall(max_stall_seconds),
+                               step_limit_seconds=max_stall_seconds)
         if walk is not None:
             try:
                 while not walk.step():
