@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tensorferry.monitor import Agent, AgentConfig, Selection  # noqa: E402
+from tensorferry.monitor._pagemap import slice_nbytes_for_stall  # noqa: E402
 from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
 
 TARGET = ROOT / "tests" / "monitor" / "fixtures" / "target.py"
@@ -256,6 +257,12 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
         cpu[name] = statistics.median(runs)
         figures[name] = getattr(out, "uss_bytes", getattr(out, "uss", None))
     pm = backend.exact(victim.pid)
+    # One walk as exact() makes it, for its slices and its PAGEMAP_SCAN calls
+    # (the longest call is the longest the walk held the victim's lock at once).
+    stall = AgentConfig().max_stall_seconds
+    walk = backend.start_walk(victim.pid, slice_nbytes=slice_nbytes_for_stall(stall), step_limit_seconds=stall)
+    while walk is not None and not walk.step():
+        pass
     rows: dict[str, dict[str, object]] = {}
     restore, victim_cpu = pin_apart(victim)
     try:
@@ -312,6 +319,10 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
         "uss_bytes": figures,
         "pagemap_steps": pm.steps if pm else None,
         "pagemap_max_step_seconds": pm.max_step_seconds if pm else None,
+        "pagemap_slice_mib": [pages * os.sysconf("SC_PAGE_SIZE") / 2**20 for pages in walk.slice_history]
+        if walk else None,
+        "pagemap_scan_calls": walk.scan_calls if walk else None,
+        "pagemap_max_scan_seconds": walk.max_scan_seconds if walk else None,
         "interference": rows,
         "agent_simulated_seconds": sim_seconds,
         "agent_figures": len(finished),
@@ -349,7 +360,9 @@ def print_exact(ex: dict[str, object]) -> None:
     c.print(f"default budget (0.1% of a core, 1 Hz): {ex['agent_figures']} pagemap figures in "
             f"{ex['agent_simulated_seconds']} simulated s (one per {ex['agent_seconds_per_figure'] or 0:.0f} s), "
             f"{ex['agent_steps']} steps, {ex['agent_exact_seconds'] * 1e3:.0f} ms walking; "
-            f"a pagemap figure took {ex['pagemap_steps']} steps, the longest {ex['pagemap_max_step_seconds'] * 1e3:.1f} ms")
+            f"a pagemap figure took {ex['pagemap_steps']} steps, the longest {ex['pagemap_max_step_seconds'] * 1e3:.1f} ms; "
+            f"slices (MiB): {', '.join(f'{m:.0f}' for m in ex['pagemap_slice_mib'] or [])}; "
+            f"{ex['pagemap_scan_calls']} PAGEMAP_SCAN calls, the longest {ex['pagemap_max_scan_seconds'] * 1e3:.2f} ms")
 
 
 AGENT_CODE = r"""
