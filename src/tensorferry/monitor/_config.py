@@ -28,9 +28,10 @@ class AgentConfig:
     cpu_budget_fraction: float = 0.001
     """CPU spent on exact reads, as a fraction of one core over time (0.001 = 0.1%)."""
     max_stall_seconds: float = 0.02
-    """The longest a walk may stall its target at once: a pagemap walk's slice is sized
-    so that one slice takes at most this; a process that only smaps_rollup can read
-    (one walk under its lock) is not read if its walk is estimated above this."""
+    """The longest one step of an exact read may take: a pagemap walk sizes each slice
+    from its measured steps to take half of this (its lock holds inside a step are far
+    shorter); a process that only smaps_rollup can read (one walk under its lock) is
+    not read if its walk is estimated above this."""
     force_exact: bool = False
     """Read smaps_rollup even where the walk would exceed max_stall_seconds (still within the budget)."""
     rss_change_fraction: float = 0.10
