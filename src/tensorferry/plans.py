@@ -49,11 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SendPlan", "RecvPlan"]
 
-# Alignment gaps between packed tensors are shorter than the largest element
-# size (16, complex128); a snapshot=False stream fills them from this.
-_GAP = bytes(16)
-
-
 def _buffer_at(address: int, nbytes: int) -> memoryview:
     """A writable byte buffer over host memory someone else owns (no copy)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
@@ -101,7 +96,7 @@ class SendPlan:
         self._info = info._replace(layout=sent, raw=info.raw & ~convert)
         self._watch = _Watch(leaves, self._keys, module, ops, counts, keys)
         self._host = info.all_cpu and sender.pool.device.type == "cpu"
-        self._sources: tuple[list[memoryview], np.ndarray, np.ndarray] | None = None
+        self._sources: _BufferList | None = None
         self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
         self.lock = threading.Lock()
         if self._host:
@@ -188,47 +183,19 @@ class SendPlan:
                 that are not dense host memory (their bytes are not their values).
         """
         if self._sources is None:
-            self._sources = self._build_sources()
-        bufs, starts, ends = self._sources
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(starts, hi, side="left"))
-        out = bufs[first:last]
-        if out:
-            s0, e1 = int(starts[first]), int(ends[last - 1])
-            if s0 < lo or e1 > hi:
-                out = list(out)
-                if len(out) == 1:
-                    out[0] = out[0][max(lo, s0) - s0 : min(hi, e1) - s0]
-                else:
-                    out[0] = out[0][max(lo, s0) - s0 :]
-                    out[-1] = out[-1][: min(hi, e1) - int(starts[last - 1])]
-        return out
+            if not self._host or self._converting or self._values.size:
+                why = (
+                    "it converts dtypes (dtype=)" if self._converting else
+                    "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
+                )
+                raise ConfigurationError(
+                    f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
+                    "use snapshot=True (the bytes are converted into the pool)"
+                )
+            c = self._copy
+            self._sources = _BufferList(c.dst, c.src, c.nbytes, self.total_nbytes)
+        return self._sources.window(lo, hi)
 
-    def _build_sources(self) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
-        if not self._host or self._converting or self._values.size:
-            why = (
-                "it converts dtypes (dtype=)" if self._converting else
-                "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
-            )
-            raise ConfigurationError(
-                f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
-                "use snapshot=True (the bytes are converted into the pool)"
-            )
-        bufs: list[memoryview] = []
-        starts: list[int] = []
-        pos = 0
-        for d, s, n in zip(self._copy.dst.tolist(), self._copy.src.tolist(), self._copy.nbytes.tolist()):
-            if d > pos:
-                bufs.append(memoryview(_GAP)[: d - pos])
-                starts.append(pos)
-            bufs.append(_buffer_at(s, n))
-            starts.append(d)
-            pos = d + n
-        if pos < self.total_nbytes:
-            bufs.append(memoryview(bytes(self.total_nbytes - pos)))
-            starts.append(pos)
-        st = np.asarray(starts, dtype=np.int64)
-        return bufs, st, st + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
 
 class SourcedPiece:
     """A piece of a ``snapshot=False`` put: served from the tensors' own
@@ -540,7 +507,7 @@ class _Coords:
     def __init__(self, copy: CopyPlan, total: int) -> None:
         self.copy = copy
         self.total = total
-        self._segments: tuple[list[memoryview], np.ndarray, np.ndarray] | None = None
+        self._segments: _BufferList | None = None
 
     def execute_window(self, lo: int, hi: int, src_base: int) -> None:
         """Copy stream bytes ``[lo, hi)``, found at address ``src_base + lo``, to their targets."""
@@ -550,50 +517,57 @@ class _Coords:
         """Buffers that receive stream bytes ``[lo, hi)`` in order: the
         targets' memory, and a scratch for the gaps between them."""
         if self._segments is None:
-            self._segments = self._build_segments()
-        bufs, starts, ends = self._segments
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(starts, hi, side="left"))
-        out = bufs[first:last]
+            c = self.copy
+            order = np.argsort(c.src, kind="stable")
+            self._segments = _BufferList(c.src[order], c.dst[order], c.nbytes[order], self.total)
+        return self._segments.window(lo, hi)
+
+
+class _BufferList:
+    """A byte stream ``[0, total)`` as buffers over host memory, made once:
+    run ``i`` (stream bytes from ``pos[i]``, ``nbytes[i]`` long, ascending
+    and apart) is the memory at ``address[i]``; the gaps between runs (and
+    after the last) share one scratch (zeros to send, or bytes to drop).
+    :meth:`window` cuts the list to any range without touching the rest."""
+
+    def __init__(self, pos: np.ndarray, address: np.ndarray, nbytes: np.ndarray, total: int) -> None:
+        bufs: list[memoryview] = []
+        starts: list[int] = []
+        gaps: list[tuple[int, int]] = []
+        at = 0
+        for p, a, n in zip(pos.tolist(), address.tolist(), nbytes.tolist()):
+            if p > at:
+                gaps.append((len(bufs), p - at))
+                bufs.append(memoryview(b""))
+                starts.append(at)
+            bufs.append(_buffer_at(a, n))
+            starts.append(p)
+            at = p + n
+        if at < total:
+            gaps.append((len(bufs), total - at))
+            bufs.append(memoryview(b""))
+            starts.append(at)
+        self.scratch = bytearray(max((k for _, k in gaps), default=0))
+        for i, k in gaps:
+            bufs[i] = memoryview(self.scratch)[:k]
+        self.bufs = bufs
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.ends = self.starts + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+
+    def window(self, lo: int, hi: int) -> list[memoryview]:
+        """The buffers of stream bytes ``[lo, hi)``, the first and last cut to it."""
+        first = int(np.searchsorted(self.ends, lo, side="right"))
+        last = int(np.searchsorted(self.starts, hi, side="left"))
+        out = self.bufs[first:last]
         if out:
-            s0, e1 = int(starts[first]), int(ends[last - 1])
+            s0, s1, e1 = int(self.starts[first]), int(self.starts[last - 1]), int(self.ends[last - 1])
             if s0 < lo or e1 > hi:
-                out = list(out)
                 if len(out) == 1:
                     out[0] = out[0][max(lo, s0) - s0 : min(hi, e1) - s0]
                 else:
                     out[0] = out[0][max(lo, s0) - s0 :]
-                    out[-1] = out[-1][: min(hi, e1) - int(starts[last - 1])]
+                    out[-1] = out[-1][: min(hi, e1) - s1]
         return out
-
-    def _build_segments(self) -> tuple[list[memoryview], np.ndarray, np.ndarray]:
-        c = self.copy
-        order = np.argsort(c.src, kind="stable")
-        bufs: list[memoryview] = []
-        starts: list[int] = []
-        pos = 0
-        scratch_needed = 0
-        gaps: list[tuple[int, int]] = []
-        for s, d, n in zip(c.src[order].tolist(), c.dst[order].tolist(), c.nbytes[order].tolist()):
-            if s > pos:
-                gaps.append((len(bufs), s - pos))
-                bufs.append(None)  # type: ignore[arg-type]
-                starts.append(pos)
-                scratch_needed = max(scratch_needed, s - pos)
-            bufs.append(_buffer_at(d, n))
-            starts.append(s)
-            pos = s + n
-        if pos < self.total:
-            gaps.append((len(bufs), self.total - pos))
-            bufs.append(None)  # type: ignore[arg-type]
-            starts.append(pos)
-            scratch_needed = max(scratch_needed, self.total - pos)
-        # Gap bytes are thrown away: every gap may share one scratch.
-        self._scratch = bytearray(scratch_needed)
-        for at, k in gaps:
-            bufs[at] = memoryview(self._scratch)[:k]
-        st = np.asarray(starts, dtype=np.int64)
-        return bufs, st, st + np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
 
 
 def _difference(layout: Layout, ticket: "Ticket") -> str:

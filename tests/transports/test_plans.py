@@ -11,8 +11,10 @@ import gc
 import multiprocessing as mp
 import os
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from _transfer_helpers import assert_same, make_tensor, pool_empty, require, state_dict, wait_until
 from tensorferry import (
@@ -430,3 +432,36 @@ def test_matches_tells_whether_a_fresh_state_dict_is_the_planned_memory(sender, 
     model.weight.data = torch.zeros(3, 5)
     assert not plan.matches(model.state_dict()) and not rplan.matches(model.state_dict())
     assert not plan.matches({"weight": model.weight}) and not plan.matches([torch.zeros(1)])
+
+
+# -- the buffer lists of tcp (scatter and snapshot=False) ------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 15), st.integers(1, 40)), min_size=0, max_size=12),
+    tail=st.integers(0, 15),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+)
+def test_a_buffer_list_window_is_exactly_the_stream_range(runs, tail, cut):
+    from tensorferry.plans import _BufferList
+
+    memory = np.arange(1000, dtype=np.uint8)
+    pos, addr, n, at, mem_at = [], [], [], 0, 0
+    expected = bytearray()
+    for gap, k in runs:
+        at += gap
+        expected += bytes(gap)
+        pos.append(at)
+        addr.append(memory.ctypes.data + mem_at)
+        n.append(k)
+        expected += memory[mem_at : mem_at + k].tobytes()
+        at += k
+        mem_at += k
+    total = at + tail
+    expected += bytes(tail)
+    bl = _BufferList(np.array(pos, dtype=np.int64), np.array(addr, dtype=np.int64), np.array(n, dtype=np.int64), total)
+    lo, hi = sorted(int(c * total) for c in cut)
+    got = b"".join(bytes(b) for b in bl.window(lo, hi))
+    assert got == bytes(expected[lo:hi])
+    assert b"".join(bytes(b) for b in bl.window(0, total)) == bytes(expected)
