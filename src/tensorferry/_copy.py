@@ -44,9 +44,11 @@ __all__ = [
     "dense_host_mask",
     "executor",
     "finish",
+    "many_small_runs",
     "memmove_runs",
     "run_parts",
     "scatter_segments",
+    "vectored_io",
 ]
 
 # Below this, copy_bytes leaves the copy to torch's copy_ (lower per-call cost).
@@ -197,6 +199,43 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
         return
     parts = _parts(dst.astype(np.int64, copy=False), src.astype(np.int64, copy=False), lengths.astype(np.int64, copy=False), threads)
     run_parts(_memmove_serial, parts)
+
+
+# Buffers per preadv/pwritev call (the kernel's limit, UIO_MAXIOV).
+_IOV_MAX = 1024
+
+# A kept plan whose runs are at least this many and average less than
+# _SMALL_RUN_NBYTES moves them through a memory file with preadv/pwritev:
+# the kernel copies 1024 buffers a call, where a Python loop of memmove pays
+# about 1 us a run (100k runs of 2.5 KiB: 45-60 ms against 85-95 ms here).
+_VECTORED_MIN_RUNS = 256
+_SMALL_RUN_NBYTES = 64 << 10
+
+
+def many_small_runs(nbytes: np.ndarray) -> bool:
+    """Whether runs of these sizes move faster by vectored I/O than by memmove."""
+    return nbytes.size >= _VECTORED_MIN_RUNS and int(nbytes.sum()) < _SMALL_RUN_NBYTES * nbytes.size
+
+
+def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
+    """``op`` (``os.preadv`` or ``os.pwritev``) of ``buffers``, back to back
+    from file byte ``offset``, ``_IOV_MAX`` buffers a call; a short transfer
+    is resumed where it stopped. Raises OSError if the file ends first."""
+    pos = offset
+    for i in range(0, len(buffers), _IOV_MAX):
+        chunk = list(buffers[i : i + _IOV_MAX])
+        want = sum(map(len, chunk))
+        while want:
+            done = op(fd, chunk, pos)
+            if done <= 0:
+                raise OSError(f"{op.__name__} moved {done} bytes at file offset {pos:,} ({want:,} left)")
+            pos += done
+            want -= done
+            while chunk and done >= len(chunk[0]):
+                done -= len(chunk[0])
+                chunk.pop(0)
+            if done:
+                chunk[0] = chunk[0][done:]
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import packing
-from ._copy import CopyPlan, copy_staged, copy_values, dense_host_mask, memmove_runs, pack_leaves
+from ._copy import CopyPlan, copy_staged, copy_values, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
 from ._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from ._views import build_views
 from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
@@ -103,6 +103,7 @@ class SendPlan:
             self._copy = CopyPlan.build(self.offsets, info.data_ptrs, sent.nbytes, raw=self._info.raw)
             self._conversions, converted = _conversion_runs(leaves, info, sent, self.offsets, convert)
             self._values = np.setdiff1d(self._copy.elementwise, converted)
+            self._vectored = many_small_runs(self._copy.nbytes)
 
     def __repr__(self) -> str:
         return (
@@ -148,11 +149,19 @@ class SendPlan:
         if not self._host:
             return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi)
         copy = self._copy
-        if lo == 0 and hi >= self.total_nbytes:
-            d, s, n = copy.dst, copy.src, copy.nbytes
+        pool = self._sender.pool
+        if self._vectored and pool.fd is not None:
+            # Gaps (and the places of converted or value-copied tensors,
+            # written below) get zeros: every byte of [lo, hi) is written.
+            pool.write_buffers(out.data_ptr() - pool.data_ptr, self._run_buffers().window(lo, hi))
+            runs = copy.num_runs
         else:
-            d, s, n, _ = copy.window(lo, hi, by_dst=True)
-        memmove_runs(d + (out.data_ptr() - lo), s, n)
+            if lo == 0 and hi >= self.total_nbytes:
+                d, s, n = copy.dst, copy.src, copy.nbytes
+            else:
+                d, s, n, _ = copy.window(lo, hi, by_dst=True)
+            memmove_runs(d + (out.data_ptr() - lo), s, n)
+            runs = int(n.size)
         with torch.no_grad():
             for start, nbytes, dt, src in self._conversions:
                 a, b = max(lo, start), min(hi, start + nbytes)
@@ -160,7 +169,7 @@ class SendPlan:
                     size = dt.itemsize
                     out[a - lo : b - lo].view(dt).copy_(src[(a - start) // size : (b - start) // size])
         values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
-        return int(n.size) + len(self._conversions), values
+        return runs + len(self._conversions), values
 
     def fill_piece(self, pool: Any) -> Any:
         """``pack(voffset, nbytes) -> Packed``: one piece of a streamed put,
@@ -182,19 +191,23 @@ class SendPlan:
             ConfigurationError: the plan converts dtypes, or has tensors
                 that are not dense host memory (their bytes are not their values).
         """
+        if not self._host or self._converting or self._values.size:
+            why = (
+                "it converts dtypes (dtype=)" if self._converting else
+                "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
+            )
+            raise ConfigurationError(
+                f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
+                "use snapshot=True (the bytes are converted into the pool)"
+            )
+        return self._run_buffers().window(lo, hi)
+
+    def _run_buffers(self) -> "_BufferList":
+        """The packed object as buffers of the raw runs' memory, zeros between (made once)."""
         if self._sources is None:
-            if not self._host or self._converting or self._values.size:
-                why = (
-                    "it converts dtypes (dtype=)" if self._converting else
-                    "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
-                )
-                raise ConfigurationError(
-                    f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
-                    "use snapshot=True (the bytes are converted into the pool)"
-                )
             c = self._copy
             self._sources = _BufferList(c.dst, c.src, c.nbytes, self.total_nbytes)
-        return self._sources.window(lo, hi)
+        return self._sources
 
 
 class SourcedPiece:
@@ -507,6 +520,7 @@ class _Coords:
     def __init__(self, copy: CopyPlan, total: int) -> None:
         self.copy = copy
         self.total = total
+        self.small = many_small_runs(copy.nbytes)  # moved faster by preadv than memmove
         self._segments: _BufferList | None = None
 
     def execute_window(self, lo: int, hi: int, src_base: int) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from . import packing
 from ._allocator import Allocator, Block
-from ._copy import pack_leaves
+from ._copy import pack_leaves, vectored_io
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
 from ._memory import pool_buffer, pool_device
 from ._views import owned_view, unpack
@@ -336,6 +336,19 @@ class MemoryPool:
         )
         self._add_live(packed)
         return packed
+
+    def write_buffers(self, offset: int, buffers: Sequence[Any]) -> None:
+        """Write ``buffers`` back to back into the pool from byte ``offset``,
+        through the pool's memory file (``pwritev``: many small buffers in
+        few system calls). Host pools only; the caller holds the bytes.
+
+        Raises:
+            ConfigurationError: a device pool, or a closed one.
+        """
+        self._check_open()
+        if self.fd is None:
+            raise ConfigurationError(f"write_buffers needs a host pool; this pool is on {self.device}")
+        vectored_io(os.pwritev, self.fd, buffers, offset)
 
     def _add_live(self, packed: Packed) -> None:
         with self._lock:

@@ -465,3 +465,32 @@ def test_a_buffer_list_window_is_exactly_the_stream_range(runs, tail, cut):
     got = b"".join(bytes(b) for b in bl.window(lo, hi))
     assert got == bytes(expected[lo:hi])
     assert b"".join(bytes(b) for b in bl.window(0, total)) == bytes(expected)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16], ids=["as-is", "to-float16"])
+@pytest.mark.parametrize("capacity", [8 * MiB, 16 << 10], ids=["resident", "streamed"])
+def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capacity):
+    # Hundreds of small tensors apart in memory: the sender writes them into
+    # the pool's file with pwritev, a shm receiver reads its targets with
+    # preadv. Tensors that are converted or copied value by value lie among
+    # them, written after the zeros the vectored write puts in their place.
+    g = torch.Generator().manual_seed(21)
+    obj = []
+    for i in range(600):
+        kind = (torch.float32, torch.int16, torch.float64, torch.uint8)[i % 4]
+        obj.append(make_tensor(g, kind, (i % 37 + 1,)))
+    obj[5] = make_tensor(g, torch.float32, (9, 4)).t()  # not dense: value by value
+    with Sender(transport, capacity_nbytes=capacity) as sender:
+        plan = sender.plan(obj, dtype=dtype)
+        assert plan._vectored
+        targets = [torch.empty(t.shape, dtype=torch.float16 if dtype is not None and t.is_floating_point() else t.dtype) for t in obj]
+        rplan = first_sync(sender, receiver, plan, into=targets)
+        assert rplan.coords((plan.total_nbytes,)).small
+        for _ in range(2):
+            bump(obj)
+            ticket = sender.put(plan)
+            assert ticket.streamed == (capacity < plan.total_nbytes)
+            receiver.get(ticket, into=rplan)
+            want = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in obj]
+            assert_same(targets, want)
+        assert idle(sender)

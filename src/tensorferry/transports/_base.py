@@ -229,6 +229,8 @@ class Channel:
     # read_into accepts any list of destination segments whose sizes add up
     # to the blocks' bytes (not one destination per block).
     supports_scatter: ClassVar[bool] = False
+    # read_buffers takes writable byte buffers (a kept plan's segments).
+    reads_buffers: ClassVar[bool] = False
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
         self.address = address
@@ -294,6 +296,12 @@ class Channel:
 
     def read_into(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], dests: list[torch.Tensor], *, deadline: float) -> None:
         """Move the bytes of acquired ``blocks`` into ``dests`` (1-D uint8, same sizes)."""
+        raise NotImplementedError
+
+    def read_buffers(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], buffers: list[memoryview], *, deadline: float) -> None:
+        """Move the bytes of acquired ``blocks`` into writable byte
+        ``buffers`` that cover them back to back (channels with
+        ``reads_buffers``)."""
         raise NotImplementedError
 
     def read_stream(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], scratch: torch.Tensor, sink: Any, *, deadline: float) -> None:

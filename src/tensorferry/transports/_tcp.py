@@ -192,6 +192,7 @@ class TcpServer(TcpControlServer):
 class TcpChannel(Channel):
     transport = "tcp"
     supports_scatter = True
+    reads_buffers = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         return connect(address, timeout)
