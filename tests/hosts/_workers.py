@@ -1,0 +1,177 @@
+"""Programs the host tests run inside a namespace host: ``python _workers.py VERB ARGS``.
+
+Each prints one JSON line per fact on stdout and exits; times are
+``time.monotonic()``, which every namespace shares (one kernel, one clock).
+
+* ``sink HOST CONNECTIONS``: listens on ``HOST``:any port, prints
+  ``{"port"}``, reads every connection to its end, prints ``{"nbytes",
+  "last"}`` (the monotonic time of the last byte).
+* ``source HOST PORT NBYTES``: prints ``{"start"}`` just before it connects,
+  then sends ``NBYTES`` zero bytes and closes.
+* ``probe PORT OUTSIDE...``: what this host can reach: a TCP connect to
+  ``127.0.0.1:PORT``, a listener on its own loopback, and a UDP ``connect``
+  to each ``OUTSIDE`` address (a route look-up: sends nothing).
+* ``tf_send HOST TOKEN NBYTES SEED``: a tcp ``Sender`` bound to ``HOST`` puts
+  :func:`make_object`, prints ``{"ticket", "checksum"}``, waits for the
+  release, prints ``{"released"}``, and closes when a line comes on stdin.
+* ``tf_recv TOKEN``: reads a ticket's hex from stdin, ``Receiver.get``, prints
+  ``{"checksum", "nbytes"}``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def say(**fact: Any) -> None:
+    print(json.dumps(fact), flush=True)
+
+
+def make_object(seed: int, nbytes: int) -> dict[str, Any]:
+    """A deterministic, model-like dict of tensors of about ``nbytes`` in all."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    quarter = max(1, nbytes // 16)  # float32: 4 bytes an element, 4 tensors
+    return {
+        "embed.weight": torch.randn((quarter // 64, 64), generator=g),
+        "layers": [torch.randn(quarter, generator=g) for _ in range(2)],
+        "head": torch.randint(-(1 << 30), 1 << 30, (quarter,), generator=g, dtype=torch.int32),
+    }
+
+
+def checksum(obj: Any) -> str:
+    """SHA-256 of every leaf's dtype, shape and bytes, in the object's order."""
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            h.update(x.contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                h.update(repr(k).encode())
+                walk(v)
+        else:
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def sink(host: str, connections: int) -> None:
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen(connections)
+    say(port=srv.getsockname()[1])
+    totals, lasts = [0] * connections, [0.0] * connections
+
+    def drain(k: int, conn: socket.socket) -> None:
+        buf = bytearray(CHUNK)
+        with conn:
+            while n := conn.recv_into(buf):
+                totals[k] += n
+                lasts[k] = time.monotonic()
+
+    threads = []
+    for k in range(connections):
+        conn, _ = srv.accept()
+        threads.append(threading.Thread(target=drain, args=(k, conn)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    say(nbytes=sum(totals), last=max(lasts))
+
+
+def source(host: str, port: int, nbytes: int) -> None:
+    block = bytes(CHUNK)
+    say(start=time.monotonic())
+    with socket.create_connection((host, port), timeout=30) as s:
+        left = nbytes
+        while left > 0:
+            s.sendall(block[: min(left, CHUNK)])
+            left -= CHUNK
+
+
+def _outcome(fn: Any) -> str:
+    try:
+        fn()
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno or 0, str(exc))
+    return "ok"
+
+
+def probe(port: int, outside: list[str]) -> None:
+    def root_loopback() -> None:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+    def own_loopback() -> None:
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            socket.create_connection(srv.getsockname(), timeout=5).close()
+
+    def udp_route(addr: str) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # discard port; UDP connect only picks a route
+
+    say(root_loopback=_outcome(root_loopback), own_loopback=_outcome(own_loopback),
+        outside={a: _outcome(lambda a=a: udp_route(a)) for a in outside})
+
+
+def tf_send(host: str, token: str, nbytes: int, seed: int) -> None:
+    from tensorferry import Sender
+
+    obj = make_object(seed, nbytes)
+    with Sender("tcp", host=host, token=token, capacity_nbytes=nbytes + (1 << 20)) as sender:
+        ticket = sender.put(obj, readers=1)
+        say(ticket=ticket.to_bytes().hex(), checksum=checksum(obj))
+        sender.wait_released(ticket, timeout=60)
+        say(released=True)
+        # The ledger counts a release before the server has answered it: a
+        # sender closed at once can cut that answer off, and the receiver's
+        # get then fails although it holds every byte. So it closes only
+        # when told that the receiver is done.
+        sys.stdin.readline()
+
+
+def tf_recv(token: str) -> None:
+    from tensorferry import Receiver
+
+    ticket = bytes.fromhex(sys.stdin.readline().strip())
+    with Receiver("tcp", token=token, timeout=30.0) as receiver:
+        got = receiver.get(ticket)
+        say(checksum=checksum(got), nbytes=receiver.bytes_received)
+        del got
+
+
+def main(argv: list[str]) -> None:
+    verb, args = argv[0], argv[1:]
+    if verb == "sink":
+        sink(args[0], int(args[1]))
+    elif verb == "source":
+        source(args[0], int(args[1]), int(args[2]))
+    elif verb == "probe":
+        probe(int(args[0]), args[1:])
+    elif verb == "tf_send":
+        tf_send(args[0], args[1], int(args[2]), int(args[3]))
+    elif verb == "tf_recv":
+        tf_recv(args[0])
+    else:
+        raise SystemExit(f"_workers.py: unknown verb {verb!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
