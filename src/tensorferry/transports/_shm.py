@@ -109,20 +109,29 @@ class ShmChannel(Channel):
         """The acquired blocks' bytes into byte ``buffers`` (covering the
         blocks back to back), read from the sender's pool file with preadv:
         a kept plan's many small targets in few system calls."""
-        pos = 0
+        if len(blocks) == 1:
+            vectored_io(os.preadv, self._fd, buffers, blocks[0][0])
+            return
+        # Several blocks: cut the list where each block ends (one buffer
+        # may straddle a seam and is split in two).
+        ends = np.cumsum(np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers)))
+        first, at, head = 0, 0, None
         for off, n in blocks:
-            part, got = [], 0
-            while got < n:
-                b = buffers[pos]
-                take = min(len(b), n - got)
-                part.append(b[:take])
-                got += take
-                if take < len(b):
-                    buffers = [b[take:], *buffers[pos + 1 :]]
-                    pos = 0
-                else:
-                    pos += 1
+            stop = at + n
+            last = int(np.searchsorted(ends, stop, side="left"))
+            part = list(buffers[first : last + 1])
+            if head is not None:
+                part[0] = head
+            cut = int(ends[last]) - stop  # bytes of the last buffer beyond this block
+            head = None
+            if cut:
+                whole = part[-1]
+                part[-1], head = whole[: len(whole) - cut], whole[len(whole) - cut :]
+                first = last
+            else:
+                first = last + 1
             vectored_io(os.preadv, self._fd, part, off)
+            at = stop
 
     def remote_views(self, blocks, on_release=None):
         # One storage per block, each its own owner of the mapping:
