@@ -3,7 +3,8 @@
 * :func:`pool_buffer`: a pool's one buffer (a memfd mapping on CPU, a
   device tensor on CUDA), with the numbers in the error when refused.
 * :func:`new_host_bytes`: a receiver's new destination memory, with
-  transparent huge pages asked for when large.
+  transparent huge pages asked for when large; :func:`host_mapping`, the
+  mapping under it (the receive cache keeps such mappings).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from .errors import BackendUnavailableError, ConfigurationError, PoolCreationError
 
-__all__ = ["new_host_bytes", "pool_buffer", "pool_device"]
+__all__ = ["host_mapping", "new_host_bytes", "pool_buffer", "pool_device"]
 
 # New host memory of at least this size gets its own mapping with huge pages
 # (TENSORFERRY_HUGE_PAGES=0: never).
@@ -110,12 +111,24 @@ def new_host_bytes(nbytes: int) -> torch.Tensor:
     """
     if nbytes < _HUGE_MIN_NBYTES or not hasattr(mmap, "MADV_HUGEPAGE") or _huge_pages_off():
         return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.from_numpy(np.frombuffer(host_mapping(nbytes), dtype=np.uint8))
+
+
+def host_mapping(nbytes: int) -> mmap.mmap:
+    """A new private anonymous mapping of ``nbytes`` (page-aligned, not yet
+    faulted in), with transparent huge pages asked for from
+    ``_HUGE_MIN_NBYTES`` on unless ``TENSORFERRY_HUGE_PAGES=0``.
+
+    It is unmapped when the mmap object and every buffer exported from it
+    (numpy arrays, the tensors sharing their storage) are gone.
+    """
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass  # no transparent huge pages here: plain pages, still correct
-    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))
+    if nbytes >= _HUGE_MIN_NBYTES and hasattr(mmap, "MADV_HUGEPAGE") and not _huge_pages_off():
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # no transparent huge pages here: plain pages, still correct
+    return m
 
 
 def _huge_pages_off() -> bool:
