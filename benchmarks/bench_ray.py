@@ -778,6 +778,42 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
     return out
 
 
+# Plans section: the same bytes as few and as many tensors. WeightSync keeps a
+# plan on the trainer and on each worker from its first sync on, so from the
+# second sync the tensor count should cost (almost) nothing.
+PLANS_TENSOR_COUNTS = (100, 100_000)
+PLANS_TARGET = 1.2  # time(100k tensors) / time(100 tensors), from the second sync on
+
+
+def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch) -> dict:
+    """WeightSync of SYNC_NBYTES as 100 and as 100k tensors to SYNC_WORKERS
+    workers (``run_weight_sync`` with tensorferry alone); the warm-ups include
+    the first sync, which makes the plans."""
+    cases: dict = {}
+    for count in PLANS_TENSOR_COUNTS:
+        log(f"plans: {count:,} tensors")
+        cases[str(count)] = run_weight_sync(
+            ray, Trainer, Worker, repeats, log, mem,
+            spec={"kind": "synthetic", "nbytes": SYNC_NBYTES, "num_tensors": count},
+            methods=(("tf", "tensorferry WeightSync"),), fresh_trainer=True)
+    few, many = (cases[str(c)]["methods"].get("tf", {}) for c in PLANS_TENSOR_COUNTS)
+    ratio = many["seconds"] / few["seconds"] if few.get("ok") and many.get("ok") else None
+    return {"cases": cases, "ratio": ratio, "target": PLANS_TARGET, "met": ratio is not None and ratio <= PLANS_TARGET}
+
+
+def print_plans_report(plans: dict) -> None:
+    if not plans:
+        return
+    print(f"\nWeightSync with plans: {SYNC_NBYTES / GIB:.0f} GiB float32 to {SYNC_WORKERS} workers, medians from the second sync on")
+    for count, out in plans["cases"].items():
+        m = out["methods"].get("tf", {})
+        first = ", ".join(f"{r['seconds']:.3f}" for r in m.get("warmup", []))
+        state = "ok" if m.get("ok") else f"FAILED {m.get('error', 'workers differ')}"
+        print(f"  {int(count):>7,} tensors: {m.get('seconds', float('nan')):.3f} s (warm-ups incl. the planning sync: {first} s) {state}")
+    r = plans.get("ratio")
+    print(f"  100k / 100 tensors: {r:.2f}x (target <= {plans['target']}x: {'met' if plans['met'] else 'NOT met'})" if r else "  ratio: n/a")
+
+
 # -- report -----------------------------------------------------------------------
 
 
@@ -1037,6 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-transports", action="store_true", help="skip the actor-to-actor cases")
     ap.add_argument("--models", default=",".join(MODELS),
                     help=f"weight sync of these model state dicts ({', '.join(MODELS)}; 'none' to skip; needs the bench extra)")
+    ap.add_argument("--plans", action="store_true",
+                    help="only the plans section: WeightSync of the same bytes as 100 and as 100k tensors")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     if args.quick:
@@ -1057,10 +1095,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     sync: dict = {}
     models: dict = {}
+    plans: dict = {}
     mem = MemWatch()
     try:
         tfr.register()
         Producer, Consumer, Trainer, Worker = define_actors(ray)
+        if args.plans:
+            args.no_transports, args.no_sync, args.models = True, True, "none"
+            plans = run_plans(ray, Trainer, Worker, args.repeats, log, mem)
         only = set(filter(None, args.only.split(",")))
         for tr in TRANSPORTS:
             if args.no_transports or (only and tr.key not in only):
@@ -1095,6 +1137,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"tensorferry Ray benchmark — {env['date']} — {env['machine']}")
     print_model_report(models)
+    print_plans_report(plans)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "environment": env,
@@ -1113,12 +1156,14 @@ def main(argv: list[str] | None = None) -> int:
         "transports": results,
         "weight_sync": sync,
         "weight_sync_models": models,
+        "weight_sync_plans": plans,
         "ratios": ratios,
         "targets": targets,
         "all_checks_ok": all(c.get("ok", False) for r in results.values() if "skipped" not in r.get("error", "")
                              for c in r.get("cases", {}).values())
                          and all(m.get("ok", False) for m in sync.get("methods", {}).values())
-                         and all(m.get("ok", False) for out in models.values() for m in out.get("methods", {}).values()),
+                         and all(m.get("ok", False) for out in models.values() for m in out.get("methods", {}).values())
+                         and all(m.get("ok", False) for out in plans.get("cases", {}).values() for m in out.get("methods", {}).values()),
         "wall_seconds": time.monotonic() - t_start,
     }
     (args.out / "bench_ray.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -231,11 +231,13 @@ def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
                 raise OSError(f"{op.__name__} moved {done} bytes at file offset {pos:,} ({want:,} left)")
             pos += done
             want -= done
-            while chunk and done >= len(chunk[0]):
-                done -= len(chunk[0])
-                chunk.pop(0)
-            if done:
-                chunk[0] = chunk[0][done:]
+            if want:  # a short transfer: go on from the first byte it left
+                ends = np.cumsum(np.fromiter(map(len, chunk), dtype=np.int64, count=len(chunk)))
+                k = int(np.searchsorted(ends, done, side="right"))
+                into = done - (int(ends[k - 1]) if k else 0)
+                chunk = chunk[k:]
+                if into:
+                    chunk[0] = chunk[0][into:]
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

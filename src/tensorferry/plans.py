@@ -416,6 +416,10 @@ class RecvPlan:
             names = list(src.keys()) if isinstance(src, dict) else None
             self._watch = _Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
         self._targets = targets
+        # Views share their base's version counter: bumping the bases (and
+        # the tensors that are no view) marks every target written.
+        bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
+        self._versioned = list(bases.values())
         ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
         self._dst = np.zeros(len(targets), dtype=np.int64)
         if ok.any():
@@ -444,6 +448,12 @@ class RecvPlan:
     def targets(self) -> list[torch.Tensor]:
         """The destination tensor of each sent tensor, in layout order."""
         return self._targets
+
+    def mark_written(self) -> None:
+        """Bump the targets' autograd version counters (the bytes land by
+        address, which autograd cannot see): a backward that saved one of
+        them raises instead of using the new values."""
+        torch.autograd.graph.increment_version(self._versioned)
 
     def _own_buffer(self, nbytes: int) -> torch.Tensor:
         """From the receive pool where it has room (registered for NIXL),
