@@ -223,3 +223,33 @@ def test_a_forked_child_copies_in_parallel_after_the_parent_did(monkeypatch):
         if p.is_alive():
             p.kill()
     assert p.exitcode == 0
+
+
+def test_vectored_io_resumes_short_transfers_where_they_stopped(tmp_path):
+    import os
+
+    data = bytes(range(256)) * 40
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sizes = [1, 7, 300, 0, 2048, 5, 999, 3000, 1]
+        bufs = [memoryview(bytearray(n)) for n in sizes]
+
+        def short_preadv(fd, buffers, offset):
+            # At most 500 bytes a call: cuts buffers in the middle and at seams.
+            want, out = 500, []
+            for b in buffers:
+                if want <= 0:
+                    break
+                out.append(b[: min(len(b), want)])
+                want -= len(out[-1])
+            return os.preadv(fd, out, offset)
+
+        short_preadv.__name__ = "preadv"
+        _copy.vectored_io(short_preadv, fd, bufs, 17)
+        assert b"".join(bytes(b) for b in bufs) == data[17 : 17 + sum(sizes)]
+        with pytest.raises(OSError, match="moved 0 bytes"):
+            _copy.vectored_io(os.preadv, fd, [memoryview(bytearray(100))], len(data))  # past the end
+    finally:
+        os.close(fd)
