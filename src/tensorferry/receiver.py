@@ -30,11 +30,12 @@ import torch
 from . import packing
 from ._args import positive_seconds
 from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, scatter_segments
-from ._memory import new_host_bytes
+from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
 from ._tensors import gc_paused, match_into, unflatten
 from ._views import build_views
 from .errors import PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
 from .layout import Layout
+from .plans import RecvPlan
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
 from .ticket import Ticket, TransportName
 
@@ -93,6 +94,13 @@ class Receiver:
         token: the sender's shared secret, if it has one.
         timeout: default seconds for every wait of a get.
         capacity_nbytes: size of the receive pool nixl makes.
+        cache_nbytes: the most bytes of collected results kept for the next
+            gets (the receive cache: new memory costs a page fault a page,
+            memory of a result collected earlier does not). ``None``:
+            ``TENSORFERRY_RECEIVE_CACHE_BYTES`` if set, else 2 GiB (at most
+            an eighth of the host's memory); 0 turns the cache off.
+        cache_idle_seconds: memory the cache kept and no get used for this
+            long goes back to the system (``float("inf")``: never).
     """
 
     def __init__(
@@ -103,6 +111,8 @@ class Receiver:
         token: str | bytes | None = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
+        cache_nbytes: int | None = None,
+        cache_idle_seconds: float = DEFAULT_IDLE_SECONDS,
     ) -> None:
         from ._memory import _huge_pages_off
         from .transports import channel_class
@@ -112,6 +122,7 @@ class Receiver:
         if transport is not None:
             channel_class(transport)  # fail early on an unknown name
         _huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
+        cache_cap, cache_idle = cap_nbytes(cache_nbytes), idle_seconds(cache_idle_seconds)
         self.token = token.encode() if isinstance(token, str) else (token or b"")
         self.timeout = positive_seconds("Receiver(timeout)", timeout)
         self._context = ReceiveContext(pool, capacity_nbytes=capacity_nbytes)
@@ -121,6 +132,9 @@ class Receiver:
         self._releaser = Releaser()
         self.bytes_received = 0
         self.gets = 0
+        self._closed = False
+        # Last: nothing after it can fail and leave it registered with the monitor.
+        self._cache = ReceiveCache(cache_cap, cache_idle)
 
     @property
     def pool(self) -> MemoryPool | None:
@@ -158,10 +172,12 @@ class Receiver:
             raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
         timeout = self.timeout if timeout is None else positive_seconds("get(timeout)", timeout)
         deadline = time.monotonic() + timeout
+        if isinstance(into, RecvPlan):
+            if zero_copy:
+                raise TransferError("zero_copy cannot be combined with a plan (the plan's tensors are the destination)")
+            return self._get_planned(ticket, into, timeout, deadline)
         layout = ticket.layout
-        packed_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
-        if ticket.total_nbytes != packed_nbytes:
-            raise TicketError(f"ticket says {ticket.total_nbytes:,} bytes, its layout packs into {packed_nbytes:,}")
+        self._check_size(ticket, layout)
         if zero_copy and (into is not None or ticket.streamed):
             raise TransferError("zero_copy cannot be combined with into=, or with a streamed object (larger than the sender's free pool)")
         targets = match_into(layout, into) if into is not None else None
@@ -201,6 +217,128 @@ class Receiver:
         self.bytes_received += layout.total_nbytes
         return into if into is not None else result
 
+    def plan(self, ticket: Ticket | bytes, *, into: Any = None) -> RecvPlan:
+        """Check ``ticket``'s layout once and keep what every later get of
+        that layout needs (receiver side; nothing is fetched).
+
+        ``get(t, into=plan)`` then moves the bytes of any ticket ``t`` of
+        the same layout straight into the planned destinations and returns
+        :attr:`RecvPlan.result`, the same objects every time.
+
+        Args:
+            ticket: a ticket of the layout to plan for (or its bytes); it
+                is not redeemed.
+            into: existing tensors to write into, nested as the sender put
+                them (matched as for ``get``), or an ``nn.Module`` (its
+                ``state_dict()``; a get then also checks that no parameter
+                or buffer was replaced); ``None``: the plan allocates
+                destination tensors once (from the receive pool where it
+                has room) and every get returns them.
+
+        Raises:
+            TicketError: a malformed ticket.
+            LayoutMismatchError: ``into`` does not match the layout (named).
+            TransferError: the receiver is closed.
+        """
+        self._check_open()
+        if isinstance(ticket, (bytes, bytearray, memoryview)):
+            ticket = Ticket.from_bytes(ticket)
+        self._check_size(ticket, ticket.layout)
+        return RecvPlan(self, ticket, into)
+
+    def _get_planned(self, ticket: Ticket, plan: RecvPlan, timeout: float, deadline: float) -> Any:
+        """``get(ticket, into=plan)``: the bytes straight into the plan's
+        destinations; no layout decoded, no Python work per tensor."""
+        self._check_open()
+        plan.check(self, ticket)
+        if not ticket.blocks and not ticket.streamed:
+            self.gets += 1  # nothing to fetch (an empty object, zero-size tensors)
+            return plan.result
+        with plan.lock:
+            ch = self._channels.checkout(ticket.transport, ticket.address, ticket.pool_generation, ticket.id, timeout)
+            try:
+                plan.mark_written()  # as get(into=) does
+                with ch.lock:
+                    if ticket.streamed:
+                        for piece in range(ticket.num_pieces):
+                            blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
+                            try:
+                                self._receive_planned(ch, ticket.id, piece, blocks, voff, plan, (ticket.total_nbytes,), deadline)
+                            finally:
+                                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
+                    else:
+                        blocks = self._acquire_resident(ch, ticket, deadline)
+                        try:
+                            self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
+                        finally:
+                            ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
+            except BaseException as exc:
+                self._channels.discard(ch)  # its stream may be mid-frame: never reuse it
+                if isinstance(exc, OSError) and not isinstance(exc, TransferError):
+                    raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
+                raise
+            self._channels.give_back(ch)
+            plan.finish()
+        self.gets += 1
+        self.bytes_received += plan.layout.total_nbytes
+        return plan.result
+
+    def _receive_planned(self, ch: Any, ticket_id: int, piece: int, blocks: list, lo: int, plan: RecvPlan, geometry: tuple[int, ...], deadline: float) -> None:
+        """Move acquired ``blocks`` (stream bytes from ``lo`` on, in order)
+        into the plan's destinations: straight into the plan's own buffer
+        where the stream is its layout; else by the kept runs, from the
+        mapped pool (shm; many small runs: preadv of the pool's file into
+        the kept segment list), into the kept segment list (tcp), or
+        through a staging buffer (nixl)."""
+        hi = lo + sum(n for _, n in blocks)
+        own = plan.own_window(lo, hi) if len(geometry) == 1 else None
+        if own is not None:
+            dests, at = [], 0
+            for _, n in blocks:
+                dests.append(own[at : at + n])
+                at += n
+            ch.read_into(ticket_id, piece, blocks, dests, deadline=deadline)
+            return
+        coords = plan.coords(geometry)
+        if ch.supports_zero_copy and not (coords.small and ch.reads_buffers):
+            pos = lo
+            for (_, n), view in zip(blocks, ch.remote_views(blocks)):
+                coords.execute_window(pos, pos + n, view.data_ptr() - pos)
+                pos += n
+        elif ch.reads_buffers:
+            ch.read_buffers(ticket_id, piece, blocks, coords.segments(lo, hi), deadline=deadline)
+        else:
+            self._stream(ch, ticket_id, piece, blocks, lambda pos, k, base: coords.execute_window(lo + pos, lo + pos + k, base - lo - pos), deadline)
+
+    def _acquire_resident(self, ch: Any, ticket: Ticket, deadline: float) -> list[tuple[int, int]]:
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
+        blocks = [tuple(b) for b in located.blocks]
+        if blocks != [tuple(b) for b in ticket.blocks]:
+            ch.release(ticket.id, 0, timeout=self._left(deadline))
+            raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
+        return blocks
+
+    def _acquire_piece(self, ch: Any, ticket: Ticket, piece: int, deadline: float) -> tuple[list[tuple[int, int]], int]:
+        located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=ticket.digest)
+        blocks = [tuple(b) for b in located.blocks]
+        voff = located.virtual_offset
+        want = min(ticket.piece_nbytes, ticket.total_nbytes - piece * ticket.piece_nbytes)
+        if len(blocks) != 1 or blocks[0][1] != want or voff != piece * ticket.piece_nbytes:
+            ch.release(ticket.id, piece, timeout=5.0)
+            raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
+        return blocks, voff
+
+    def _check_open(self) -> None:
+        if self._closed:
+            # As a plain get on a closed receiver raises (its channel pool is closed).
+            raise TransferError("this Receiver is closed; make a new one (and new plans: a plan belongs to its receiver)")
+
+    @staticmethod
+    def _check_size(ticket: Ticket, layout: Layout) -> None:
+        packed_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
+        if ticket.total_nbytes != packed_nbytes:
+            raise TicketError(f"ticket says {ticket.total_nbytes:,} bytes, its layout packs into {packed_nbytes:,}")
+
     @staticmethod
     def _left(deadline: float) -> float:
         left = deadline - time.monotonic()
@@ -209,11 +347,7 @@ class Receiver:
         return left
 
     def _get_resident(self, ch: Any, ticket: Ticket, layout: Layout, targets: Any, how: str, deadline: float) -> Any:
-        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
-        blocks = [tuple(b) for b in located.blocks]
-        if blocks != [tuple(b) for b in ticket.blocks]:
-            ch.release(ticket.id, 0, timeout=self._left(deadline))
-            raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
+        blocks = self._acquire_resident(ch, ticket, deadline)
         sizes = [n for _, n in blocks]
         try:
             if how == "into-mapped":
@@ -243,7 +377,7 @@ class Receiver:
         lease = None
         if pool is not None and pool.device.type == "cpu":
             lease = pool.reserve_up_to(want, min_nbytes=min(want, _STAGE_MIN_NBYTES))
-        scratch = lease.view() if lease is not None else new_host_bytes(want)
+        scratch = lease.view() if lease is not None else self._cache.take(want)[0]
         try:
             ch.read_stream(ticket_id, piece, blocks, scratch, sink, deadline=deadline)
         finally:
@@ -281,13 +415,8 @@ class Receiver:
     def _get_streamed(self, ch: Any, ticket: Ticket, layout: Layout, targets: Any, deadline: float) -> Any:
         whole = None
         for piece in range(ticket.num_pieces):
-            located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=ticket.digest)
-            blocks = [tuple(b) for b in located.blocks]
-            voff = located.virtual_offset
-            want = min(ticket.piece_nbytes, ticket.total_nbytes - piece * ticket.piece_nbytes)
-            if len(blocks) != 1 or blocks[0][1] != want or voff != piece * ticket.piece_nbytes:
-                ch.release(ticket.id, piece, timeout=5.0)
-                raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
+            blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
+            want = blocks[0][1]
             try:
                 if whole is None:
                     # Only once the sender knows the ticket: a forged or
@@ -332,21 +461,47 @@ class Receiver:
 
     def _destination(self, sizes: list[int]) -> tuple[list[torch.Tensor], bool]:
         """Destination blocks (16-aligned), from the receive pool if it has
-        room (their block returns when the last view of it is collected);
-        and whether they are new memory (not the pool's)."""
+        room, else from the receive cache (either way the memory returns
+        when the last view of it is collected); and whether they are fresh
+        (new memory, not yet faulted in)."""
         total = sum(packing.align_up(n, packing.BLOCK_ALIGNMENT) for n in sizes)
         pool = self.pool
         if pool is not None and pool.device.type == "cpu":
             try:
                 return _split(pool.reserve(total).owned_view(), sizes), False
             except PoolExhaustedError:
-                pass  # receive pool full: new memory
-        return _split(new_host_bytes(total), sizes), True
+                pass  # receive pool full: the cache's memory
+        buffer, reused = self._cache.take(total)
+        return _split(buffer, sizes), not reused
+
+    def stats(self) -> dict[str, int]:
+        """This receiver's counters and its receive cache's figures.
+
+        ``gets`` and ``bytes_received`` (tensor bytes of completed gets);
+        ``cache_capacity_nbytes`` (the cap, 0: off), ``cache_cached_nbytes``
+        and ``cache_cached_buffers`` (idle memory kept, already faulted in),
+        ``cache_live_nbytes`` (the cache's memory held by results alive now),
+        ``cache_hits`` (gets that reused memory), ``cache_misses`` (gets that
+        mapped new memory the cache will keep), ``cache_bypassed`` (new memory
+        it will not keep: under 1 MiB, over the cap, or the cache off),
+        ``cache_taken_nbytes``, ``cache_trimmed_nbytes`` (unmapped after
+        sitting idle, or at close) and ``cache_evicted_nbytes`` (unmapped to
+        stay within the cap).
+        """
+        cache = self._cache.stats()
+        return {"gets": self.gets, "bytes_received": self.bytes_received, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
 
     def close(self) -> None:
+        """Close the connections and unmap the receive cache's idle memory.
+
+        Results still alive stay valid: their memory is unmapped when they
+        are collected.
+        """
+        self._closed = True
         self._channels.close()
         self._releaser.stop()
         self._context.close()
+        self._cache.close()
 
     def __enter__(self) -> "Receiver":
         return self
