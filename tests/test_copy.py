@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorferry import ConfigurationError
+from tensorferry import ConfigurationError, TransferError
 from tensorferry import _copy
 
 
@@ -249,7 +249,7 @@ def test_vectored_io_resumes_short_transfers_where_they_stopped(tmp_path):
         short_preadv.__name__ = "preadv"
         _copy.vectored_io(short_preadv, fd, bufs, 17)
         assert b"".join(bytes(b) for b in bufs) == data[17 : 17 + sum(sizes)]
-        with pytest.raises(OSError, match="moved 0 bytes"):
+        with pytest.raises(TransferError, match="moved 0 bytes"):
             _copy.vectored_io(os.preadv, fd, [memoryview(bytearray(100))], len(data))  # past the end
     finally:
         os.close(fd)

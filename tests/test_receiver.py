@@ -102,3 +102,28 @@ def test_a_closed_receiver_refuses_gets_and_keeps_nothing_open():
         with pytest.raises(TransferError, match="closed"):
             r.get(t)
         s.discard(t)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_sender_that_closes_as_soon_as_it_is_released_never_fails_the_get(transport):
+    # The sender answers a Release before it counts it: wait_released (and a
+    # close right after it) cannot cut off the answer the get is waiting for.
+    import threading
+
+    want = torch.arange(4096, dtype=torch.int64)
+    with Receiver(transport, timeout=10.0) as receiver:
+        for _ in range(25):
+            sender = Sender(transport, capacity_nbytes=1 << 20)
+            ticket = sender.put(want)
+
+            def close_when_released(s=sender, t=ticket):
+                s.wait_released(t, timeout=10.0)
+                s.close()
+
+            closer = threading.Thread(target=close_when_released)
+            closer.start()
+            try:
+                assert torch.equal(receiver.get(ticket), want)
+            finally:
+                closer.join(timeout=10.0)
+                sender.close()

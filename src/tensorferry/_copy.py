@@ -31,7 +31,7 @@ import torch
 
 from . import packing
 from ._tensors import torch_dtype
-from .errors import ConfigurationError
+from .errors import ConfigurationError, TransferError
 
 __all__ = [
     "CopyPlan",
@@ -220,7 +220,12 @@ def many_small_runs(nbytes: np.ndarray) -> bool:
 def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
     """``op`` (``os.preadv`` or ``os.pwritev``) of ``buffers``, back to back
     from file byte ``offset``, ``_IOV_MAX`` buffers a call; a short transfer
-    is resumed where it stopped. Raises OSError if the file ends first."""
+    is resumed where it stopped.
+
+    Raises:
+        TransferError: the file ends first.
+        OSError: the system call failed.
+    """
     pos = offset
     for i in range(0, len(buffers), _IOV_MAX):
         chunk = list(buffers[i : i + _IOV_MAX])
@@ -228,7 +233,7 @@ def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
         while want:
             done = op(fd, chunk, pos)
             if done <= 0:
-                raise OSError(f"{op.__name__} moved {done} bytes at file offset {pos:,} ({want:,} left)")
+                raise TransferError(f"{op.__name__} moved {done} bytes at file offset {pos:,} ({want:,} left): the file ends there")
             pos += done
             want -= done
             if want:  # a short transfer: go on from the first byte it left

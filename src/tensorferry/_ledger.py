@@ -168,21 +168,35 @@ class Ledger:
                 return None
             return self._entries[ticket_id].pieces[piece_idx].packed.buffers()
 
-    def release(self, conn: Any, ticket_id: int, piece_idx: int) -> P.Released | P.Failure:
+    def release(self, conn: Any, ticket_id: int, piece_idx: int, send: Callable[[Any], None] | None = None) -> P.Released | P.Failure:
+        """A reader is done with a piece. ``send(reply)`` (the server's
+        answer to the reader) runs before the piece is settled: a sender
+        waiting in ``wait_released`` (and closing right after) cannot cut
+        the reader's answer off. The piece is settled even if the send fails."""
         with self._cond:
             key = (ticket_id, piece_idx)
             if not conn.holds.get(key):
-                return P.Failure(kind="not-held", message=f"ticket {ticket_id} piece {piece_idx} is not held on this connection")
-            conn.holds[key] -= 1
-            if not conn.holds[key]:
-                del conn.holds[key]
-            entry = self._entries[ticket_id]
-            piece = entry.pieces[piece_idx]
-            piece.holding -= 1
-            piece.finished += 1
-            self.bytes_served += piece.nbytes
-            self._settle(entry, piece)
-            return P.Released(valid=True)
+                reply: P.Released | P.Failure = P.Failure(kind="not-held", message=f"ticket {ticket_id} piece {piece_idx} is not held on this connection")
+                entry = None
+            else:
+                conn.holds[key] -= 1
+                if not conn.holds[key]:
+                    del conn.holds[key]
+                entry = self._entries[ticket_id]
+                piece = entry.pieces[piece_idx]
+                piece.holding -= 1
+                piece.finished += 1
+                self.bytes_served += piece.nbytes
+                reply = P.Released(valid=True)
+        try:
+            if send is not None:
+                send(reply)
+        finally:
+            if entry is not None:
+                with self._cond:
+                    if self._entries.get(ticket_id) is entry:
+                        self._settle(entry, piece)
+        return reply
 
     def drop_connection(self, conn: Any) -> None:
         """A receiver went away: every slot it held is finished."""

@@ -172,7 +172,7 @@ class ControlServer:
                 if isinstance(msg, P.Acquire):
                     P.send_msg(sock, self.ledger.acquire(conn, msg))
                 elif isinstance(msg, P.Release):
-                    P.send_msg(sock, self.ledger.release(conn, msg.ticket_id, msg.piece))
+                    self.ledger.release(conn, msg.ticket_id, msg.piece, send=lambda reply: P.send_msg(sock, reply))
                 elif not self._handle_extra(conn, msg):
                     raise ProtocolError(f"unexpected {type(msg).__name__} from a receiver")
         except (PeerGoneError, TransferTimeoutError):
