@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import _protocol as P
+from ._broadcast import SENDER, Tree
 from .errors import PoolExhaustedError
 from .pool import MemoryPool, Packed
 
@@ -53,6 +54,8 @@ class _Entry:
     # Served from the tensors' own memory (a plan put with snapshot=False):
     # only a transport that sends from any address (tcp) may serve it.
     sourced: bool = False
+    # A broadcast ticket (put with fanout=): who pulls from whom.
+    tree: Tree | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -70,6 +73,7 @@ class Ledger:
         self._closed = False
         self.transfers = 0
         self.bytes_served = 0
+        self.bytes_sent = 0  # bytes a server sent itself (tcp Fetch); relays send the rest of a broadcast
         self._reaper = threading.Thread(target=self._reap_loop, name="tensorferry-lease-reaper", daemon=True)
         self._reaper.start()
         self._packer = threading.Thread(target=self._pack_loop, name="tensorferry-stream-packer", daemon=True)
@@ -144,6 +148,14 @@ class Ledger:
                     f"ticket {msg.ticket_id} was put with snapshot=False: its bytes are the sender's tensors, "
                     "which only the tcp transport serves; redeem it over tcp, or put it with snapshot=True"))
             piece = entry.pieces[msg.piece]
+            key = (msg.ticket_id, msg.piece)
+            if msg.failed_source:
+                # A receiver that holds its slot lost the relay it pulled
+                # from: another source, the same slot.
+                if entry.tree is None or not conn.holds.get(key) or piece.packed is None:
+                    return P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not held on this connection, or is no broadcast")
+                source = entry.tree.reassign(msg.relay, msg.failed_source)
+                return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source)
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
             while piece.packed is None:
@@ -156,9 +168,9 @@ class Ledger:
             piece.unclaimed -= 1
             piece.holding += 1
             entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_seconds)
-            key = (msg.ticket_id, msg.piece)
             conn.holds[key] = conn.holds.get(key, 0) + 1
-            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset)
+            source = entry.tree.join(msg.relay) if entry.tree is not None else SENDER
+            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source)
 
     def held_buffers(self, conn: Any, ticket_id: int, piece_idx: int) -> list[memoryview] | None:
         """The bytes of a piece ``conn`` holds, as buffers to send (pool

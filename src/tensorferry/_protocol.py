@@ -34,6 +34,7 @@ __all__ = [
     "Acquire",
     "Located",
     "Fetch",
+    "Pull",
     "Release",
     "Released",
     "Failure",
@@ -64,6 +65,7 @@ class MsgType:
     RELEASE = 7
     RELEASED = 8
     FAILURE = 9
+    PULL = 10
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -93,6 +95,11 @@ class Acquire(msgspec.Struct, frozen=True):
     # Ticket.digest of the ticket being redeemed: the sender checks it
     # before it takes a slot, so an altered ticket consumes nothing.
     digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    # Broadcast tickets: where this receiver serves children ("" if it
+    # does not relay), and, when asking again for a slot it holds, the
+    # source that failed it.
+    relay: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    failed_source: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 class Located(msgspec.Struct, frozen=True):
@@ -100,13 +107,27 @@ class Located(msgspec.Struct, frozen=True):
 
     blocks: list[tuple[int, int]]
     virtual_offset: int = 0
+    # Broadcast tickets: pull the bytes from this relay ("" = this sender).
+    source: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 class Fetch(msgspec.Struct, frozen=True):
-    """tcp: send me the bytes of these blocks of an acquired piece."""
+    """tcp: send me the bytes of an acquired piece (its blocks back to
+    back), from byte ``start`` on (a receiver resuming after a relay failed)."""
 
     ticket_id: int
     piece: int = 0
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Pull(msgspec.Struct, frozen=True):
+    """Child -> relay: stream me bytes ``[start, start + nbytes)`` of the
+    ticket with this digest, as they arrive at the relay."""
+
+    ticket_id: int
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)]
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Release(msgspec.Struct, frozen=True):
@@ -138,6 +159,7 @@ _TYPES: dict[int, type] = {
     MsgType.RELEASE: Release,
     MsgType.RELEASED: Released,
     MsgType.FAILURE: Failure,
+    MsgType.PULL: Pull,
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -33,7 +33,15 @@ from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, 
 from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
 from ._tensors import gc_paused, match_into, unflatten
 from ._views import build_views
-from .errors import PeerGoneError, PoolExhaustedError, TicketError, TransferError, TransferTimeoutError
+from .errors import (
+    ConfigurationError,
+    PeerGoneError,
+    PoolExhaustedError,
+    ProtocolError,
+    TicketError,
+    TransferError,
+    TransferTimeoutError,
+)
 from .layout import Layout
 from .plans import RecvPlan
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
@@ -101,6 +109,16 @@ class Receiver:
             an eighth of the host's memory); 0 turns the cache off.
         cache_idle_seconds: memory the cache kept and no get used for this
             long goes back to the system (``float("inf")``: never).
+        relay: tcp: pass on broadcast tickets (``Sender.put(fanout=)``) to
+            the receivers the sender places below this one, while still
+            receiving them; listens on ``host``:``port`` (advertised as
+            ``advertise_host``, as for a Sender; a non-loopback address
+            needs the ``token``, which children present).
+        stall_seconds: a relay this receiver pulls from that sends no chunk
+            for this long is given up: the sender names another source and
+            the get resumes from the bytes it has.
+        relay_linger_seconds: a relay keeps a ticket's bytes this long after
+            it arrived (or after a child's last pull), for late children.
     """
 
     def __init__(
@@ -113,6 +131,12 @@ class Receiver:
         capacity_nbytes: int = DEFAULT_CAPACITY_NBYTES,
         cache_nbytes: int | None = None,
         cache_idle_seconds: float = DEFAULT_IDLE_SECONDS,
+        relay: bool = False,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        stall_seconds: float = 5.0,
+        relay_linger_seconds: float = 60.0,
     ) -> None:
         from ._memory import _huge_pages_off
         from .transports import channel_class
@@ -133,8 +157,32 @@ class Receiver:
         self.bytes_received = 0
         self.gets = 0
         self._closed = False
+        self.stall_seconds = positive_seconds("Receiver(stall_seconds)", stall_seconds)
+        self._book, self._relay_server, self.relay_address = None, None, ""
+        if relay:
+            self._start_relay(host, port, advertise_host, positive_seconds("Receiver(relay_linger_seconds)", relay_linger_seconds))
         # Last: nothing after it can fail and leave it registered with the monitor.
         self._cache = ReceiveCache(cache_cap, cache_idle)
+
+    def _start_relay(self, host: str, port: int, advertise_host: str | None, linger: float) -> None:
+        from .transports._relay import RelayBook, RelayServer
+        from .transports._tcp import is_loopback
+
+        if self.transport not in (None, "tcp"):
+            self.close()
+            raise ConfigurationError(f"Receiver(relay=True) relays over tcp; this receiver speaks {self.transport}")
+        if not is_loopback(host) and not self.token:
+            self.close()
+            raise ConfigurationError(
+                f"Receiver(relay=True, host={host!r}) listens off loopback: pass token=... (the sender's), which children present"
+            )
+        self._book = RelayBook(linger)
+        try:
+            self._relay_server = RelayServer(self._book, token=self.token, host=host, port=port, advertise_host=advertise_host)
+        except BaseException:
+            self.close()
+            raise
+        self.relay_address = self._relay_server.address
 
     @property
     def pool(self) -> MemoryPool | None:
@@ -267,9 +315,13 @@ class Receiver:
                             finally:
                                 ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
                     else:
-                        blocks = self._acquire_resident(ch, ticket, deadline)
+                        blocks, source = self._acquire_resident(ch, ticket, deadline)
                         try:
-                            self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
+                            if source or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1):
+                                stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
+                                plan.coords((blocks[0][1],)).execute_window(0, blocks[0][1], stream.data_ptr())
+                            else:
+                                self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
                         finally:
                             ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
             except BaseException as exc:
@@ -310,13 +362,15 @@ class Receiver:
         else:
             self._stream(ch, ticket_id, piece, blocks, lambda pos, k, base: coords.execute_window(lo + pos, lo + pos + k, base - lo - pos), deadline)
 
-    def _acquire_resident(self, ch: Any, ticket: Ticket, deadline: float) -> list[tuple[int, int]]:
-        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest)
+    def _acquire_resident(self, ch: Any, ticket: Ticket, deadline: float) -> tuple[list[tuple[int, int]], str]:
+        """Take a reader slot: the blocks, and where to pull them from
+        (``""``: the sender; a broadcast may name a relay)."""
+        located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest, relay=self.relay_address)
         blocks = [tuple(b) for b in located.blocks]
         if blocks != [tuple(b) for b in ticket.blocks]:
             ch.release(ticket.id, 0, timeout=self._left(deadline))
             raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
-        return blocks
+        return blocks, located.source
 
     def _acquire_piece(self, ch: Any, ticket: Ticket, piece: int, deadline: float) -> tuple[list[tuple[int, int]], int]:
         located = ch.acquire(ticket.id, piece, timeout=self._left(deadline), digest=ticket.digest)
@@ -327,6 +381,50 @@ class Receiver:
             ch.release(ticket.id, piece, timeout=5.0)
             raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
         return blocks, voff
+
+    def _receive_broadcast(self, ch: Any, ticket: Ticket, blocks: list, source: str, deadline: float) -> torch.Tensor:
+        """The one block of a ticket, chunk by chunk, from ``source`` (a
+        relay, or ``""``: the sender), into memory of its own; published to
+        this receiver's children as it arrives if it relays. A relay that
+        fails or stalls is reported to the sender, which names another
+        source; the receive resumes from the bytes it has."""
+        from .transports._relay import CHUNK_NBYTES, pull
+
+        if len(blocks) != 1:
+            raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
+        total = blocks[0][1]
+        stream = self._destination([total])[0][0]
+        buf = memoryview(stream.numpy())
+        held = self._book.add(ticket.id, ticket.digest, buf) if self._book is not None else None
+        got = [0]
+
+        def progress(end: int) -> None:
+            got[0] = end
+            if held is not None:
+                held.progress(end)
+
+        ok = False
+        try:
+            while got[0] < total:
+                try:
+                    if not source:
+                        ch.receive_range(ticket.id, 0, blocks, buf, got[0], progress, deadline=deadline, chunk_nbytes=CHUNK_NBYTES)
+                    else:
+                        pull(source, token=self.token, ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=got[0],
+                             progress=progress, stall_seconds=self.stall_seconds, deadline=deadline)
+                except (PeerGoneError, TransferTimeoutError, ProtocolError):
+                    if not source or time.monotonic() > deadline:
+                        raise
+                    # The relay died or stalled: the sender names another
+                    # source (or itself); resume from what has arrived.
+                    located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest,
+                                         relay=self.relay_address, failed_source=source)
+                    source = located.source
+            ok = True
+        finally:
+            if held is not None:
+                held.finish(ok)
+        return stream
 
     def _check_open(self) -> None:
         if self._closed:
@@ -347,9 +445,15 @@ class Receiver:
         return left
 
     def _get_resident(self, ch: Any, ticket: Ticket, layout: Layout, targets: Any, how: str, deadline: float) -> Any:
-        blocks = self._acquire_resident(ch, ticket, deadline)
+        blocks, source = self._acquire_resident(ch, ticket, deadline)
         sizes = [n for _, n in blocks]
         try:
+            if source or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1):
+                stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
+                if targets is not None:
+                    _copy_out([stream], layout, targets)
+                    return None
+                return unflatten(layout, self._views([stream], layout))
             if how == "into-mapped":
                 _copy_out(ch.remote_views(blocks), layout, targets)
             elif how == "into-scatter":
@@ -498,10 +602,16 @@ class Receiver:
         are collected.
         """
         self._closed = True
+        if self._relay_server is not None:
+            self._relay_server.close()
+        if self._book is not None:
+            self._book.close()
         self._channels.close()
         self._releaser.stop()
         self._context.close()
-        self._cache.close()
+        cache = getattr(self, "_cache", None)  # absent if the constructor failed before it
+        if cache is not None:
+            cache.close()
 
     def __enter__(self) -> "Receiver":
         return self

@@ -24,6 +24,7 @@ import torch
 
 from . import packing
 from ._args import positive_seconds, reader_count
+from ._broadcast import Tree
 from ._ledger import Ledger, _Entry, _Piece
 from ._tensors import flatten, gc_paused, inspect_leaves
 from .errors import ConfigurationError, PlanBusyError, PoolExhaustedError, TransferTimeoutError
@@ -159,6 +160,7 @@ class Sender:
         lease_seconds: float | None = None,
         one_shot: bool = False,
         snapshot: bool = True,
+        fanout: int | None = None,
     ) -> Ticket:
         """Pack ``obj`` (or replay a plan's copy) and return its ticket at once.
 
@@ -179,6 +181,12 @@ class Sender:
                 and return once the caller may change them. ``False``: copy
                 nothing and serve the tensors' own memory (tcp); the caller
                 must not change them until :meth:`wait_released` returns.
+            fanout: tcp: a broadcast. The sender serves at most this many
+                receivers itself; the others pull from receivers made with
+                ``relay=True`` (each serving at most ``fanout``): a chain
+                for 1, a tree for more. The object must fit in one block of
+                the free pool (it is not streamed). ``None``: every
+                receiver pulls from the sender.
 
         Raises:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
@@ -196,6 +204,17 @@ class Sender:
         planned = obj if isinstance(obj, SendPlan) else None
         if not snapshot and planned is None:
             raise ConfigurationError("put(snapshot=False) needs a plan: put(sender.plan(obj), snapshot=False)")
+        if fanout is not None:
+            if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+                raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
+            if self.transport != "tcp" or not snapshot:
+                raise ConfigurationError(
+                    f"put(fanout=...) broadcasts through relaying receivers over tcp; this sender is {self.transport}"
+                    + ("" if snapshot else " and snapshot=False serves the tensors themselves") + ": use a tcp Sender and snapshot=True"
+                )
+            if planned is None:
+                planned = self.plan(obj)  # one block: a relay passes on one stream
+            one_shot = True
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
         if readers is None:
@@ -225,7 +244,7 @@ class Sender:
         if planned is None:
             total = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
         piece = _Piece(voffset=0, nbytes=sum(b.nbytes for b in blocks), readers=readers, packed=packed)
-        entry = _Entry(ticket_id, readers, lease, deadline, [piece], streamed=False)
+        entry = _Entry(ticket_id, readers, lease, deadline, [piece], streamed=False, tree=Tree(fanout) if fanout else None)
         ticket = self._ticket(ticket_id, layout_bytes, [(b.offset, b.nbytes) for b in blocks], total, 0, 1, readers, lease)
         entry.digest = ticket.digest
         if not blocks:
@@ -339,6 +358,7 @@ class Sender:
             "live_tickets": self.ledger.live_entries(),
             "transfers": self.ledger.transfers,
             "bytes_moved": self.ledger.bytes_served,
+            "bytes_sent": self.ledger.bytes_sent,
         }
 
     def _check_open(self) -> None:

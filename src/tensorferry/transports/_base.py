@@ -280,10 +280,10 @@ class Channel:
             raise TransferError(f"sender at {self.address}: {reply.message}")
         return reply
 
-    def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes) -> P.Located:
+    def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes, relay: str = "", failed_source: str = "") -> P.Located:
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
-        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest)
+        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay, failed_source=failed_source)
         located = self.request(msg, P.Located, timeout=timeout + 5.0)
         pool_n = self.welcome.pool_nbytes
         for off, n in located.blocks:

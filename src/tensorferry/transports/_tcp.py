@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from typing import Any
 
 from .. import _protocol as P
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
@@ -182,11 +183,25 @@ class TcpServer(TcpControlServer):
         if buffers is None:
             P.send_msg(conn.sock, P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not acquired on this connection"))
             return True
-        P.send_data_header(conn.sock, sum(b.nbytes for b in buffers))
+        if msg.start:
+            buffers = skip_bytes(buffers, msg.start)
+        total = sum(b.nbytes for b in buffers)
+        P.send_data_header(conn.sock, total)
         # The frame timeout stays on: a receiver that stops reading for that
         # long (hung, stopped) must not pin the piece's blocks forever.
         P.send_all_views(conn.sock, buffers)
+        self.ledger.bytes_sent += total
         return True
+
+
+def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
+    """``buffers`` without their first ``start`` bytes (all of them if fewer)."""
+    at = 0
+    for i, b in enumerate(buffers):
+        if start < at + b.nbytes:
+            return [b[start - at :], *buffers[i + 1 :]]
+        at += b.nbytes
+    return []
 
 
 class TcpChannel(Channel):
@@ -197,16 +212,16 @@ class TcpChannel(Channel):
     def _connect(self, address: str, timeout: float) -> socket.socket:
         return connect(address, timeout)
 
-    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float) -> int:
-        """Ask for the acquired blocks' bytes; returns how many follow."""
+    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float, start: int = 0) -> int:
+        """Ask for the acquired blocks' bytes from byte ``start`` on; returns how many follow."""
         self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece))
+        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece, start=start))
         reply = P.recv_msg(self.sock)
         if isinstance(reply, P.Failure):
             raise TransferError(f"sender at {self.address}: {reply.message}")
         if not (isinstance(reply, tuple) and reply[0] == "DATA"):
             raise ProtocolError(f"sender answered a Fetch with {type(reply).__name__}")
-        want = sum(n for _, n in blocks)
+        want = max(0, sum(n for _, n in blocks) - start)
         if reply[1] != want:
             raise ProtocolError(f"sender announced {reply[1]:,} bytes, the blocks hold {want:,}")
         return want
@@ -219,6 +234,20 @@ class TcpChannel(Channel):
             P.recv_exact_into(self.sock, memoryview(buf.numpy())[:k], deadline=deadline)
 
         return fill
+
+    def receive_range(self, ticket_id: int, piece: int, blocks, buf: memoryview, start: int, progress: Any, *, deadline: float, chunk_nbytes: int) -> None:
+        """Stream bytes ``[start, len(buf))`` of the acquired blocks (back to
+        back) into ``buf``, ``chunk_nbytes`` at a time, calling
+        ``progress(end)`` after each: a relaying receiver serves what has
+        arrived while the rest comes in."""
+        total = len(buf)
+        self._fetch(ticket_id, piece, blocks, deadline, start)
+        pos = start
+        while pos < total:
+            k = min(chunk_nbytes, total - pos)
+            P.recv_exact_into(self.sock, buf[pos : pos + k], deadline=deadline)
+            pos += k
+            progress(pos)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)

@@ -1,0 +1,84 @@
+"""Who pulls a broadcast ticket from whom: the sender's tree of relays.
+
+Sender side, pure bookkeeping (no sockets). A ticket put with ``fanout=k``
+is served by the sender to at most ``k`` receivers itself; every later
+receiver is told to pull from a relay: a receiver that relays (it said so
+when it acquired) and has fewer than ``k`` children. Relays are filled in
+the order they joined, so ``k=1`` makes a chain and larger ``k`` a tree of
+depth about log_k(N). Each host's link then carries the object about once
+in and ``k`` times out, instead of the sender's link carrying it N times.
+
+A relay that dies or stalls is reported by its children (they ask again,
+naming it); it is never assigned again, and each child is given the sender
+or another relay that is not below it (no cycles), and resumes from the
+bytes it already holds.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SENDER", "Tree"]
+
+SENDER = ""
+"""The source that means "the sender itself"."""
+
+
+class Tree:
+    """The relays of one broadcast ticket and who pulls from whom.
+
+    Args:
+        fanout: the most children the sender and each relay serve.
+    """
+
+    def __init__(self, fanout: int) -> None:
+        self.fanout = fanout
+        self.children: dict[str, int] = {SENDER: 0}  # source -> receivers pulling from it
+        self.relays: list[str] = []  # relaying receivers, in the order they joined
+        self.parent: dict[str, str] = {}  # relay -> the source it pulls from
+        self.failed: set[str] = set()
+
+    def join(self, relay: str) -> str:
+        """A receiver acquired; returns the source it pulls from. ``relay``
+        is where it serves children (``""``: it does not relay)."""
+        source = self._pick(exclude=set())
+        self.children[source] += 1
+        if relay and relay not in self.children and relay not in self.failed:
+            self.children[relay] = 0
+            self.relays.append(relay)
+            self.parent[relay] = source
+        return source
+
+    def reassign(self, relay: str, failed: str) -> str:
+        """The receiver (serving at ``relay``, or ``""``) lost its source
+        ``failed``: mark that one failed and pick another source that is
+        not below the receiver (it would wait for bytes only it brings)."""
+        if failed and failed != SENDER:
+            self.failed.add(failed)
+            self.children.pop(failed, None)
+        below = self._below(relay) if relay else set()
+        source = self._pick(exclude=below | ({relay} if relay else set()))
+        self.children[source] = self.children.get(source, 0) + 1
+        if relay in self.parent:
+            self.parent[relay] = source
+        return source
+
+    def _pick(self, exclude: set[str]) -> str:
+        if self.children[SENDER] < self.fanout:
+            return SENDER
+        for r in self.relays:
+            if r not in self.failed and r not in exclude and self.children.get(r, self.fanout) < self.fanout:
+                return r
+        # Every source is full (more receivers than the tree holds, or
+        # relays failed): the sender serves; it never refuses.
+        return SENDER
+
+    def _below(self, relay: str) -> set[str]:
+        """Relays that pull, directly or not, from ``relay``."""
+        out: set[str] = set()
+        frontier = [relay]
+        while frontier:
+            node = frontier.pop()
+            for r, p in self.parent.items():
+                if p == node and r not in out:
+                    out.add(r)
+                    frontier.append(r)
+        return out
