@@ -1,0 +1,196 @@
+"""Broadcast tickets and relaying receivers on loopback (tcp).
+
+Real senders, receivers and sockets in one process: the placement (chain,
+tree, leaves), what each side sent, and faults made deterministic (a relay
+that closed before its child pulled, a relay that accepts and never sends).
+Links with real rates and killed relay processes are in tests/hosts/.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from _transfer_helpers import assert_same, pool_empty, state_dict, wait_until
+from tensorferry import ConfigurationError, Receiver, Sender, TransferError
+from tensorferry import _protocol as P
+from tensorferry.transports._tcp import connect
+
+MiB = 1 << 20
+
+
+def obj(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3_000_000, generator=g), "steps": torch.arange(999), **state_dict(seed)}
+
+
+def get_all(receivers, ticket, **kw):
+    """Every receiver gets ``ticket`` at once (threads); their results in order."""
+    out: list = [None] * len(receivers)
+    errors: list = []
+
+    def run(i):
+        try:
+            out[i] = receivers[i].get(ticket, **kw)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture
+def receivers(request):
+    made: list[Receiver] = []
+
+    def make(n, **kw):
+        kw.setdefault("timeout", 30.0)
+        new = [Receiver("tcp", **kw) for _ in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.mark.parametrize("fanout,count", [(1, 4), (2, 6), (3, 3)])
+def test_the_sender_sends_fanout_copies_and_relays_the_rest(receivers, fanout, count):
+    want = obj(1)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        ticket = sender.put(want, readers=count, fanout=fanout)
+        rs = receivers(count, relay=True)
+        for got in get_all(rs, ticket):
+            assert_same(got, want)
+        sender.wait_released(ticket, timeout=10.0)
+        copies = min(fanout, count)
+        assert sender.stats()["bytes_sent"] == copies * ticket.total_nbytes
+        relayed = sum(r._relay_server.bytes_sent for r in rs)
+        assert relayed == (count - copies) * ticket.total_nbytes  # every other copy came from a relay
+        if fanout == 1:
+            # A chain: each relay passes the object on once, but the last.
+            assert sorted(r._relay_server.bytes_sent for r in rs) == [0] + [ticket.total_nbytes] * (count - 1)
+        assert wait_until(lambda: pool_empty(sender.pool), 5.0)
+
+
+def test_leaves_only_pull_and_into_and_plans_work_through_relays(receivers):
+    want = obj(2)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        relays = receivers(2, relay=True)
+        leaves = receivers(2)
+        plan = sender.plan(want)
+        ticket = sender.put(plan, readers=4, fanout=1)
+        targets = [obj(9) for _ in range(2)]
+        # The relays first (they join the tree), then the leaves below them.
+        for got in get_all(relays, ticket):
+            assert_same(got, want)
+        leaves[0].get(ticket, into=targets[0])
+        rplan = leaves[1].plan(ticket, into=targets[1])
+        leaves[1].get(ticket, into=rplan)
+        for t in targets:
+            assert_same(t, want)
+        # sender -> relay 0 -> relay 1 -> leaf 0; leaf 1 finds every relay
+        # full (fanout 1) and is served by the sender, which never refuses.
+        assert sender.stats()["bytes_sent"] == 2 * ticket.total_nbytes
+        assert [r._relay_server.bytes_sent for r in relays] == [ticket.total_nbytes] * 2
+        sender.wait_released(ticket, timeout=10.0)
+
+
+def test_a_child_whose_relay_is_gone_resumes_from_the_sender(receivers):
+    want = obj(3)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        first, second = receivers(2, relay=True, stall_seconds=1.0)
+        ticket = sender.put(want, readers=2, fanout=1)
+        assert_same(first.get(ticket), want)
+        first.close()  # its relay is gone before its child pulls
+        assert_same(second.get(ticket), want)
+        # The sender served both: the second after the first failed it.
+        assert sender.stats()["bytes_sent"] == 2 * ticket.total_nbytes
+        sender.wait_released(ticket, timeout=10.0)
+
+
+def test_a_relay_that_never_sends_is_given_up_after_stall_seconds(receivers):
+    want = obj(4)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    fake = f"127.0.0.1:{silent.getsockname()[1]}"
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        ticket = sender.put(want, readers=2, fanout=1)
+        # A "receiver" takes the sender's one direct slot and registers a
+        # relay that accepts connections and never answers.
+        ctl = connect(sender.address, 5.0)
+        P.send_msg(ctl, P.Hello(transport="tcp"))
+        P.recv_msg(ctl, expect=(P.Welcome,))
+        P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, relay=fake))
+        assert P.recv_msg(ctl, expect=(P.Located,)).source == ""
+        (child,) = receivers(1, stall_seconds=0.5)
+        t0 = time.monotonic()
+        assert_same(child.get(ticket), want)  # from the sender, after the stall
+        assert 0.5 <= time.monotonic() - t0 < 20
+        ctl.close()  # the fake's slot is dropped with its connection
+        sender.wait_released(ticket, timeout=10.0)
+        assert wait_until(lambda: pool_empty(sender.pool), 5.0)
+    silent.close()
+
+
+def test_a_late_receiver_pulls_from_a_relay_that_still_holds_the_object(receivers):
+    want = obj(5)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        early = receivers(2, relay=True)
+        ticket = sender.put(want, readers=3, fanout=1)
+        get_all(early, ticket)
+        (late,) = receivers(1)
+        assert_same(late.get(ticket), want)
+        assert sender.stats()["bytes_sent"] == ticket.total_nbytes  # the late one came from a relay
+        sender.wait_released(ticket, timeout=10.0)
+
+
+def test_relays_check_the_digest_and_children_the_token(receivers):
+    want = obj(6)
+    with Sender("tcp", capacity_nbytes=64 * MiB, token="s3cret") as sender:
+        (relay,) = receivers(1, relay=True, token="s3cret")
+        ticket = sender.put(want, readers=2, fanout=1)
+        relay.get(ticket)
+        from tensorferry.transports._relay import pull
+
+        buf = memoryview(bytearray(ticket.total_nbytes))
+        with pytest.raises(TransferError, match="holds no ticket"):
+            pull(relay.relay_address, token=b"s3cret", ticket_id=ticket.id, digest=b"x" * 16, buf=buf, start=0,
+                 progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
+        with pytest.raises(TransferError, match="token"):
+            pull(relay.relay_address, token=b"wrong", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=0,
+                 progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
+        pull(relay.relay_address, token=b"s3cret", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=1000,
+             progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
+        stream = torch.frombuffer(buf, dtype=torch.uint8)
+        sender_bytes = sender.pool.view(tuple(ticket.blocks[0]))  # the packed block
+        assert torch.equal(stream[1000:], sender_bytes[1000:])
+        sender.discard(ticket)
+
+
+def test_broadcast_settings_are_checked():
+    with Sender("shm") as shm:
+        with pytest.raises(ConfigurationError, match="over tcp"):
+            shm.put(torch.ones(3), fanout=1)
+    with Sender("tcp") as tcp:
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ConfigurationError, match="fanout"):
+                tcp.put(torch.ones(3), fanout=bad)
+        with pytest.raises(ConfigurationError, match="over tcp"):
+            tcp.put(tcp.plan([torch.ones(3)]), snapshot=False, fanout=1)
+        assert tcp.stats()["live_tickets"] == 0
+    with pytest.raises(ConfigurationError, match="relays over tcp"):
+        Receiver("shm", relay=True)
+    with pytest.raises(ConfigurationError, match="token"):
+        Receiver("tcp", relay=True, host="0.0.0.0")
