@@ -194,3 +194,17 @@ def test_broadcast_settings_are_checked():
         Receiver("shm", relay=True)
     with pytest.raises(ConfigurationError, match="token"):
         Receiver("tcp", relay=True, host="0.0.0.0")
+
+
+def test_shm_readers_of_a_broadcast_map_the_pool_and_stay_out_of_the_tree(receivers):
+    want = obj(7)
+    with Sender("tcp", capacity_nbytes=64 * MiB, extra_transports=("shm",)) as sender:
+        ticket = sender.put(want, readers=3, fanout=1)
+        (relay,) = receivers(1, relay=True)
+        assert_same(relay.get(ticket), want)
+        with Receiver("shm") as local:
+            assert_same(local.get(sender.ticket_for(ticket, "shm")), want)
+        (child,) = receivers(1)
+        assert_same(child.get(ticket), want)  # below the relay: the shm reader took no place in the tree
+        assert sender.stats()["bytes_sent"] == ticket.total_nbytes
+        assert relay._relay_server.bytes_sent == ticket.total_nbytes
