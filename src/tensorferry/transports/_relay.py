@@ -76,7 +76,8 @@ class _Held:
 class RelayBook:
     """The tickets a relaying receiver can serve, each kept ``linger_seconds``
     after it arrived (or after its last child's pull) so that late children
-    and children resuming after a fault find it; then its memory is let go."""
+    and children resuming after a fault find it, or until the next ticket
+    starts; then its memory is let go."""
 
     def __init__(self, linger_seconds: float) -> None:
         self.cond = threading.Condition()
@@ -86,8 +87,15 @@ class RelayBook:
         self._closed = False
 
     def add(self, ticket_id: int, digest: bytes, buf: memoryview) -> _Held:
+        """A ticket this receiver starts to receive. Tickets it finished
+        that no child is pulling are let go now: a weight sync sends a new
+        version every few seconds, and a child that still wants an old one
+        is sent elsewhere by the sender (its pull here fails)."""
         held = _Held(self, ticket_id, digest, buf)
         with self.cond:
+            for tid, h in list(self._held.items()):
+                if h.state != "receiving" and not h.pulls:
+                    del self._held[tid]
             self._held[ticket_id] = held
             self.cond.notify_all()
         return held
