@@ -208,3 +208,15 @@ def test_shm_readers_of_a_broadcast_map_the_pool_and_stay_out_of_the_tree(receiv
         assert_same(child.get(ticket), want)  # below the relay: the shm reader took no place in the tree
         assert sender.stats()["bytes_sent"] == ticket.total_nbytes
         assert relay._relay_server.bytes_sent == ticket.total_nbytes
+
+
+def test_a_relay_lets_go_of_a_ticket_after_lingering_or_at_the_next_one(receivers):
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        (relay,) = receivers(1, relay=True, relay_linger_seconds=0.3)
+        first = sender.put(obj(8), readers=1, fanout=1)
+        relay.get(first)
+        assert relay._book.held_nbytes() == first.total_nbytes
+        second = sender.put(obj(9), readers=1, fanout=1)
+        relay.get(second)
+        assert relay._book.held_nbytes() == second.total_nbytes  # the first was let go
+        assert wait_until(lambda: relay._book.held_nbytes() == 0, 5.0)  # and the second after lingering
