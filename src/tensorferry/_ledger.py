@@ -143,10 +143,10 @@ class Ledger:
                 return P.Failure(kind="altered", message=(
                     f"this ticket {msg.ticket_id} does not match what the sender put (its layout, blocks or sizes "
                     "were altered on the way); nothing was taken: redeem the ticket's original bytes"))
-            if entry.sourced and getattr(conn, "transport", "") != "tcp":
+            if entry.sourced and getattr(conn, "transport", "") not in ("tcp", "shm"):
                 return P.Failure(kind="unsupported", message=(
                     f"ticket {msg.ticket_id} was put with snapshot=False: its bytes are the sender's tensors, "
-                    "which only the tcp transport serves; redeem it over tcp, or put it with snapshot=True"))
+                    "which only the tcp and shm transports serve; redeem it over those, or put it with snapshot=True"))
             piece = entry.pieces[msg.piece]
             key = (msg.ticket_id, msg.piece)
             if msg.failed_source:
@@ -155,7 +155,7 @@ class Ledger:
                 if entry.tree is None or not conn.holds.get(key) or piece.packed is None:
                     return P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not held on this connection, or is no broadcast")
                 source = entry.tree.reassign(msg.relay, msg.failed_source)
-                return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source)
+                return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
             while piece.packed is None:
@@ -172,7 +172,16 @@ class Ledger:
             # Only tcp readers join the tree: shm readers on the sender's
             # host map its pool, and nixl reads it one-sided.
             source = entry.tree.join(msg.relay) if entry.tree is not None and getattr(conn, "transport", "") == "tcp" else SENDER
-            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source)
+            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
+
+    def held_runs(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
+        """(position, address, length) arrays of a held snapshot=False
+        piece; None if not held or not such a piece."""
+        with self._cond:
+            if not conn.holds.get((ticket_id, piece_idx)):
+                return None
+            entry = self._entries[ticket_id]
+            return entry.pieces[piece_idx].packed.runs() if entry.sourced else None
 
     def held_buffers(self, conn: Any, ticket_id: int, piece_idx: int) -> list[memoryview] | None:
         """The bytes of a piece ``conn`` holds, as buffers to send (pool

@@ -35,6 +35,8 @@ __all__ = [
     "Located",
     "Fetch",
     "Pull",
+    "Sources",
+    "SourceRuns",
     "Release",
     "Released",
     "Failure",
@@ -66,6 +68,8 @@ class MsgType:
     RELEASED = 8
     FAILURE = 9
     PULL = 10
+    SOURCES = 11
+    SOURCE_RUNS = 12
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -109,6 +113,9 @@ class Located(msgspec.Struct, frozen=True):
     virtual_offset: int = 0
     # Broadcast tickets: pull the bytes from this relay ("" = this sender).
     source: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    # The piece is the sender's tensors themselves (a plan put with
+    # snapshot=False), not its pool: shm readers ask for SourceRuns.
+    sourced: bool = False
 
 
 class Fetch(msgspec.Struct, frozen=True):
@@ -128,6 +135,24 @@ class Pull(msgspec.Struct, frozen=True):
     digest: Annotated[bytes, msgspec.Meta(max_length=64)]
     start: Annotated[int, msgspec.Meta(ge=0)]
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Sources(msgspec.Struct, frozen=True):
+    """shm: where the bytes of an acquired snapshot=False piece are in the
+    sender's memory (it is read with process_vm_readv)."""
+
+    ticket_id: int
+    piece: int = 0
+
+
+class SourceRuns(msgspec.Struct, frozen=True):
+    """Reply to Sources: the sender's pid and, as little-endian int64 arrays,
+    each run's position in the piece, its address there, and its length."""
+
+    pid: int
+    pos: bytes
+    address: bytes
+    nbytes: bytes
 
 
 class Release(msgspec.Struct, frozen=True):
@@ -160,6 +185,8 @@ _TYPES: dict[int, type] = {
     MsgType.RELEASED: Released,
     MsgType.FAILURE: Failure,
     MsgType.PULL: Pull,
+    MsgType.SOURCES: Sources,
+    MsgType.SOURCE_RUNS: SourceRuns,
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()

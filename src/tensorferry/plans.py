@@ -202,6 +202,15 @@ class SendPlan:
             )
         return self._run_buffers().window(lo, hi)
 
+    def source_runs(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs of bytes ``[lo, hi)`` of the packed object in the
+        tensors' own memory: (position, address, length) int64 arrays, in
+        order, alignment gaps left out (what a snapshot=False put tells shm
+        readers, which copy them with process_vm_readv)."""
+        self.source_buffers(0, 0)  # the same conditions as the buffers
+        d, s, n, _ = self._copy.window(lo, hi, by_dst=True)
+        return d, s, n
+
     def _run_buffers(self) -> "_BufferList":
         """The packed object as buffers of the raw runs' memory, zeros between (made once)."""
         if self._sources is None:
@@ -225,6 +234,11 @@ class SourcedPiece:
 
     def buffers(self) -> list[memoryview]:
         return self.plan.source_buffers(self.lo, self.hi)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(position in the piece, address, length) of the piece's runs."""
+        pos, addr, n = self.plan.source_runs(self.lo, self.hi)
+        return pos - self.lo, addr, n
 
     def release(self) -> None:
         """Nothing to free: the bytes are the caller's tensors."""

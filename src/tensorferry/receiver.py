@@ -352,7 +352,7 @@ class Receiver:
             ch.read_into(ticket_id, piece, blocks, dests, deadline=deadline)
             return
         coords = plan.coords(geometry)
-        if ch.supports_zero_copy and not (coords.small and ch.reads_buffers):
+        if ch.supports_zero_copy and not ch.is_sourced(ticket_id, piece) and not (coords.small and ch.reads_buffers):
             pos = lo
             for (_, n), view in zip(blocks, ch.remote_views(blocks)):
                 coords.execute_window(pos, pos + n, view.data_ptr() - pos)

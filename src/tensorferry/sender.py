@@ -181,6 +181,9 @@ class Sender:
                 and return once the caller may change them. ``False``: copy
                 nothing and serve the tensors' own memory (tcp); the caller
                 must not change them until :meth:`wait_released` returns.
+                tcp sends from them; shm readers copy them straight out of
+                this process (``process_vm_readv``: same user, and where
+                Yama restricts ptrace, this process must allow it).
             fanout: tcp: a broadcast. The sender serves at most this many
                 receivers itself; the others pull from receivers made with
                 ``relay=True`` (each serving at most ``fanout``): a chain
@@ -196,7 +199,7 @@ class Sender:
                 the plan is still being read.
             ConfigurationError: ``readers`` below 1, ``lease_seconds`` not a
                 positive number of seconds, ``snapshot=False`` without a plan
-                or on a transport other than tcp, the sender closed.
+                or on nixl, the sender closed.
         """
         self._check_open()
         readers = reader_count(readers)
@@ -293,10 +296,10 @@ class Sender:
     def _put_sourced(self, plan: SendPlan, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
         """A plan served from its tensors' own memory, in pieces (tcp sends
         from any address; the pool holds nothing of it)."""
-        if self.transport != "tcp":
+        if self.transport not in ("tcp", "shm"):
             raise ConfigurationError(
-                f"put(plan, snapshot=False) serves the tensors' own memory, which only the tcp transport can send; "
-                f"this sender is {self.transport}: use snapshot=True"
+                f"put(plan, snapshot=False) serves the tensors' own memory, which the tcp transport sends and shm "
+                f"readers copy (process_vm_readv); this sender is {self.transport}: use snapshot=True"
             )
         with plan.lock:
             busy = plan.last_unsnapshotted

@@ -323,32 +323,38 @@ def test_plan_from_ticket_bytes_and_a_forged_size(sender, receiver):
 # -- snapshot=False -------------------------------------------------------------------------------
 
 
-def test_snapshot_false_serves_the_tensors_themselves_over_tcp():
-    with Sender("tcp", capacity_nbytes=1 * MiB) as sender, Receiver("tcp", timeout=20.0) as receiver:
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_snapshot_false_serves_the_tensors_themselves(kind):
+    require(kind)
+    with Sender(kind, capacity_nbytes=1 * MiB) as sender, Receiver(kind, timeout=20.0) as receiver:
         flat = torch.randn(600_000)  # 2.4 MB: more than the pool, served in pieces
         obj = {"a": flat[:1000].view(10, 100), "b": torch.arange(7, dtype=torch.int16), "c": flat[1000:]}
         plan = sender.plan(obj)
         rplan = first_sync(sender, receiver, plan)
+        targets = {k: torch.empty_like(v) for k, v in obj.items()}
+        tplan = first_sync(sender, receiver, plan, into=targets)
         assert idle(sender)
         for _ in range(2):
             bump(obj)
-            ticket = sender.put(plan, snapshot=False)
+            ticket = sender.put(plan, snapshot=False, readers=2)
             assert pool_empty(sender.pool)  # nothing copied into the pool
             with pytest.raises(PlanBusyError, match="wait_released"):
                 sender.put(plan, snapshot=False)
             assert_same(receiver.get(ticket, into=rplan), obj)
+            receiver.get(ticket, into=tplan)
+            assert_same(targets, obj)
             sender.wait_released(ticket, timeout=10.0)
         assert_same(receiver.get(sender.put(plan, snapshot=False)), obj)  # a plain get reads it too
 
 
 def test_snapshot_false_is_refused_where_it_cannot_work(transport, sender):
     plan = sender.plan([torch.ones(4)])
-    if transport != "tcp":
-        with pytest.raises(ConfigurationError, match="only the tcp transport"):
+    if transport == "nixl":
+        with pytest.raises(ConfigurationError, match="tcp transport sends"):
             sender.put(plan, snapshot=False)
     with pytest.raises(ConfigurationError, match="needs a plan"):
         sender.put([torch.ones(4)], snapshot=False)
-    if transport == "tcp":
+    if transport != "nixl":
         with pytest.raises(ConfigurationError, match="converts dtypes"):
             sender.put(sender.plan([torch.ones(4)], dtype=torch.float16), snapshot=False)
         with pytest.raises(ConfigurationError, match="not dense host memory"):
@@ -356,12 +362,55 @@ def test_snapshot_false_is_refused_where_it_cannot_work(transport, sender):
     assert pool_empty(sender.pool) and sender.stats()["live_tickets"] == 0
 
 
-def test_a_shm_receiver_cannot_take_a_snapshot_false_ticket():
-    with Sender("tcp", extra_transports=("shm",)) as sender, Receiver("shm") as receiver:
+def test_a_nixl_receiver_cannot_take_a_snapshot_false_ticket():
+    require("nixl")
+    with Sender("tcp", extra_transports=("nixl",)) as sender, Receiver("nixl") as receiver:
         plan = sender.plan([torch.ones(4)])
-        ticket = sender.ticket_for(sender.put(plan, snapshot=False), "shm")
+        ticket = sender.ticket_for(sender.put(plan, snapshot=False), "nixl")
         with pytest.raises(TransferError, match="snapshot=False"):
             receiver.get(ticket)
+
+
+def _sourced_sender(kind: str, rounds: int, out_q, in_q) -> None:
+    from tensorferry import Sender
+
+    obj = state_dict(12, scale=64)
+    with Sender(kind, capacity_nbytes=256 << 10) as sender:
+        plan = sender.plan(obj)
+        for _ in range(rounds):
+            bump(obj)
+            ticket = sender.put(plan, snapshot=False)
+            out_q.put(ticket.to_bytes())
+            sender.wait_released(ticket, timeout=30.0)
+            in_q.get()
+        out_q.put(sender.stats()["used_nbytes"])
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_snapshot_false_from_another_process(kind):
+    # shm readers copy the sender's tensors out of its memory (process_vm_readv).
+    ctx = mp.get_context("spawn")
+    out_q, in_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_sourced_sender, args=(kind, 2, out_q, in_q), daemon=True)
+    proc.start()
+    try:
+        want = state_dict(12, scale=64)
+        with Receiver(kind, timeout=30.0) as receiver:
+            rplan = None
+            for _ in range(2):
+                ticket = Ticket.from_bytes(out_q.get(timeout=120))
+                assert ticket.streamed  # more than the sender's small pool: pieces
+                rplan = rplan or receiver.plan(ticket)
+                got = receiver.get(ticket, into=rplan)
+                bump(want)
+                assert_same(got, want)
+                in_q.put(None)
+        assert out_q.get(timeout=30) == 0  # the sender's pool never held any of it
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
 
 
 # -- another process ------------------------------------------------------------------------------
@@ -494,3 +543,39 @@ def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capa
             want = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in obj]
             assert_same(targets, want)
         assert idle(sender)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    covered=st.lists(st.tuples(st.integers(0, 9), st.integers(1, 30)), min_size=0, max_size=10),
+    cuts_a=st.lists(st.integers(1, 300), max_size=8),
+    cuts_b=st.lists(st.integers(1, 300), max_size=8),
+)
+def test_intersecting_two_cuttings_of_one_stream_maps_every_byte_once(covered, cuts_a, cuts_b):
+    # The same covered bytes (tensors, gaps between) cut into runs two ways,
+    # each run at an address of its own: the sender's runs and the
+    # receiver's destinations of a snapshot=False piece.
+    from tensorferry.transports._shm import _intersect
+
+    spans, at = [], 0
+    for gap, n in covered:
+        at += gap
+        spans.append((at, at + n))
+        at += n
+
+    def cut(points, base):
+        pos, addr, length = [], [], []
+        for lo, hi in spans:
+            edges = sorted({lo, hi, *(p for p in points if lo < p < hi)})
+            for a, b in zip(edges, edges[1:]):
+                pos.append(a)
+                addr.append(base + a)  # byte p of the stream sits at base + p
+                length.append(b - a)
+        return (np.array(v, dtype=np.int64) for v in (pos, addr, length))
+
+    la, ra, lengths = _intersect(*cut(cuts_a, 10_000), *cut(cuts_b, 90_000))
+    pos = la - 10_000
+    assert np.array_equal(pos, ra - 90_000)  # both ends of each piece are the same stream byte
+    assert (lengths > 0).all() and (pos[1:] >= pos[:-1] + lengths[:-1]).all()  # in order, apart
+    covered_bytes = {p for lo, hi in spans for p in range(lo, hi)}
+    assert {int(p) + i for p, n in zip(pos, lengths) for i in range(int(n))} == covered_bytes

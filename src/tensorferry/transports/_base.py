@@ -291,6 +291,11 @@ class Channel:
                 raise ProtocolError(f"sender located a block ({off}, {n}) outside its {pool_n:,}-byte pool")
         return located
 
+    def is_sourced(self, ticket_id: int, piece: int) -> bool:
+        """Whether an acquired piece is the sender's tensors themselves
+        (snapshot=False), not its pool: then it has no mapped view."""
+        return False
+
     def release(self, ticket_id: int, piece: int, *, timeout: float) -> bool:
         return self.request(P.Release(ticket_id=ticket_id, piece=piece), P.Released, timeout=timeout).valid
 
