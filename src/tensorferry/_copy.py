@@ -37,6 +37,7 @@ __all__ = [
     "CopyPlan",
     "StagedCopy",
     "copy_bytes",
+    "copy_converting",
     "copy_from_blocks",
     "copy_staged",
     "copy_values",
@@ -243,6 +244,29 @@ def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
                 chunk = chunk[k:]
                 if into:
                     chunk[0] = chunk[0][into:]
+
+
+def copy_converting(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair of 1-D host tensors of one length
+    (a dtype conversion), split into equal parts on the copy threads when
+    large: torch converts without the GIL, so the parts run at once (the
+    conversion would otherwise run on one core while raw copies use more)."""
+    total = sum(d.numel() * d.element_size() for d, _ in pairs)
+    threads = copy_threads() if total >= _PARALLEL_MIN_NBYTES else 1
+    if threads == 1:
+        for d, src in pairs:
+            d.copy_(src)
+        return
+    step = -(-sum(d.numel() for d, _ in pairs) // threads)
+    parts = []
+    for d, src in pairs:
+        for i in range(0, d.numel(), step):
+            parts.append((d[i : i + step], src[i : i + step]))
+    run_parts(_copy_into, parts)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -265,14 +265,15 @@ def test_module_plans_refuse_moved_or_replaced_parameters(sender):
         assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
 
 
-def test_plain_plans_refuse_resized_tensors(sender):
-    a, b = torch.zeros(10), torch.zeros(10)
-    plan = sender.plan({"a": a, "b": b})
-    b.resize_(5)
-    with pytest.raises(PlanStaleError, match="'b'.*resized from 10 to 5"):
-        sender.put(plan)
+def test_plain_plans_refuse_moved_and_regrown_tensors(sender):
+    a, b, c = torch.zeros(10), torch.zeros(10), torch.zeros(10)
+    plan = sender.plan({"a": a, "b": b, "c": c})
     b.resize_(100_000)  # grows: new memory
-    with pytest.raises(PlanStaleError, match="'b' moved"):
+    with pytest.raises(PlanStaleError, match="'b' moved from address .* and was resized from 10 to 100,000"):
+        sender.put(plan)
+    plan = sender.plan({"a": a, "b": b, "c": c})
+    c.set_(torch.ones(10).untyped_storage())  # the same shape in other memory
+    with pytest.raises(PlanStaleError, match="'c' moved"):
         sender.put(plan)
     assert pool_empty(sender.pool)
 
