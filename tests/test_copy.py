@@ -253,3 +253,25 @@ def test_vectored_io_resumes_short_transfers_where_they_stopped(tmp_path):
             _copy.vectored_io(os.preadv, fd, [memoryview(bytearray(100))], len(data))  # past the end
     finally:
         os.close(fd)
+
+
+def test_a_large_vectored_transfer_runs_in_parts_that_cover_each_byte_once(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "3")
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 40_000, size=3000)  # ~60 MB in 3000 buffers: split three ways
+    data = rng.integers(0, 256, size=int(sizes.sum()) + 123, dtype=np.uint8)
+    fd = os.memfd_create("vectored-test")
+    try:
+        os.ftruncate(fd, data.size)
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        src = [memoryview(data[123 + a : 123 + b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        _copy.vectored_io(os.pwritev, fd, src, 123)
+        assert os.pread(fd, 123, 0) == bytes(123)  # nothing before the offset
+        back = np.zeros(int(sizes.sum()), dtype=np.uint8)
+        dst = [memoryview(back[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        _copy.vectored_io(os.preadv, fd, dst, 123)
+        assert np.array_equal(back, data[123:])
+    finally:
+        os.close(fd)

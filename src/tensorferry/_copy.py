@@ -221,12 +221,30 @@ def many_small_runs(nbytes: np.ndarray) -> bool:
 def vectored_io(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
     """``op`` (``os.preadv`` or ``os.pwritev``) of ``buffers``, back to back
     from file byte ``offset``, ``_IOV_MAX`` buffers a call; a short transfer
-    is resumed where it stopped.
+    is resumed where it stopped. A large one is split into parts of about
+    equal bytes run at once on the copy threads (the kernel copies without
+    the GIL), as memmove copies are.
 
     Raises:
         TransferError: the file ends first.
         OSError: the system call failed.
     """
+    count = len(buffers)
+    if count > _IOV_MAX:
+        lengths = np.fromiter(map(len, buffers), dtype=np.int64, count=count)
+        total = int(lengths.sum())
+        threads = copy_threads() if total >= _PARALLEL_MIN_NBYTES else 1
+        if threads > 1:
+            ends = np.cumsum(lengths)
+            cuts = np.searchsorted(ends, np.arange(1, threads) * (total // threads), side="left") + 1
+            bounds = [0, *sorted(set(int(c) for c in cuts if 0 < c < count)), count]
+            parts = [(op, fd, buffers[a:b], offset + (int(ends[a - 1]) if a else 0)) for a, b in zip(bounds, bounds[1:])]
+            run_parts(_vectored_serial, parts)
+            return
+    _vectored_serial(op, fd, buffers, offset)
+
+
+def _vectored_serial(op: Any, fd: int, buffers: Sequence[Any], offset: int) -> None:
     pos = offset
     for i in range(0, len(buffers), _IOV_MAX):
         chunk = list(buffers[i : i + _IOV_MAX])
