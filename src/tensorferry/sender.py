@@ -210,9 +210,9 @@ class Sender:
         if fanout is not None:
             if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
                 raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
-            if self.transport != "tcp" or not snapshot:
+            if "tcp" not in self.servers or not snapshot:
                 raise ConfigurationError(
-                    f"put(fanout=...) broadcasts through relaying receivers over tcp; this sender is {self.transport}"
+                    f"put(fanout=...) broadcasts through relaying receivers over tcp; this sender serves {', '.join(self.servers)}"
                     + ("" if snapshot else " and snapshot=False serves the tensors themselves") + ": use a tcp Sender and snapshot=True"
                 )
             if planned is None:

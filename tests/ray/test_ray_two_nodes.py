@@ -133,3 +133,42 @@ def test_weight_sync_reaches_a_worker_on_the_other_node_over_tcp(two_nodes):
     assert ray.get(near.paths.remote()) == ["shm"]
     for actor in (trainer, far, near):
         ray.kill(actor)
+
+
+def _sent_by_trainer(actor_self) -> int:
+    from tensorferry.ray import _weights
+
+    return _weights._PUBLISHER.sender.stats()["bytes_sent"]
+
+
+def _relayed(actor_self) -> int:
+    from tensorferry.ray import _weights
+
+    r = _weights._RECEIVER
+    return r._relay_server.bytes_sent if r is not None and r._relay_server is not None else -1
+
+
+def test_weight_sync_relays_between_the_workers_of_the_other_node(two_nodes):
+    trainer = Trainer.options(resources={"node_a": 1}).remote()
+    far = [Worker.options(resources={"node_b": 1}).remote() for _ in range(3)]
+    near = Worker.options(resources={"node_a": 1}).remote()
+    sync = tfr.WeightSync(trainer, [*far, near], fanout=1)
+    nbytes = 0
+    for version in (1, 2, 3):
+        want = ray.get(trainer.step.remote(version))
+        report = sync.sync()
+        nbytes = report.nbytes // len(sync.workers)
+        for w in (*far, near):
+            got = ray.get(w.weights.remote())
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    # The trainer's link carried one copy a version (a chain through the
+    # far workers), not three; the near worker read the pool (shm).
+    sent = ray.get(trainer.__ray_call__.remote(_sent_by_trainer))
+    assert 3 * nbytes <= sent < 4 * nbytes, (sent, nbytes)
+    relayed = sorted(ray.get([w.__ray_call__.remote(_relayed) for w in far]))
+    assert relayed[0] >= 0 and sum(relayed) >= 2 * 3 * nbytes, relayed  # two of three pass each version on
+    assert ray.get(near.paths.remote()) == ["shm"]
+    with pytest.raises(Exception, match="fanout"):
+        tfr.WeightSync(trainer, far, fanout=0)
+    for actor in (trainer, *far, near):
+        ray.kill(actor)

@@ -31,6 +31,9 @@ class WeightVersion(NamedTuple):
     nbytes: int
     num_tensors: int
     pack_seconds: float
+    # Workers on other nodes relay it to each other (a chain for 1, a tree
+    # for more); None: each pulls from the trainer.
+    fanout: int | None = None
 
 
 class SyncReport(NamedTuple):
@@ -117,7 +120,7 @@ def _publisher(nbytes: int, capacity_nbytes: int | None) -> _Publisher:
         return _PUBLISHER
 
 
-def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None, dtype: Any = None) -> WeightVersion:
+def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None, dtype: Any = None, fanout: int | None = None) -> WeightVersion:
     """Send the current weights as the next version (runs in the trainer process).
 
     The first version plans ``state_dict`` (a module or a nesting of
@@ -128,6 +131,8 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
 
     Args:
         dtype: send floating-point tensors as this dtype (e.g. bfloat16).
+        fanout: workers on other nodes pull over tcp through each other
+            (``Sender.put(fanout=)``): the trainer sends this many copies.
 
     Raises:
         PoolExhaustedError: the state dict does not fit even in an empty pool.
@@ -146,7 +151,7 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
             plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)
         while True:
             try:
-                ticket = pub.sender.put(plan, readers=None, one_shot=True)
+                ticket = pub.sender.put(plan, readers=None, one_shot=True, fanout=fanout)
                 break
             except PlanStaleError:
                 plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)  # a parameter was replaced
@@ -177,6 +182,7 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
             nbytes=plan.layout.total_nbytes,
             num_tensors=plan.num_tensors,
             pack_seconds=pack_seconds,
+            fanout=fanout,
         )
         return pub.latest_version
 
@@ -205,13 +211,19 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     from ..ticket import Ticket
     from ._settings import settings
 
-    with _STATE_LOCK:
-        if _RECEIVER is None:
-            s = settings()
-            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds)
-        receiver = _RECEIVER
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
+    relaying = version.fanout is not None and name == "tcp"
+    with _STATE_LOCK:
+        if relaying and _RECEIVER is not None and not _RECEIVER.relay_address:
+            _RECEIVER.close()  # made before this sync asked for relays
+            _RECEIVER = _RECV_PLAN = None
+        if _RECEIVER is None:
+            s = settings()
+            # A relaying worker listens where the trainer's tcp server does
+            # (TENSORFERRY_RAY_HOST: the node's address on a real cluster).
+            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, relay=relaying, host=s.host)
+        receiver = _RECEIVER
     t0 = time.perf_counter()
     ticket = Ticket.from_bytes(version.tickets[name])
     plan = _RECV_PLAN
@@ -241,8 +253,8 @@ def _actor_prepare(actor: Any, state_dict_fn: Callable, capacity_nbytes: int | N
     prepare(state_dict_fn(actor), capacity_nbytes=capacity_nbytes)
 
 
-def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None, dtype: Any = None) -> WeightVersion:
-    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes, dtype=dtype)
+def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None, dtype: Any = None, fanout: int | None = None) -> WeightVersion:
+    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes, dtype=dtype, fanout=fanout)
 
 
 def _actor_latest(actor: Any) -> WeightVersion | None:
@@ -272,6 +284,10 @@ class WeightSync:
         dtype: send floating-point weights as this dtype (e.g.
             ``torch.bfloat16`` from an fp32 trainer to bf16 workers: half
             the bytes); the workers' targets must be of it.
+        fanout: workers on other nodes than the trainer's relay each
+            version to each other over tcp (``Sender.put(fanout=)``): the
+            trainer's link carries ``fanout`` copies instead of one per
+            worker. Workers on the trainer's node read its pool (shm).
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
@@ -294,6 +310,7 @@ class WeightSync:
         timeout: float = 120.0,
         capacity_nbytes: int | None = None,
         dtype: Any = None,
+        fanout: int | None = None,
     ) -> None:
         import torch
 
@@ -301,7 +318,10 @@ class WeightSync:
 
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigurationError(f"WeightSync(dtype={dtype!r}): expected a floating-point torch dtype such as torch.bfloat16")
+        if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
+            raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
         self.dtype = dtype
+        self.fanout = fanout
         self.trainer = trainer
         self.workers = list(workers)
         self._state_dict = state_dict
@@ -326,7 +346,7 @@ class WeightSync:
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype))
+        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout))
         refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
