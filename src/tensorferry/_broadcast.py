@@ -36,16 +36,27 @@ class Tree:
         self.parent: dict[str, str] = {}  # relay -> the source it pulls from
         self.failed: set[str] = set()
 
-    def join(self, relay: str) -> str:
+    def join(self, relay: str, host: str = "") -> str:
         """A receiver acquired; returns the source it pulls from. ``relay``
-        is where it serves children (``""``: it does not relay)."""
-        source = self._pick(exclude=set())
+        is where it serves children (``""``: it does not relay); ``host``
+        is its address as the sender sees it, when that is not the
+        sender's own host: a relay on that host serves it, whatever its
+        fanout (the copy crosses no link), so each host takes the object
+        over the network once."""
+        source = self._local(host, exclude=set()) or self._pick(exclude=set())
         self.children[source] += 1
         if relay and relay not in self.children and relay not in self.failed:
             self.children[relay] = 0
             self.relays.append(relay)
             self.parent[relay] = source
         return source
+
+    def _local(self, host: str, exclude: set[str]) -> str:
+        """The relay on ``host`` with the fewest children, or ``""``."""
+        if not host:
+            return ""
+        local = [r for r in self.relays if r not in self.failed and r not in exclude and _host_of(r) == host]
+        return min(local, key=lambda r: self.children.get(r, 0)) if local else ""
 
     def reassign(self, relay: str, failed: str) -> str:
         """The receiver (serving at ``relay``, or ``""``) lost its source
@@ -82,3 +93,8 @@ class Tree:
                     out.add(r)
                     frontier.append(r)
         return out
+
+
+def _host_of(address: str) -> str:
+    """The host part of ``host:port`` (brackets of an IPv6 address dropped)."""
+    return address.rpartition(":")[0].strip("[]")

@@ -171,7 +171,7 @@ class Ledger:
             conn.holds[key] = conn.holds.get(key, 0) + 1
             # Only tcp readers join the tree: shm readers on the sender's
             # host map its pool, and nixl reads it one-sided.
-            source = entry.tree.join(msg.relay) if entry.tree is not None and getattr(conn, "transport", "") == "tcp" else SENDER
+            source = entry.tree.join(msg.relay, getattr(conn, "remote_host", "")) if entry.tree is not None and getattr(conn, "transport", "") == "tcp" else SENDER
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
     def held_runs(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:

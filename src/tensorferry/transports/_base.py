@@ -67,10 +67,19 @@ _STREAM_ALIGNMENT = 4096
 class Connection:
     """One accepted receiver connection and the reader slots it holds."""
 
-    def __init__(self, sock: socket.socket, peer: str, transport: str = "") -> None:
+    def __init__(self, sock: socket.socket, peer: Any, transport: str = "") -> None:
         self.sock = sock
-        self.peer = peer
+        self.peer = str(peer)
         self.transport = transport
+        # A tcp receiver on another host than this server's: its address
+        # (a broadcast places it below a relay of its own host); else "".
+        self.remote_host = ""
+        if isinstance(peer, tuple):
+            try:
+                here = sock.getsockname()[0]
+            except OSError:
+                here = peer[0]
+            self.remote_host = peer[0] if peer[0] != here else ""
         self.holds: dict[tuple[int, int], int] = {}
         self.lock = threading.Lock()
 
@@ -128,7 +137,7 @@ class ControlServer:
                     return
                 time.sleep(0.01)
                 continue
-            conn = Connection(sock, str(addr), self.transport)
+            conn = Connection(sock, addr, self.transport)
             with self._lock:
                 if self._handshaking >= _MAX_HANDSHAKING:
                     self.refused += 1
