@@ -16,6 +16,21 @@ Each prints one JSON line per fact on stdout and exits; times are
   release, prints ``{"released"}``, and closes when a line comes on stdin.
 * ``tf_recv TOKEN``: reads a ticket's hex from stdin, ``Receiver.get``, prints
   ``{"checksum", "nbytes"}``.
+* ``bc_sender HOST TOKEN CAPACITY``: a tcp ``Sender`` that takes JSON
+  commands on stdin, one a line, and answers each with one line: ``put``
+  (``nbytes``, ``seed``, ``readers``, ``fanout``) answers ``{"ticket",
+  "checksum", "total_nbytes", "t_put"}``; ``wait`` (``ticket``, ``timeout``)
+  waits for the release and answers ``{"bytes_sent", "used_nbytes",
+  "live_tickets"}`` (the sender's ``stats()``), as ``stats`` does at once;
+  ``stop`` closes it.
+* ``bc_receiver HOST TOKEN RELAY STALL LINGER``: a tcp ``Receiver``, relaying
+  (``RELAY`` 1) on ``HOST`` or a leaf (0); prints ``{"ready",
+  "relay_address"}``, then answers commands: ``get`` (``ticket``) with
+  ``{"checksum", "t_start", "t_done"}``; ``stats`` with ``{"relay_bytes_sent",
+  "bytes_received"}``; ``stop`` closes it. It stays up after a get: its
+  children may still pull from it.
+
+A failed command answers ``{"error": traceback}``.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 CHUNK = 1 << 20
@@ -157,6 +173,65 @@ def tf_recv(token: str) -> None:
         del got
 
 
+def _commands() -> Any:
+    """JSON commands from stdin, until ``stop`` or the end of stdin."""
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "stop":
+            return
+        yield cmd
+
+
+def bc_sender(host: str, token: str, capacity_nbytes: int) -> None:
+    from tensorferry import Sender, Ticket
+
+    objects: dict[tuple[int, int], tuple[Any, str]] = {}
+    with Sender("tcp", host=host, token=token, capacity_nbytes=capacity_nbytes) as sender:
+        say(ready=True, address=sender.address)
+        for cmd in _commands():
+            try:
+                if cmd["cmd"] == "put":
+                    key = (cmd["seed"], cmd["nbytes"])
+                    if key not in objects:
+                        obj = make_object(*key)
+                        objects[key] = (obj, checksum(obj))
+                    obj, digest = objects[key]
+                    t0 = time.monotonic()
+                    ticket = sender.put(obj, readers=cmd["readers"], fanout=cmd["fanout"])
+                    say(ticket=ticket.to_bytes().hex(), checksum=digest, total_nbytes=ticket.total_nbytes, t_put=t0)
+                elif cmd["cmd"] in ("wait", "stats"):
+                    if cmd["cmd"] == "wait":
+                        sender.wait_released(Ticket.from_bytes(bytes.fromhex(cmd["ticket"])), timeout=cmd["timeout"])
+                    s = sender.stats()
+                    say(bytes_sent=s["bytes_sent"], used_nbytes=s["used_nbytes"], live_tickets=s["live_tickets"])
+            except Exception:
+                say(error=traceback.format_exc())
+
+
+def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger_seconds: float) -> None:
+    from tensorferry import Receiver
+
+    with Receiver("tcp", token=token, timeout=60.0, relay=relay, host=host, port=0,
+                  stall_seconds=stall_seconds, relay_linger_seconds=linger_seconds) as receiver:
+        say(ready=True, relay_address=receiver.relay_address)
+        for cmd in _commands():
+            try:
+                if cmd["cmd"] == "get":
+                    t0 = time.monotonic()
+                    got = receiver.get(bytes.fromhex(cmd["ticket"]))
+                    t1 = time.monotonic()
+                    say(checksum=checksum(got), t_start=t0, t_done=t1)
+                    del got
+                elif cmd["cmd"] == "stats":
+                    # No public counter of what a relay passed on yet: its
+                    # server's own (tensorferry/transports/_relay.py).
+                    server = receiver._relay_server
+                    say(relay_bytes_sent=server.bytes_sent if server is not None else 0,
+                        bytes_received=receiver.bytes_received)
+            except Exception:
+                say(error=traceback.format_exc())
+
+
 def main(argv: list[str]) -> None:
     verb, args = argv[0], argv[1:]
     if verb == "sink":
@@ -169,6 +244,10 @@ def main(argv: list[str]) -> None:
         tf_send(args[0], args[1], int(args[2]), int(args[3]))
     elif verb == "tf_recv":
         tf_recv(args[0])
+    elif verb == "bc_sender":
+        bc_sender(args[0], args[1], int(args[2]))
+    elif verb == "bc_receiver":
+        bc_receiver(args[0], args[1], args[2] == "1", float(args[3]), float(args[4]))
     else:
         raise SystemExit(f"_workers.py: unknown verb {verb!r}")
 

@@ -1,0 +1,282 @@
+"""Broadcast through relaying receivers (issue 16) on namespace hosts.
+
+One sender in host 0 (``put(obj, readers=N, fanout=k)``), receivers in the
+other hosts, every link shaped to RATE both ways, each worker a real process
+(``_workers.py bc_sender`` / ``bc_receiver``) that stays up between rounds:
+a relay must outlive its own get, its children may still pull from it.
+
+Every round checks the bytes (a SHA-256 of each received tensor's dtype,
+shape and bytes against the sender's), the sender's pool (empty once every
+reader released) and who sent what: the sender's ``stats()["bytes_sent"]``
+and each relay's server counter add up to one copy per reader when nothing
+fails. Times are checked loosely, against the line rate (one copy over one
+link: ``nbytes * 8 / rate``), never tightly: the machine is shared.
+
+RATE and NBYTES keep a copy at about 0.7 s and the chain's traffic (a link
+per receiver, all busy at once) within what two shared cores forward; the
+module takes about half a minute, most of it starting the workers (each
+imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from _hosts import Hosts, namespaces
+
+pytestmark = [pytest.mark.hosts, pytest.mark.timeout(180)]
+
+WORKERS = str(Path(__file__).with_name("_workers.py"))
+MiB = 1 << 20
+RATE = "400mbit"
+NBYTES = 32 * MiB
+SEED = 1616
+# A relay that sends nothing for this long is given up by its children. A
+# killed relay is noticed at once (its sockets close); this only bounds a
+# silent one, so it is short enough to matter and long enough for a busy
+# machine's pauses.
+STALL_SECONDS = 3.0
+# Between the get commands of a round whose chain order matters: the fault
+# tests kill or stop the relay in host 2, which must not end the chain.
+STAGGER_SECONDS = 0.25
+
+
+class Worker:
+    """A worker process in a host, spoken to in JSON lines."""
+
+    def __init__(self, hosts: Hosts, i: int, *args: object) -> None:
+        self.host = i
+        self.proc = hosts.python(i, WORKERS, *map(str, args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+
+    def send(self, **cmd: object) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def fact(self, timeout: float = 60.0) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            raise AssertionError(f"worker {self.proc.args[5:]} in host {self.host} said nothing within {timeout} s "
+                                 f"(exit {self.proc.wait()}): {self.proc.stderr.read()}")
+        got = json.loads(line)
+        assert "error" not in got, f"worker in host {self.host} failed:\n{got['error']}"
+        return got
+
+    def call(self, **cmd: object) -> dict:
+        self.send(**cmd)
+        return self.fact()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.send(cmd="stop")
+            assert self.proc.wait(timeout=30) == 0, f"host {self.host}: exit {self.proc.returncode}: {self.proc.stderr.read()}"
+
+
+class Group:
+    """A sender in host 0 and receivers in other hosts: ``relays[i]`` relays
+    from host ``i``, ``leaves[i]`` is a leaf (``relay=False``) in host ``i``."""
+
+    def __init__(self, hosts: Hosts, relays: range, leaves: tuple[int, ...] = ()) -> None:
+        self.hosts, self.token = hosts, secrets.token_hex(16)
+        self.sender = Worker(hosts, 0, "bc_sender", hosts.address(0), self.token, 3 * NBYTES)
+        self.relays = {i: self._receiver(i, relay=True) for i in relays}
+        self.leaves = {i: self._receiver(i, relay=False) for i in leaves}
+        self.sender.fact(120)
+        self.relay_address = {w: w.fact(120)["relay_address"] for w in self.everyone}
+
+    def _receiver(self, i: int, *, relay: bool) -> Worker:
+        return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60)
+
+    @property
+    def everyone(self) -> list[Worker]:
+        return [*self.relays.values(), *self.leaves.values()]
+
+    @property
+    def line_seconds(self) -> float:
+        """One copy of the object over one link at the line rate."""
+        return NBYTES * 8 / self.hosts.rate_bits
+
+    def sent(self) -> tuple[int, dict[Worker, int]]:
+        """What the sender and each live receiver's relay have sent so far."""
+        live = [w for w in self.everyone if w.proc.poll() is None]
+        return self.sender.call(cmd="stats")["bytes_sent"], {w: w.call(cmd="stats")["relay_bytes_sent"] for w in live}
+
+    def start(self, workers: list[Worker], *, fanout: int, readers: int | None = None, stagger: float = 0.0) -> dict:
+        """Put the object for ``readers`` (default: one per worker) and send
+        each worker its get, ``stagger`` seconds apart. Returns the put,
+        with when each get was sent."""
+        put = self.sender.call(cmd="put", nbytes=NBYTES, seed=SEED, readers=readers or len(workers), fanout=fanout)
+        put["sent_at"] = {}
+        for k, w in enumerate(workers):
+            if k and stagger:
+                time.sleep(stagger)
+            put["sent_at"][w] = time.monotonic()
+            w.send(cmd="get", ticket=put["ticket"])
+        return put
+
+    def finish(self, put: dict, gets: list[dict]) -> None:
+        """Every get holds the sender's bytes; every reader released and the
+        sender's pool is empty."""
+        assert [g["checksum"] for g in gets] == [put["checksum"]] * len(gets)
+        done = self.sender.call(cmd="wait", ticket=put["ticket"], timeout=60)
+        assert done["used_nbytes"] == 0 and done["live_tickets"] == 0, done
+
+    def broadcast(self, workers: list[Worker], *, fanout: int, stagger: float = 0.0) -> dict:
+        """One checked broadcast; its time (put to the last get), the gets,
+        and the bytes the sender and each relay sent for it."""
+        sender0, relays0 = self.sent()
+        put = self.start(workers, fanout=fanout, stagger=stagger)
+        gets = [w.fact() for w in workers]
+        self.finish(put, gets)
+        sender1, relays1 = self.sent()
+        return {
+            "seconds": max(g["t_done"] for g in gets) - put["t_put"],
+            "gets": dict(zip(workers, gets)),
+            "total": put["total_nbytes"],
+            "sender_sent": sender1 - sender0,
+            "relay_sent": {w: relays1[w] - relays0[w] for w in relays1},
+        }
+
+    def stop(self) -> None:
+        for w in (*self.everyone, self.sender):
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def group(need_hosts):
+    """Seven hosts: the sender in 0, a relay in each of 1 to 6, and a leaf in host 3 beside its relay."""
+    with Hosts(7, rate=RATE) as hosts:
+        g = Group(hosts, relays=range(1, 7), leaves=(3,))
+        yield g
+        g.stop()
+
+
+def test_a_chain_sends_one_copy_from_the_sender(group):
+    workers = [group.relays[i] for i in range(1, 5)]
+    r = group.broadcast(workers, fanout=1)
+    t = r["total"]
+    assert t >= NBYTES
+    assert r["sender_sent"] == t
+    # A chain: every relay but the last passed on one copy.
+    assert sorted(r["relay_sent"][w] for w in workers) == [0, t, t, t]
+    assert sum(r["relay_sent"].values()) == 3 * t
+    # The star needs 4 copies through the sender's link; the chain about one.
+    star_bound = 4 * group.line_seconds
+    assert r["seconds"] < 0.6 * star_bound, f"chain of 4: {r['seconds']:.2f} s, 4 copies at the line rate {star_bound:.2f} s"
+
+
+def test_a_tree_of_fanout_two_sends_two_copies_from_the_sender(group):
+    workers = list(group.relays.values())
+    r = group.broadcast(workers, fanout=2)
+    t = r["total"]
+    assert r["sender_sent"] == 2 * t
+    # Sender -> 2 relays -> 2 children each: two relays send two copies.
+    assert sorted(r["relay_sent"][w] for w in workers) == [0, 0, 0, 0, 2 * t, 2 * t]
+    # Each sending link carries two copies: about twice one copy's time
+    # (the star: six); allowed twice that.
+    limit = 4 * group.line_seconds
+    assert r["seconds"] < limit, f"tree of 6: {r['seconds']:.2f} s, limit {limit:.2f} s (6 copies at the line rate: {6 * group.line_seconds:.2f} s)"
+
+
+def test_a_receiver_that_joins_after_the_broadcast_gets_it_from_a_lingering_relay(group):
+    early, late = [group.relays[i] for i in (1, 2, 3)], group.relays[4]
+    sender0, relays0 = group.sent()
+    put = group.start(early, fanout=1, readers=4)
+    gets = [w.fact() for w in early]
+    time.sleep(0.5)  # the broadcast is over; the relays linger (60 s)
+    late.send(cmd="get", ticket=put["ticket"])
+    got = late.fact()
+    assert got["t_start"] > max(g["t_done"] for g in gets)
+    group.finish(put, [*gets, got])
+    sender1, relays1 = group.sent()
+    t = put["total_nbytes"]
+    # The sender still sent one copy: the latecomer pulled from the chain's
+    # last relay, which had room for a child.
+    assert sender1 - sender0 == t
+    assert sum(relays1[w] - relays0[w] for w in relays1) == 3 * t
+
+
+def test_a_leaf_among_relays_only_pulls(group):
+    leaf = group.leaves[3]
+    assert group.relay_address[leaf] == ""
+    workers = [group.relays[1], leaf, group.relays[2]]
+    r = group.broadcast(workers, fanout=1, stagger=STAGGER_SECONDS)
+    t = r["total"]
+    assert r["relay_sent"][leaf] == 0
+    assert r["sender_sent"] + sum(r["relay_sent"].values()) == 3 * t
+    # Acquired in that order: the leaf ends the chain below relay 1, so the
+    # third receiver finds no relay with room and pulls from the sender.
+    assert r["sender_sent"] == 2 * t and r["relay_sent"][group.relays[1]] == t
+
+
+def test_a_stalled_relay_is_given_up_and_its_child_resumes_elsewhere(group):
+    """A relay stopped (SIGSTOP) halfway sends nothing: its child gives it up
+    after STALL_SECONDS and resumes from another source; the stopped relay,
+    continued, finishes its own get."""
+    workers = [group.relays[i] for i in range(1, 5)]
+    victim = group.relays[2]
+    sender0, _ = group.sent()
+    put = group.start(workers, fanout=1, stagger=STAGGER_SECONDS)
+    time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * group.line_seconds - time.monotonic()))
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        others = [w for w in workers if w is not victim]
+        gets = [w.fact() for w in others]
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    stalled = victim.fact()
+    group.finish(put, [*gets, stalled])
+    sender1, _ = group.sent()
+    seconds = max(g["t_done"] for g in gets) - put["t_put"]
+    # A stall costs the wait for it and the rest at a shared link's rate.
+    limit = 3 * STAGGER_SECONDS + STALL_SECONDS + 3 * group.line_seconds
+    assert seconds < limit, f"with a relay stopped: {seconds:.2f} s (limit {limit:.2f} s)"
+    assert put["total_nbytes"] < sender1 - sender0 < 2 * put["total_nbytes"]
+
+
+def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts):
+    """SIGKILL of the relay in the middle of a chain of 4, about 40% through
+    its receive: the others end with the exact bytes in at most 2.5x the
+    fault-free time, the sender's pool empties, the hosts leave nothing."""
+    with Hosts(5, rate=RATE) as hosts:
+        g = Group(hosts, relays=range(1, 5))
+        workers = [g.relays[i] for i in range(1, 5)]
+        victim = g.relays[2]
+        # Fault-free first, in the same order: the reference time, and the
+        # proof that relay 2 sits in the middle of the chain.
+        ref = g.broadcast(workers, fanout=1, stagger=STAGGER_SECONDS)
+        t = ref["total"]
+        assert ref["relay_sent"][victim] == t, "relay 2 was not in the middle of the chain (acquire order)"
+        victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
+
+        sender0, _ = g.sent()
+        put = g.start(workers, fanout=1, stagger=STAGGER_SECONDS)
+        time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+        others = [w for w in workers if w is not victim]
+        gets = [w.fact() for w in others]
+        g.finish(put, gets)  # the dead relay's slot counts as released
+        sender1, _ = g.sent()
+        seconds = max(x["t_done"] for x in gets) - put["t_put"]
+        assert seconds <= 2.5 * ref["seconds"], f"with a relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
+        # Relay 2's child resumed at the byte it reached, not from the start:
+        # the sender sent less than two copies (today the orphan resumes from
+        # the sender, about 1.6 copies in all: relay 1 still counts its dead
+        # child, and the others are below the orphan).
+        assert t <= sender1 - sender0 < 2 * t, (sender1 - sender0) / t
+        g.relays.pop(2)
+        g.stop()
+        made = {hosts.bridge, *hosts.names}
+    assert not made & set(namespaces())
