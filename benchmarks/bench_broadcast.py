@@ -1,54 +1,78 @@
-"""Broadcast benchmark: one sender, N receivers on N hosts with equal links,
-today's "star" (every receiver pulls the whole object from the sender).
+"""Broadcast benchmark: one sender, N receivers on N hosts with equal links;
+today's star against a chain and a tree of relaying receivers (issue 16).
 
-The baseline of issue 16 (broadcast by relaying receivers). Hosts are network
-namespaces on a bridge (``tests/_hosts.py``): every link is shaped to the same
-rate (``--rate``) in both directions by a token bucket, so the sender's one
-link carries every copy in a star, and N receivers should take about N times
-as long as one. A relay broadcast (chain, tree) is meant to bring that back to
-about the time of one receiver; its lines go into the same plot
-(:func:`plot` takes a dict of strategies) when it exists.
+Hosts are network namespaces on a bridge (``tests/_hosts.py``): every link is
+shaped to the same rate (``--rate``) in both directions by a token bucket.
+Strategies:
+
+* ``star``: ``put(obj, readers=N)``, every receiver (a plain tcp
+  ``Receiver``) pulls the whole object from the sender, whose one link
+  carries every copy: N receivers take about N times as long as one.
+* ``chain``: ``put(obj, readers=N, fanout=1)``, receivers made with
+  ``relay=True``: the sender serves the first, each later one pulls from the
+  one before, which passes on each 4 MiB chunk as it arrives. Every link
+  carries the object about once in and once out, so N receivers should take
+  about as long as one (plus a chunk's time per hop).
+* ``tree``: ``fanout=2``, the same receivers: the sender and each relay serve
+  two, so each sending link carries two copies (about 2x one receiver),
+  depth about log2(N).
+* ``chain, relay killed``: the chain to the most receivers, the gets sent
+  ``FAULT_STAGGER_SECONDS`` apart so that the chain follows the hosts'
+  order; the receiver in its middle (host N/2) is SIGKILLed halfway through
+  its receive (half the chain's median time after its get was sent). Its
+  child re-attaches (to the sender: the relays above it are full, the ones
+  below are its own) and resumes at the byte it reached; the time is to the
+  last of the other receivers, against the fault-free chain's median. The
+  killed worker is started again before the next round.
 
 Processes: one long-lived worker per host, started with ``ip netns exec``:
 the SENDER in host 0 (a tcp ``Sender`` bound to its address, with a token),
-one RECEIVER in each of hosts 1..max(N) (a tcp ``Receiver``). This script is
-the controller; it talks to the workers over their stdin/stdout in JSON lines
-(the control plane a user would bring), and passes the ticket's bytes along.
-Times are ``time.monotonic()``, one clock for every namespace (one kernel).
+one RECEIVER in each of hosts 1..max(N), holding a plain tcp ``Receiver``
+(the star) and a relaying one (chain, tree) listening on its host's address.
+This script is the controller; it talks to the workers over their
+stdin/stdout in JSON lines (the control plane a user would bring), and
+passes the ticket's bytes along. Times are ``time.monotonic()``, one clock
+for every namespace (one kernel).
 
-A round for N receivers: the sender ``put(obj, readers=N)``s the object (a
-dict of 8 float32 tensors, views of one flat buffer of ``--nbytes`` random
-bytes); the controller hands the ticket to receivers 1..N at once; each does
-``Receiver.get`` and reports when it returned. The time is from the put's
-start to the last receiver holding the bytes; the put alone (a copy into the
-sender's pool) and the span of the gets are kept apart too. The controller
-then waits for the sender's release before the next round.
+A round: the sender puts the object (a dict of 8 float32 tensors, views of
+one flat buffer of ``--nbytes`` random bytes); the controller hands the
+ticket to receivers 1..N at once; each does ``Receiver.get`` and reports when
+it returned. The time is from the put's start to the last receiver holding
+the bytes (the put alone, a copy into the sender's pool, is kept apart too).
+The controller then waits for the sender's release (its pool must be empty)
+and records the bytes the sender itself sent (``stats()["bytes_sent"]``, in
+copies of the object: N for a star, 1 for a chain, 2 for a tree). A relay
+keeps a ticket's bytes ``--linger`` seconds after its last child's pull; the
+rounds of one N run chain, star, tree, so that a relay's last ticket is let
+go (its memory back to the receive cache, capped at one object) before its
+next.
 
-Measured in the same run, for comparison:
+Measured in the same run, for comparison: the line-rate limits, one copy
+over one link, ``nbytes * 8 / rate`` (what a relay approaches for any N),
+and the star's bound, N copies through the sender's link (TCP over Ethernet
+carries at most 1448 of every 1514 bytes, so 0.956x the line rate is the
+real ceiling); and, unless ``--no-raw``, a raw TCP star (plain sockets from
+host 0 to the N hosts at once, one round per N).
 
-* the line-rate limits: one copy over one link, ``nbytes * 8 / rate``
-  (what a perfect relay approaches for any N), and the star's bound, N copies
-  through the sender's link, ``N * nbytes * 8 / rate`` (TCP over Ethernet
-  carries at most 1448 of every 1514 bytes, so 0.956x the line rate is the
-  real ceiling);
-* raw TCP star: the same bytes sent from host 0 by plain sockets to each of
-  the N receivers at once (one thread and one connection a receiver), i.e.
-  what the star costs with no tensorferry at all; one round per N, after the
-  star's rounds, on fresh connections.
-
-One untimed warm-up round to every receiver first (connections, receive
-memory). Rounds are interleaved (repeat 1 of every N, then repeat 2, ...) so
-drift of this shared machine's load spreads over all N; medians are reported.
-The last round of each N is verified after its timing: each receiver's
+One untimed warm-up round to every receiver per strategy first. Rounds are
+interleaved (repeat 1 of every N, then repeat 2, ...) so drift of this shared
+machine's load spreads over all N; medians are reported. The last round of
+each N and every fault round is verified after its timing: each receiver's
 BLAKE2b of every received tensor's bytes equals the sender's.
 
+Targets (issue 16), checked in the table: 8 receivers with fanout=1 in at
+most 1.3x the time of 1 receiver; with a relay killed halfway, every other
+receiver done in at most 2x the fault-free time.
+
 Run (as root): ``.venv/bin/python benchmarks/bench_broadcast.py`` (default:
-1gbit links, 512 MiB, N = 1 2 4 8, 3 repeats: about 6 minutes and 7 GiB of
-memory); ``--quick`` is 100mbit and 16 MiB; ``--rate 200mbit --nbytes 32MiB
---receivers 1 2 4`` and the like for anything between; ``--replot JSON``
-redraws the table and the plot. Writes ``benchmarks/results/bench_broadcast.json``
-and ``.png`` (``_quick`` for ``--quick``, ``_<rate>_<size>`` for any other
-rate or size than the defaults).
+1gbit links, 512 MiB, N = 1 2 4 8, 3 repeats; about 9 GiB of memory, and 8
+links at 1 Gbit/s at once is more than a 2-core machine forwards: see
+docs/broadcast.md); ``--quick`` is 100mbit and 16 MiB; ``--rate 400mbit
+--nbytes 512MiB --star-repeats 1 --no-raw`` and the like for anything
+between; ``--replot JSON`` redraws the table and the plot. Writes
+``benchmarks/results/bench_broadcast.json`` and ``.png`` (``_quick`` for
+``--quick``, ``_<rate>_<size>`` for any other rate or size than the
+defaults).
 """
 
 from __future__ import annotations
@@ -61,6 +85,7 @@ import platform
 import re
 import secrets
 import select
+import signal
 import socket
 import statistics
 import subprocess
@@ -80,6 +105,16 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test-host harness, tests/_hosts.p
 MIB = 1 << 20
 SEED = 20_260_616
 TENSORS = 8
+STRATEGIES = {"star": None, "chain": 1, "tree": 2}  # name -> put(fanout=)
+# The fault rounds' gets go out this far apart, so that the chain is in the
+# hosts' order and the victim has a child: a few ms of a busy machine's
+# scheduling, and a small part of a round (10 s at 400 Mbit/s, 512 MiB).
+FAULT_STAGGER_SECONDS = 0.05
+# A relay that sends nothing this long is given up by its children; a
+# killed one is noticed at once (its sockets close), this bounds a silent one.
+STALL_SECONDS = 5.0
+TARGET_CHAIN_VS_ONE = 1.3
+TARGET_FAULT_VS_FREE = 2.0
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -145,11 +180,13 @@ def sender_worker(args: argparse.Namespace) -> None:
             try:
                 if cmd["cmd"] == "put":
                     t0 = time.monotonic()
-                    ticket = sender.put(obj, readers=cmd["readers"], one_shot=True)
-                    _say(ticket=ticket.to_bytes().hex(), t_put=t0, put_seconds=time.monotonic() - t0)
+                    ticket = sender.put(obj, readers=cmd["readers"], one_shot=True, fanout=cmd["fanout"])
+                    _say(ticket=ticket.to_bytes().hex(), t_put=t0, put_seconds=time.monotonic() - t0,
+                         total_nbytes=ticket.total_nbytes, bytes_sent=sender.stats()["bytes_sent"])
                 elif cmd["cmd"] == "wait":
                     sender.wait_released(Ticket.from_bytes(bytes.fromhex(cmd["ticket"])), timeout=cmd["timeout"])
-                    _say(released=True, used_nbytes=sender.pool.stats().used_nbytes)
+                    stats = sender.stats()
+                    _say(released=True, used_nbytes=stats["used_nbytes"], bytes_sent=stats["bytes_sent"])
                 elif cmd["cmd"] == "raw":
                     _say(t_start=_raw_star(payload, cmd["targets"], cmd["timeout"]))
                 elif cmd["cmd"] == "stop":
@@ -186,12 +223,17 @@ def receiver_worker(args: argparse.Namespace) -> None:
     from tensorferry import Receiver
 
     torch.set_num_threads(1)
-    with Receiver("tcp", token=args.token, timeout=args.timeout) as receiver:
-        _say(ready=os.getpid())
+    # Each receive cache keeps at most one object's memory between rounds.
+    cache = args.nbytes + MIB
+    with Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
+            Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache, relay=True, host=args.host,
+                     stall_seconds=STALL_SECONDS, relay_linger_seconds=args.linger) as relay:
+        _say(ready=os.getpid(), relay_address=relay.relay_address)
         for line in sys.stdin:
             cmd = json.loads(line)
             try:
                 if cmd["cmd"] == "get":
+                    receiver = relay if cmd["relay"] else plain
                     t0 = time.monotonic()
                     got = receiver.get(bytes.fromhex(cmd["ticket"]))
                     t1 = time.monotonic()
@@ -232,7 +274,7 @@ class Worker:
     def __init__(self, hosts: Any, i: int, role: str, args: argparse.Namespace, timeout: float) -> None:
         self.name = f"{role}@host{i}"
         argv = [str(Path(__file__).resolve()), "--worker", role, "--host", hosts.address(i), "--token", args.token,
-                "--nbytes", str(args.nbytes), "--timeout", str(timeout)]
+                "--nbytes", str(args.nbytes), "--timeout", str(timeout), "--linger", str(args.linger)]
         self.proc = hosts.python(i, *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def send(self, **cmd: Any) -> None:
@@ -253,6 +295,11 @@ class Worker:
         self.send(**cmd)
         return self.recv(timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the worker (by its own pid: ``ip netns exec`` execs it in place)."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
     def stop(self) -> None:
         try:
             self.send(cmd="stop")
@@ -261,18 +308,33 @@ class Worker:
             pass  # Hosts.close() ends it
 
 
-def star_round(sender: Worker, receivers: list[Worker], *, verify: bool, timeout: float) -> dict:
-    put = sender.call(timeout, cmd="put", readers=len(receivers))
-    for r in receivers:
-        r.send(cmd="get", ticket=put["ticket"], verify=verify)
-    got = [r.recv(timeout) for r in receivers]
-    sender.call(timeout, cmd="wait", ticket=put["ticket"], timeout=timeout)
+def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, verify: bool, timeout: float,
+                    stagger: float = 0.0, victim: Worker | None = None, kill_after: float = 0.0) -> dict:
+    """One put to ``receivers`` by ``strategy``: the gets sent at once (or
+    ``stagger`` apart); ``victim`` SIGKILLed ``kill_after`` seconds after its
+    get was sent. The time is to the last surviving receiver's bytes."""
+    fanout = STRATEGIES[strategy]
+    put = sender.call(timeout, cmd="put", readers=len(receivers), fanout=fanout)
+    kill_at = None
+    for k, r in enumerate(receivers):
+        if k and stagger:
+            time.sleep(stagger)
+        r.send(cmd="get", ticket=put["ticket"], verify=verify, relay=fanout is not None)
+        if r is victim:
+            kill_at = time.monotonic() + kill_after
+    if victim is not None:
+        time.sleep(max(0.0, kill_at - time.monotonic()))
+        victim.kill()
+    got = [r.recv(timeout) for r in receivers if r is not victim]
+    released = sender.call(timeout, cmd="wait", ticket=put["ticket"], timeout=timeout)
     done = [g["t_done"] for g in got]
     return {
         "seconds": max(done) - put["t_put"],
         "put_seconds": put["put_seconds"],
         "gets_seconds": max(done) - min(g["t_start"] for g in got),
         "first_done_seconds": min(done) - put["t_put"],
+        "sender_copies": (released["bytes_sent"] - put["bytes_sent"]) / put["total_nbytes"],
+        "pool_empty": released["used_nbytes"] == 0,
         "digests": [g["digest"] for g in got] if verify else None,
     }
 
@@ -290,7 +352,12 @@ def main() -> int:
     ap.add_argument("--rate", default=None, help="every link's rate, as tc writes it (default 1gbit; --quick 100mbit)")
     ap.add_argument("--nbytes", type=parse_nbytes, default=None, help="object size (default 512MiB; --quick 16MiB)")
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4, 8], help="numbers of receivers (hosts)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per number of receivers (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per strategy and number of receivers (median)")
+    ap.add_argument("--star-repeats", type=int, default=None,
+                    help="timed rounds of the star (default --repeats; its time is its link's, N copies: 1 is enough for a long run)")
+    ap.add_argument("--fault-repeats", type=int, default=2, help="rounds of the chain with a relay killed (0: none)")
+    ap.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
+    ap.add_argument("--linger", type=float, default=2.0, help="Receiver(relay_linger_seconds=) of the relays")
     ap.add_argument("--no-raw", action="store_true", help="leave out the raw TCP star")
     ap.add_argument("--quick", action="store_true", help="100mbit, 16 MiB (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -309,6 +376,7 @@ def main() -> int:
         return 0
     if args.replot is not None:
         doc = json.loads(args.replot.read_text())
+        summarize(doc)
         print_table(doc)
         plot(doc, args.replot.with_suffix(".png"))
         return 0
@@ -326,14 +394,17 @@ def main() -> int:
     ns = sorted(set(args.receivers))
     if ns[0] < 1 or ns[-1] > 200:
         ap.error("--receivers: 1 to 200")
+    repeats = {k: args.repeats for k in args.strategies}
+    if "star" in repeats and args.star_repeats is not None:
+        repeats["star"] = args.star_repeats
     line_seconds = args.nbytes * 8 / rate_bits
     # The slowest round is the star to the most receivers: allow 3x its bound.
     timeout = max(60.0, 3 * ns[-1] * line_seconds + 30)
     started, load_start = time.monotonic(), os.getloadavg()[0]
-    log(f"{ns[-1] + 1} hosts at {args.rate}; {args.nbytes / MIB:,.0f} MiB; receivers {ns}; repeats {args.repeats}; "
+    log(f"{ns[-1] + 1} hosts at {args.rate}; {args.nbytes / MIB:,.0f} MiB; receivers {ns}; strategies {repeats} rounds; "
         f"one copy at the line rate {line_seconds:.2f} s; load {load_start:.2f}")
 
-    doc: dict[str, Any] = {"star": {}, "raw_star": {}, "errors": []}
+    doc: dict[str, Any] = {"rounds": {k: {} for k in args.strategies}, "fault": [], "raw_star": {}, "errors": []}
     info: dict[str, Any] = {"nbytes": args.nbytes}
     with Hosts(ns[-1] + 1, rate=args.rate) as hosts:
         sender = Worker(hosts, 0, "sender", args, timeout)
@@ -343,23 +414,39 @@ def main() -> int:
             for r in receivers:
                 r.recv(120)
             log(f"workers up in {time.monotonic() - started:.1f} s; sender at {info['address']}")
-            warm = star_round(sender, receivers, verify=True, timeout=timeout)
-            bad = [k + 1 for k, d in enumerate(warm["digests"]) if d != info["digest"]]
-            if bad:
-                doc["errors"].append(f"warm-up: receivers on hosts {bad} hold other bytes")
-            log(f"warm-up to {len(receivers)}: {warm['seconds']:.2f} s, verified {not bad}")
-            for rep in range(args.repeats):
+            # Chain, star, tree for each N: a relay's ticket lingers less
+            # than a star round lasts, so it is let go before the tree's.
+            order = [k for k in ("chain", "star", "tree") if k in repeats]
+            for strategy in order:
+                warm = broadcast_round(sender, receivers, strategy, verify=True, timeout=timeout)
+                check(doc, f"warm-up {strategy}", warm, info["digest"])
+                log(f"warm-up {strategy} to {len(receivers)}: {warm['seconds']:.2f} s")
+            for rep in range(max(repeats.values())):
                 for n in ns:
-                    last = rep == args.repeats - 1
-                    r = star_round(sender, receivers[:n], verify=last, timeout=timeout)
-                    if last:
-                        r["verified"] = all(d == info["digest"] for d in r.pop("digests"))
-                    else:
-                        r.pop("digests")
-                    doc["star"].setdefault(str(n), []).append(r)
-                    log(f"star, {n} receivers, round {rep + 1}: {r['seconds']:.2f} s "
-                        f"(put {r['put_seconds']:.2f} s, first done {r['first_done_seconds']:.2f} s)"
-                        + (f", verified {r['verified']}" if last else ""))
+                    for strategy in order:
+                        if rep >= repeats[strategy]:
+                            continue
+                        last = rep == repeats[strategy] - 1
+                        r = broadcast_round(sender, receivers[:n], strategy, verify=last, timeout=timeout)
+                        check(doc, f"{strategy} to {n}", r, info["digest"] if last else None)
+                        doc["rounds"][strategy].setdefault(str(n), []).append(r)
+                        log(f"{strategy}, {n} receivers, round {rep + 1}: {r['seconds']:.2f} s (put {r['put_seconds']:.2f} s, "
+                            f"first done {r['first_done_seconds']:.2f} s, sender sent {r['sender_copies']:.2f} copies)"
+                            + (f", verified {r['verified']}" if last else ""))
+            if args.fault_repeats and "chain" in repeats and ns[-1] >= 3:
+                n = ns[-1]
+                free = med([r["seconds"] for r in doc["rounds"]["chain"][str(n)]])
+                for rep in range(args.fault_repeats):
+                    k = n // 2 - 1  # host n/2: in the middle of the chain
+                    r = broadcast_round(sender, receivers[:n], "chain", verify=True, timeout=timeout, stagger=FAULT_STAGGER_SECONDS,
+                                        victim=receivers[k], kill_after=0.5 * free)
+                    check(doc, f"chain to {n}, relay killed", r, info["digest"])
+                    r.update(killed_host=k + 1, fault_free_seconds=free)
+                    doc["fault"].append(r)
+                    log(f"chain to {n}, the relay in host {k + 1} killed after {0.5 * free:.2f} s: {r['seconds']:.2f} s "
+                        f"({r['seconds'] / free:.2f}x fault-free), sender sent {r['sender_copies']:.2f} copies, verified {r['verified']}")
+                    receivers[k] = Worker(hosts, k + 1, "receiver", args, timeout)
+                    receivers[k].recv(120)
             if not args.no_raw:
                 for n in ns:
                     r = raw_round(sender, receivers[:n], hosts, info["nbytes"], timeout)
@@ -386,6 +473,17 @@ def main() -> int:
     return 1 if doc["errors"] else 0
 
 
+def check(doc: dict, what: str, r: dict, digest: str | None) -> None:
+    """Record what a round got wrong: other bytes (when verified), a pool not emptied."""
+    digests = r.pop("digests")
+    if digest is not None:
+        r["verified"] = all(d == digest for d in digests)
+        if not r["verified"]:
+            doc["errors"].append(f"{what}: {sum(d != digest for d in digests)} receivers hold other bytes")
+    if not r["pool_empty"]:
+        doc["errors"].append(f"{what}: the sender's pool is not empty after every reader released")
+
+
 def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: int, load_start: float, started: float) -> dict:
     import torch
 
@@ -405,7 +503,9 @@ def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: in
         "rate_bits": rate_bits,
         "nbytes": nbytes,
         "receivers": ns,
-        "repeats": args.repeats,
+        "repeats": {k: (args.star_repeats if k == "star" and args.star_repeats is not None else args.repeats) for k in args.strategies},
+        "fault_repeats": args.fault_repeats,
+        "relay_linger_seconds": args.linger,
         "warmup": 1,
         "transport": "tcp",
         "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
@@ -417,32 +517,59 @@ def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: in
 
 
 def summarize(doc: dict) -> None:
-    """One row per N: medians, ratios to N=1, the line-rate limits."""
+    """Rows per strategy and N: medians, ratios to the same strategy's N=1
+    and to the star's N=1, the line-rate limits; the fault case; the targets."""
+    if "rounds" not in doc:  # a star-only result of the first version
+        doc["rounds"], doc["fault"] = {"star": doc.pop("star")}, []
     env = doc["env"]
     line = env["nbytes"] * 8 / env["rate_bits"]
-    rows = []
-    star1 = med([r["seconds"] for r in doc["star"]["1"]]) if "1" in doc["star"] else None
+    rows: dict[str, list[dict]] = {}
+    star1 = med([r["seconds"] for r in doc["rounds"]["star"]["1"]]) if "1" in doc["rounds"].get("star", {}) else None
     raw1 = med([r["seconds"] for r in doc["raw_star"]["1"]]) if "1" in doc["raw_star"] else None
-    for key in sorted(doc["star"], key=int):
-        n, rounds = int(key), doc["star"][key]
-        s = med([r["seconds"] for r in rounds])
-        raw = med([r["seconds"] for r in doc["raw_star"][key]]) if key in doc["raw_star"] else None
-        rows.append({
-            "receivers": n,
-            "seconds": s,
-            "seconds_all": [r["seconds"] for r in rounds],
-            "put_seconds": med([r["put_seconds"] for r in rounds]),
-            "first_done_seconds": med([r["first_done_seconds"] for r in rounds]),
-            "vs_one_receiver": s / star1 if star1 else None,
-            "line_seconds": line,
-            "star_bound_seconds": n * line,
-            "vs_star_bound": s / (n * line),
-            "aggregate_mbit": n * env["nbytes"] * 8 / s / 1e6,
-            "raw_star_seconds": raw,
-            "raw_vs_one_receiver": raw / raw1 if raw and raw1 else None,
-            "verified": all(r.get("verified", True) for r in rounds) and any("verified" in r for r in rounds),
-        })
+    for strategy, by_n in doc["rounds"].items():
+        one = med([r["seconds"] for r in by_n["1"]]) if "1" in by_n else None
+        rows[strategy] = []
+        for key in sorted(by_n, key=int):
+            n, rounds = int(key), by_n[key]
+            s = med([r["seconds"] for r in rounds])
+            raw = med([r["seconds"] for r in doc["raw_star"][key]]) if strategy == "star" and key in doc["raw_star"] else None
+            rows[strategy].append({
+                "receivers": n,
+                "seconds": s,
+                "seconds_all": [r["seconds"] for r in rounds],
+                "put_seconds": med([r["put_seconds"] for r in rounds]),
+                "first_done_seconds": med([r["first_done_seconds"] for r in rounds]),
+                "vs_one_receiver": s / one if one else None,
+                "vs_star_one": s / star1 if star1 else None,
+                "line_seconds": line,
+                "star_bound_seconds": n * line,
+                "vs_line": s / line,
+                "sender_copies": med([r.get("sender_copies", n) for r in rounds]),
+                "raw_star_seconds": raw,
+                "raw_vs_one_receiver": raw / raw1 if raw and raw1 else None,
+                "verified": all(r.get("verified", True) for r in rounds) and any("verified" in r for r in rounds),
+            })
     doc["rows"] = rows
+    targets = {}
+    chain = {r["receivers"]: r for r in rows.get("chain", [])}
+    if 1 in chain and len(chain) > 1:
+        n = max(chain)
+        targets[f"chain: {n} receivers vs 1 (at most {TARGET_CHAIN_VS_ONE}x)"] = (chain[n]["vs_one_receiver"], TARGET_CHAIN_VS_ONE)
+    if doc["fault"]:
+        worst = max(r["seconds"] / r["fault_free_seconds"] for r in doc["fault"])
+        targets[f"chain, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(doc['fault'])})"] = (
+            worst, TARGET_FAULT_VS_FREE)
+    doc["targets"] = {k: {"ratio": v, "target": t, "met": v <= t} for k, (v, t) in targets.items()}
+
+
+def repeats_text(env: dict) -> str:
+    """``3`` or ``3 (star 1)``: the rounds per strategy."""
+    r = env["repeats"]
+    if isinstance(r, int):
+        return str(r)
+    common = max(set(r.values()), key=list(r.values()).count)
+    odd = ", ".join(f"{k} {v}" for k, v in r.items() if v != common)
+    return f"{common}" + (f" ({odd})" if odd else "")
 
 
 def print_table(doc: dict) -> None:
@@ -453,33 +580,62 @@ def print_table(doc: dict) -> None:
     con = Console(width=200)
     con.print(f"[bold]tensorferry broadcast benchmark[/] — {env['date']} — {env['machine']} — "
               f"{env['nbytes'] / MIB:,.0f} MiB over tcp, every link {env['rate']} ({env['rate_bits'] / 1e6:,.0f} Mbit/s) "
-              f"both ways; medians of {env['repeats']} after {env['warmup']} warm-up; load {env['loadavg_1min_start_end']}")
-    t = Table(title="star: every receiver pulls from the one sender (time from put to the last receiver holding the bytes)")
-    for col in ("receivers", "seconds", "vs 1 receiver", "one copy at line rate", "N copies at line rate (bound)",
-                "vs bound", "aggregate Mbit/s", "put s", "first done s", "raw TCP star s", "raw vs 1", "verified"):
-        t.add_column(col, justify="right")
-    for r in doc["rows"]:
-        t.add_row(str(r["receivers"]), f"{r['seconds']:.2f}", f"{r['vs_one_receiver']:.2f}x" if r["vs_one_receiver"] else "-",
-                  f"{r['line_seconds']:.2f}", f"{r['star_bound_seconds']:.2f}", f"{r['vs_star_bound']:.2f}x",
-                  f"{r['aggregate_mbit']:,.0f}", f"{r['put_seconds']:.2f}", f"{r['first_done_seconds']:.2f}",
-                  f"{r['raw_star_seconds']:.2f}" if r["raw_star_seconds"] else "-",
-                  f"{r['raw_vs_one_receiver']:.2f}x" if r["raw_vs_one_receiver"] else "-",
-                  "yes" if r["verified"] else "[red]NO[/]")
+              f"both ways; medians of {repeats_text(env)} after {env['warmup']} warm-up; load {env['loadavg_1min_start_end']}")
+    t = Table(title="time from put to the last receiver holding the bytes (s); vs 1: the same strategy's 1 receiver")
+    strategies = list(doc["rows"])
+    t.add_column("receivers", justify="right")
+    for k in strategies:
+        t.add_column(f"{k} s", justify="right")
+        t.add_column(f"{k} vs 1", justify="right")
+        t.add_column(f"{k} sender copies", justify="right")
+    t.add_column("one copy at line rate", justify="right")
+    t.add_column("N copies (star bound)", justify="right")
+    t.add_column("raw TCP star s", justify="right")
+    t.add_column("verified", justify="right")
+    by_n: dict[int, dict[str, dict]] = {}
+    for k, rows in doc["rows"].items():
+        for r in rows:
+            by_n.setdefault(r["receivers"], {})[k] = r
+    for n in sorted(by_n):
+        cells = [str(n)]
+        for k in strategies:
+            r = by_n[n].get(k)
+            cells += [f"{r['seconds']:.2f}", f"{r['vs_one_receiver']:.2f}x" if r["vs_one_receiver"] else "-",
+                      f"{r['sender_copies']:.2f}"] if r else ["-", "-", "-"]
+        any_row = next(iter(by_n[n].values()))
+        raw = by_n[n].get("star", {}).get("raw_star_seconds")
+        cells += [f"{any_row['line_seconds']:.2f}", f"{any_row['star_bound_seconds']:.2f}", f"{raw:.2f}" if raw else "-",
+                  "yes" if all(r["verified"] for r in by_n[n].values()) else "[red]NO[/]"]
+        t.add_row(*cells)
     con.print(t)
+    if doc["fault"]:
+        f = Table(title="chain, the relay in the middle SIGKILLed halfway through its receive")
+        for col in ("round", "killed host", "seconds (last other receiver)", "fault-free chain s", "vs fault-free",
+                    "sender copies", "verified"):
+            f.add_column(col, justify="right")
+        for k, r in enumerate(doc["fault"], 1):
+            f.add_row(str(k), str(r["killed_host"]), f"{r['seconds']:.2f}", f"{r['fault_free_seconds']:.2f}",
+                      f"{r['seconds'] / r['fault_free_seconds']:.2f}x", f"{r['sender_copies']:.2f}", "yes" if r.get("verified") else "[red]NO[/]")
+        con.print(f)
+    for name, v in doc.get("targets", {}).items():
+        con.print(f"target {name}: {v['ratio']:.2f}x — " + ("[green]met[/]" if v["met"] else "[red]not met[/]"))
     for e in doc["errors"]:
         con.print(f"[red]error:[/] {e}")
 
 
 def plot(doc: dict, path: Path) -> None:
-    """Time against receivers: one line per strategy (a dict, so chain and
-    tree join star when they exist), the raw TCP star, and the line-rate
-    limits (one copy: the ideal of a relay; N copies: the star's bound)."""
+    """Time against receivers: one line per strategy, the raw TCP star, and
+    the line-rate limits (one copy: the ideal of a relay; N copies: the
+    star's bound)."""
+    names = {"star": "star (every receiver pulls from the sender)", "chain": "chain (fanout=1, relays)",
+             "tree": "tree (fanout=2, relays)"}
     rows = doc["rows"]
-    strategies = {"star (tensorferry tcp, today)": {r["receivers"]: r["seconds"] for r in rows}}
+    strategies = {names.get(k, k): {r["receivers"]: r["seconds"] for r in rs} for k, rs in rows.items()}
+    any_rows = next(iter(rows.values()))
     references = {
-        "raw TCP star (plain sockets, same links)": {r["receivers"]: r["raw_star_seconds"] for r in rows if r["raw_star_seconds"]},
-        "N copies at the line rate (the star's bound)": {r["receivers"]: r["star_bound_seconds"] for r in rows},
-        "one copy at the line rate (what a relay approaches)": {r["receivers"]: r["line_seconds"] for r in rows},
+        "raw TCP star (plain sockets, same links)": {r["receivers"]: r["raw_star_seconds"] for r in rows.get("star", []) if r["raw_star_seconds"]},
+        "N copies at the line rate (the star's bound)": {r["receivers"]: r["star_bound_seconds"] for r in any_rows},
+        "one copy at the line rate (what a relay approaches)": {r["receivers"]: r["line_seconds"] for r in any_rows},
     }
     plot_strategies(strategies, references, doc["env"], path)
 
@@ -509,7 +665,7 @@ def plot_strategies(strategies: dict[str, dict[int, float]], references: dict[st
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8.5, loc="upper left")
     ax.set_title(f"broadcast of {env['nbytes'] / MIB:,.0f} MiB from one sender, every link {env['rate']} both ways\n"
-                 f"{env['date']}, {env['machine']}, medians of {env['repeats']}, "
+                 f"{env['date']}, {env['machine']}, medians of {repeats_text(env)}, "
                  f"load {env['loadavg_1min_start_end'][0]}-{env['loadavg_1min_start_end'][1]}", fontsize=9.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
