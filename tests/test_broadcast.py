@@ -39,13 +39,22 @@ def test_a_failed_relay_is_never_used_again_and_no_one_pulls_from_below_itself()
     t = Tree(1)
     for i in range(4):
         t.join(f"r{i}:1")  # sender -> r0 -> r1 -> r2 -> r3
-    # r1 lost r0: everything below r1 (r2, r3) is out; the sender serves.
+    # r1 lost r0: r0's place at the sender is free again, and r1 takes it
+    # (r2 and r3, below r1, are never its source).
     assert t.reassign("r1:1", "r0:1") == SENDER
-    assert "r0:1" in t.failed
-    # r3 lost r2: r1 is full (it serves r2), r0 and r2 failed: the sender.
-    assert t.reassign("r3:1", "r2:1") == SENDER
+    assert "r0:1" in t.failed and t.children[SENDER] == 1
+    # r3 lost r2: r2's place under r1 frees, and r3 takes it: the chain
+    # closes over the gap, the sender still sends one copy.
+    assert t.reassign("r3:1", "r2:1") == "r1:1"
     assert t.failed == {"r0:1", "r2:1"}
     assert t.join("") == "r3:1"  # the one relay with room, never a failed one
+
+
+def test_the_orphans_of_a_dead_relay_go_to_its_parent():
+    t = Tree(1)
+    assert [t.join(x) for x in ("a:1", "b:1", "c:1")] == [SENDER, "a:1", "b:1"]
+    assert t.reassign("c:1", "b:1") == "a:1"  # b's place under a is free: no extra copy from the sender
+    assert t.children == {SENDER: 1, "a:1": 1, "c:1": 0}
 
 
 @settings(max_examples=200, deadline=None)

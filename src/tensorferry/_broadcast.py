@@ -62,9 +62,13 @@ class Tree:
         """The receiver (serving at ``relay``, or ``""``) lost its source
         ``failed``: mark that one failed and pick another source that is
         not below the receiver (it would wait for bytes only it brings)."""
-        if failed and failed != SENDER:
+        if failed and failed != SENDER and failed not in self.failed:
             self.failed.add(failed)
             self.children.pop(failed, None)
+            # The failed relay no longer pulls from its parent: that place is free.
+            up = self.parent.pop(failed, None)
+            if up is not None and up in self.children:
+                self.children[up] = max(0, self.children[up] - 1)
         below = self._below(relay) if relay else set()
         source = self._pick(exclude=below | ({relay} if relay else set()))
         self.children[source] = self.children.get(source, 0) + 1

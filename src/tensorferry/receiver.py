@@ -590,10 +590,14 @@ class Receiver:
         it will not keep: under 1 MiB, over the cap, or the cache off),
         ``cache_taken_nbytes``, ``cache_trimmed_nbytes`` (unmapped after
         sitting idle, or at close) and ``cache_evicted_nbytes`` (unmapped to
-        stay within the cap).
+        stay within the cap). A relaying receiver adds ``relay_bytes_sent``
+        (to its children) and ``relay_held_nbytes`` (tickets kept for them).
         """
         cache = self._cache.stats()
-        return {"gets": self.gets, "bytes_received": self.bytes_received, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
+        relay = {}
+        if self._relay_server is not None:
+            relay = {"relay_bytes_sent": self._relay_server.bytes_sent, "relay_held_nbytes": self._book.held_nbytes()}
+        return {"gets": self.gets, "bytes_received": self.bytes_received, **relay, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
 
     def close(self) -> None:
         """Close the connections and unmap the receive cache's idle memory.

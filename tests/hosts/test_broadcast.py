@@ -242,7 +242,9 @@ def test_a_stalled_relay_is_given_up_and_its_child_resumes_elsewhere(group):
     # A stall costs the wait for it and the rest at a shared link's rate.
     limit = 3 * STAGGER_SECONDS + STALL_SECONDS + 3 * group.line_seconds
     assert seconds < limit, f"with a relay stopped: {seconds:.2f} s (limit {limit:.2f} s)"
-    assert put["total_nbytes"] < sender1 - sender0 < 2 * put["total_nbytes"]
+    # The stopped relay's place under its parent is given to its child: the
+    # sender still sends one copy (before that fix, it took the child on itself).
+    assert put["total_nbytes"] <= sender1 - sender0 < 2 * put["total_nbytes"]
 
 
 def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts):
@@ -271,10 +273,9 @@ def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts
         sender1, _ = g.sent()
         seconds = max(x["t_done"] for x in gets) - put["t_put"]
         assert seconds <= 2.5 * ref["seconds"], f"with a relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
-        # Relay 2's child resumed at the byte it reached, not from the start:
-        # the sender sent less than two copies (today the orphan resumes from
-        # the sender, about 1.6 copies in all: relay 1 still counts its dead
-        # child, and the others are below the orphan).
+        # Relay 2's child resumed at the byte it reached, from relay 1 (the
+        # dead relay's place there is freed) or the sender: less than two
+        # copies from the sender in all.
         assert t <= sender1 - sender0 < 2 * t, (sender1 - sender0) / t
         g.relays.pop(2)
         g.stop()
