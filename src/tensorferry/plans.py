@@ -97,6 +97,7 @@ class SendPlan:
         self._watch = _Watch(leaves, self._keys, module, ops, counts, keys)
         self._host = info.all_cpu and sender.pool.device.type == "cpu"
         self._sources: _BufferList | None = None
+        self._gather: list[tuple[int, int, list[torch.Tensor]]] | None = None
         self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
         self.lock = threading.Lock()
         if self._host:
@@ -150,7 +151,16 @@ class SendPlan:
             return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi)
         copy = self._copy
         pool = self._sender.pool
-        if self._vectored and pool.fd is not None:
+        if self._vectored and lo == 0 and hi >= self.total_nbytes:
+            # Many small runs, the whole object: one torch.cat per stretch
+            # of runs that touch in the pool (a C++ loop of memcpy; 100k
+            # runs of 10 KiB: 102 ms here against 193 ms for a memmove a
+            # run and 143 ms for pwritev, and 78 ms for one memcpy).
+            for start, end, parts in self._gathers():
+                torch.cat(parts, out=out[start:end])
+            runs = copy.num_runs
+        elif self._vectored and pool.fd is not None:
+            # A piece of a streamed put: the window of the runs by pwritev.
             # Gaps (and the places of converted or value-copied tensors,
             # written below) get zeros: every byte of [lo, hi) is written.
             pool.write_buffers(out.data_ptr() - pool.data_ptr, self._run_buffers().window(lo, hi))
@@ -213,6 +223,24 @@ class SendPlan:
         self.source_buffers(0, 0)  # the same conditions as the buffers
         d, s, n, _ = self._copy.window(lo, hi, by_dst=True)
         return d, s, n
+
+    def _gathers(self) -> list[tuple[int, int, list[torch.Tensor]]]:
+        """The raw runs as stretches that touch in the packed object:
+        ``(start, end, [a uint8 tensor over each run's source])``, made
+        once per plan (a tensor per run: ~5 us each, once)."""
+        if self._gather is None:
+            c = self._copy
+            out: list[tuple[int, int, list[torch.Tensor]]] = []
+            for d, s, n in zip(c.dst.tolist(), c.src.tolist(), c.nbytes.tolist()):
+                part = torch.frombuffer(_buffer_at(s, n), dtype=torch.uint8)
+                if out and out[-1][1] == d:
+                    start, _, parts = out[-1]
+                    parts.append(part)
+                    out[-1] = (start, d + n, parts)
+                else:
+                    out.append((d, d + n, [part]))
+            self._gather = out
+        return self._gather
 
     def _run_buffers(self) -> "_BufferList":
         """The packed object as buffers of the raw runs' memory, zeros between (made once)."""
