@@ -43,6 +43,7 @@ __all__ = [
     "copy_values",
     "copy_threads",
     "dense_host_mask",
+    "fill_aliases",
     "executor",
     "finish",
     "many_small_runs",
@@ -448,6 +449,18 @@ class StagedCopy:
     def finish(self) -> None:
         """Copy the staged bytes of targets that could not be written by address."""
         copy_staged(self._fixups)
+
+
+def fill_aliases(layout: Any, targets: Sequence[torch.Tensor]) -> None:
+    """into= targets of tensors sent once under two names (tied weights):
+    the bytes landed in the first target; a second one that is not the
+    same view (untied on this side) gets a copy of it."""
+    for dup, orig in layout.aliases.tolist():
+        a, b = targets[dup], targets[orig]
+        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
+            continue
+        with torch.no_grad():
+            a.copy_(b)
 
 
 def copy_staged(fixups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

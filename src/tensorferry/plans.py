@@ -28,21 +28,20 @@ import ctypes
 import dataclasses
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from . import packing
-from ._copy import CopyPlan, copy_converting, copy_staged, copy_values, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
+from ._copy import CopyPlan, copy_converting, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
 from ._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from ._views import build_views
 from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
 from .layout import DTYPES, Layout
 
 if TYPE_CHECKING:
-    from .pool import Block
     from .receiver import Receiver
     from .sender import Sender
     from .ticket import Ticket
@@ -440,7 +439,7 @@ class RecvPlan:
         total_nbytes: bytes one get moves (packed, one block).
     """
 
-    def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any = None) -> None:
+    def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
         self._receiver = receiver
         layout = ticket.layout
         self.layout = layout
@@ -452,7 +451,7 @@ class RecvPlan:
         if into is None:
             # Destination tensors of our own: one buffer in the one-block
             # layout, so a planned sender's stream lands in it as it is.
-            self._own = self._own_buffer(max(self.total_nbytes, 1))
+            self._own = allocate(max(self.total_nbytes, 1))
             blocks = [self._own[: self.total_nbytes]] if self.total_nbytes else []
             with gc_paused():
                 targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
@@ -505,21 +504,6 @@ class RecvPlan:
         them raises instead of using the new values."""
         torch.autograd.graph.increment_version(self._versioned)
 
-    def _own_buffer(self, nbytes: int) -> torch.Tensor:
-        """From the receive pool where it has room (registered for NIXL),
-        released when the last of the plan's tensors is collected."""
-        pool = self._receiver.pool
-        if pool is not None and pool.device.type == "cpu":
-            from .errors import PoolExhaustedError
-
-            try:
-                return pool.reserve(packing.align_up(nbytes, packing.BLOCK_ALIGNMENT)).owned_view()
-            except PoolExhaustedError:
-                pass
-        from ._memory import new_host_bytes
-
-        return new_host_bytes(nbytes)
-
     def coords(self, block_nbytes: tuple[int, ...]) -> "_Coords":
         """The copy runs from a stream of blocks of these sizes (cached)."""
         c = self._coords.get(block_nbytes)
@@ -548,11 +532,7 @@ class RecvPlan:
         if self._fixups:
             copy_staged(self._fixups)
         if self._aliased:
-            for dup, orig in self.layout.aliases.tolist():
-                a, b = self._targets[dup], self._targets[orig]
-                if a is not b and not (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()):
-                    with torch.no_grad():
-                        a.copy_(b)
+            fill_aliases(self.layout, self._targets)
 
     def check(self, receiver: "Receiver", ticket: "Ticket") -> None:
         """Raise unless ``ticket`` carries this plan's layout (bytes compared,

@@ -20,16 +20,18 @@ the releaser of zero-copy holds live in :mod:`.transports._connections`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import packing
 from ._args import positive_seconds
-from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, finish, scatter_segments
+from ._copy import StagedCopy, copy_from_blocks, copy_staged, executor, fill_aliases, finish, scatter_segments
 from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
 from ._tensors import gc_paused, match_into, unflatten
 from ._views import build_views
@@ -234,8 +236,7 @@ class Receiver:
             # no slot for it, so there is nothing to fetch or release.
             self.gets += 1
             return into if into is not None else unflatten(layout, self._views([], layout))
-        ch = self._channels.checkout(ticket.transport, ticket.address, ticket.pool_generation, ticket.id, timeout)
-        try:
+        with self._channel(ticket, timeout) as ch:
             if targets is not None:
                 # The bytes land by address (memcpy, recv_into, NIXL), which
                 # autograd cannot see: mark every target modified in place,
@@ -243,24 +244,14 @@ class Receiver:
                 # using the new values. A failed get may have written too.
                 torch.autograd.graph.increment_version(targets)
             how = _strategy(ch, layout, into=targets is not None, zero_copy=zero_copy, streamed=ticket.streamed)
-            with ch.lock:
-                if how == "zero-copy":
-                    result = self._get_zero_copy(ch, ticket, layout, deadline)
-                elif how == "streamed":
-                    result = self._get_streamed(ch, ticket, layout, targets, deadline)
-                else:
-                    result = self._get_resident(ch, ticket, layout, targets, how, deadline)
-        except (PeerGoneError, TransferTimeoutError, OSError) as exc:
-            self._channels.discard(ch)  # its stream may be mid-frame: never reuse it
-            if isinstance(exc, OSError) and not isinstance(exc, TransferError):
-                raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
-            raise
-        except BaseException:
-            self._channels.discard(ch)
-            raise
-        self._channels.give_back(ch)
+            if how == "zero-copy":
+                result = self._get_zero_copy(ch, ticket, layout, deadline)
+            elif how == "streamed":
+                result = self._get_streamed(ch, ticket, layout, targets, deadline)
+            else:
+                result = self._get_resident(ch, ticket, layout, targets, how, deadline)
         if targets is not None and layout.aliases.size:
-            _fill_aliases(layout, targets)
+            fill_aliases(layout, targets)
         self.gets += 1
         self.bytes_received += layout.total_nbytes
         return into if into is not None else result
@@ -292,7 +283,9 @@ class Receiver:
         if isinstance(ticket, (bytes, bytearray, memoryview)):
             ticket = Ticket.from_bytes(ticket)
         self._check_size(ticket, ticket.layout)
-        return RecvPlan(self, ticket, into)
+        # Its own destination comes from where a get's would (the receive
+        # pool where it has room, registered for NIXL; else the cache).
+        return RecvPlan(self, ticket, into, allocate=lambda n: self._destination([n])[0][0])
 
     def _get_planned(self, ticket: Ticket, plan: RecvPlan, timeout: float, deadline: float) -> Any:
         """``get(ticket, into=plan)``: the bytes straight into the plan's
@@ -303,33 +296,25 @@ class Receiver:
             self.gets += 1  # nothing to fetch (an empty object, zero-size tensors)
             return plan.result
         with plan.lock:
-            ch = self._channels.checkout(ticket.transport, ticket.address, ticket.pool_generation, ticket.id, timeout)
-            try:
+            with self._channel(ticket, timeout) as ch:
                 plan.mark_written()  # as get(into=) does
-                with ch.lock:
-                    if ticket.streamed:
-                        for piece in range(ticket.num_pieces):
-                            blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
-                            try:
-                                self._receive_planned(ch, ticket.id, piece, blocks, voff, plan, (ticket.total_nbytes,), deadline)
-                            finally:
-                                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
-                    else:
-                        blocks, source = self._acquire_resident(ch, ticket, deadline)
+                if ticket.streamed:
+                    for piece in range(ticket.num_pieces):
+                        blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
                         try:
-                            if source or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1):
-                                stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
-                                plan.coords((blocks[0][1],)).execute_window(0, blocks[0][1], stream.data_ptr())
-                            else:
-                                self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
+                            self._receive_planned(ch, ticket.id, piece, blocks, voff, plan, (ticket.total_nbytes,), deadline)
                         finally:
-                            ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
-            except BaseException as exc:
-                self._channels.discard(ch)  # its stream may be mid-frame: never reuse it
-                if isinstance(exc, OSError) and not isinstance(exc, TransferError):
-                    raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
-                raise
-            self._channels.give_back(ch)
+                            ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
+                else:
+                    blocks, source = self._acquire_resident(ch, ticket, deadline)
+                    try:
+                        if self._through_relays(ch, blocks, source):
+                            stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
+                            plan.coords((blocks[0][1],)).execute_window(0, blocks[0][1], stream.data_ptr())
+                        else:
+                            self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
+                    finally:
+                        ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
             plan.finish()
         self.gets += 1
         self.bytes_received += plan.layout.total_nbytes
@@ -352,7 +337,12 @@ class Receiver:
             ch.read_into(ticket_id, piece, blocks, dests, deadline=deadline)
             return
         coords = plan.coords(geometry)
-        if ch.supports_zero_copy and not ch.is_sourced(ticket_id, piece) and not (coords.small and ch.reads_buffers):
+        if ch.is_sourced(ticket_id, piece):
+            # The sender's tensors themselves (snapshot=False over shm): the
+            # kept runs in the piece's positions, copied out of the sender.
+            d, s, n, _ = coords.copy.window(lo, hi, by_dst=False)
+            ch.read_runs(ticket_id, piece, s - lo, d, n, deadline=deadline)
+        elif ch.supports_zero_copy and not (coords.small and ch.reads_buffers):
             pos = lo
             for (_, n), view in zip(blocks, ch.remote_views(blocks)):
                 coords.execute_window(pos, pos + n, view.data_ptr() - pos)
@@ -381,6 +371,27 @@ class Receiver:
             ch.release(ticket.id, piece, timeout=5.0)
             raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
         return blocks, voff
+
+    @contextlib.contextmanager
+    def _channel(self, ticket: Ticket, timeout: float) -> Iterator[Any]:
+        """A channel to the ticket's sender, held (locked) for one get; given
+        back after, or discarded if the get failed (its stream may be
+        mid-frame: never reuse it). An OSError is the sender lost."""
+        ch = self._channels.checkout(ticket.transport, ticket.address, ticket.pool_generation, ticket.id, timeout)
+        try:
+            with ch.lock:
+                yield ch
+        except BaseException as exc:
+            self._channels.discard(ch)
+            if isinstance(exc, OSError) and not isinstance(exc, TransferError):
+                raise PeerGoneError(f"lost the sender at {ticket.address} ({exc})") from exc
+            raise
+        self._channels.give_back(ch)
+
+    def _through_relays(self, ch: Any, blocks: list, source: str) -> bool:
+        """A broadcast get: the sender named a relay, or this receiver
+        relays (what it receives over tcp, its children may ask for)."""
+        return bool(source) or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1)
 
     def _receive_broadcast(self, ch: Any, ticket: Ticket, blocks: list, source: str, deadline: float) -> torch.Tensor:
         """The one block of a ticket, chunk by chunk, from ``source`` (a
@@ -448,7 +459,7 @@ class Receiver:
         blocks, source = self._acquire_resident(ch, ticket, deadline)
         sizes = [n for _, n in blocks]
         try:
-            if source or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1):
+            if self._through_relays(ch, blocks, source):
                 stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
                 if targets is not None:
                     _copy_out([stream], layout, targets)
@@ -622,18 +633,6 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _fill_aliases(layout: Layout, targets: list[torch.Tensor]) -> None:
-    """into= targets of tensors sent once under two names (tied weights):
-    the bytes landed in the first target; a second one that is not the
-    same view (untied on this side) gets a copy of it."""
-    for dup, orig in layout.aliases.tolist():
-        a, b = targets[dup], targets[orig]
-        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
-            continue
-        with torch.no_grad():
-            a.copy_(b)
 
 
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -580,3 +580,23 @@ def test_intersecting_two_cuttings_of_one_stream_maps_every_byte_once(covered, c
     assert (lengths > 0).all() and (pos[1:] >= pos[:-1] + lengths[:-1]).all()  # in order, apart
     covered_bytes = {p for lo, hi in spans for p in range(lo, hi)}
     assert {int(p) + i for p, n in zip(pos, lengths) for i in range(int(n))} == covered_bytes
+
+
+@pytest.mark.parametrize("capacity", [8 * MiB, 16 << 10], ids=["one-piece", "pieces"])
+def test_snapshot_false_into_many_small_targets_over_shm(capacity):
+    # The receiver's kept runs (hundreds of targets) and the sender's runs
+    # cut each piece differently; every byte lands where it belongs.
+    g = torch.Generator().manual_seed(31)
+    obj = [make_tensor(g, (torch.float32, torch.int16, torch.float64)[i % 3], (i % 29 + 1,)) for i in range(500)]
+    with Sender("shm", capacity_nbytes=capacity) as sender, Receiver("shm", timeout=20.0) as receiver:
+        plan = sender.plan(obj)
+        targets = [torch.empty_like(t) for t in obj]
+        rplan = first_sync(sender, receiver, plan, into=targets)
+        own = first_sync(sender, receiver, plan)
+        for _ in range(2):
+            bump(obj)
+            ticket = sender.put(plan, snapshot=False, readers=2)
+            receiver.get(ticket, into=rplan)
+            assert_same(targets, obj)
+            assert_same(receiver.get(ticket, into=own), obj)
+            sender.wait_released(ticket, timeout=10.0)

@@ -184,28 +184,25 @@ class ShmChannel(Channel):
             raise ProtocolError(f"sender described its snapshot=False piece with {pos.size} malformed runs")
         return reply.pid, pos, addr, n
 
-    def _read_sourced(self, key: tuple[int, int], blocks, dest_addr: np.ndarray, dest_nbytes: np.ndarray) -> None:
-        """Copy the piece's bytes of ``blocks`` (ranges of the piece) from
-        the sender's tensors into destination ranges (addresses, lengths,
-        covering the blocks back to back): process_vm_readv, 1024 runs a call."""
-        pid, pos, addr, n = self._sourced[key]
-        # The stream positions each destination range receives.
-        starts = np.concatenate([[0], np.cumsum(dest_nbytes)[:-1]]) if dest_nbytes.size else dest_nbytes
-        stream_at, at = [], 0
-        for off, k in blocks:
-            stream_at.append((off, k, at))
-            at += k
-        d_pos = np.empty_like(starts)
-        for off, k, s0 in stream_at:  # map destination bytes to piece positions, block by block
-            sel = (starts >= s0) & (starts < s0 + k)
-            d_pos[sel] = starts[sel] - s0 + off
-        local, remote, length = _intersect(d_pos, dest_addr, dest_nbytes, pos, addr, n)
+    def read_runs(self, ticket_id: int, piece: int, pos: np.ndarray, address: np.ndarray, nbytes: np.ndarray, *, deadline: float) -> None:
+        """Bytes of an acquired snapshot=False piece (``pos``: positions in
+        the piece) into local runs, straight from the sender's tensors: the
+        two cuttings intersected, then process_vm_readv, 1024 runs a call."""
+        pid, r_pos, r_addr, r_n = self._sourced[(ticket_id, piece)]
+        local, remote, length = _intersect(pos, address, nbytes, r_pos, r_addr, r_n)
         vm_readv(pid, local, remote, length)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         if (ticket_id, piece) in self._sourced:
-            addr = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.int64, count=len(dests))
-            self._read_sourced((ticket_id, piece), blocks, addr, np.fromiter((d.numel() for d in dests), dtype=np.int64, count=len(dests)))
+            # The destinations and the blocks (ranges of the piece) both cut
+            # the concatenation of the blocks: their intersection says which
+            # piece position each destination byte takes.
+            d_len = np.fromiter(map(torch.Tensor.numel, dests), dtype=np.int64, count=len(dests))
+            d_addr = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.int64, count=len(dests))
+            b_off = np.array([off for off, _ in blocks], dtype=np.int64)
+            b_len = np.array([n for _, n in blocks], dtype=np.int64)
+            addr, pos, n = _intersect(np.cumsum(d_len) - d_len, d_addr, d_len, np.cumsum(b_len) - b_len, b_off, b_len)
+            self.read_runs(ticket_id, piece, pos, addr, n, deadline=deadline)
             return
         # The blocks' copy plan: blocks adjacent on both sides are one copy.
         if not all(d.device.type == "cpu" for d in dests):
@@ -221,10 +218,6 @@ class ShmChannel(Channel):
         """The acquired blocks' bytes into byte ``buffers`` (covering the
         blocks back to back), read from the sender's pool file with preadv:
         a kept plan's many small targets in few system calls."""
-        if (ticket_id, piece) in self._sourced:
-            addr = np.fromiter((ctypes.addressof(ctypes.c_char.from_buffer(b)) if len(b) else 0 for b in buffers), dtype=np.int64, count=len(buffers))
-            self._read_sourced((ticket_id, piece), blocks, addr, np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers)))
-            return
         if len(blocks) == 1:
             vectored_io(os.preadv, self._fd, buffers, blocks[0][0])
             return
