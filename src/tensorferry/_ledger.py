@@ -62,7 +62,7 @@ class _Entry:
 class Ledger:
     """The sender's book of tickets and reader slots. Thread-safe.
 
-    Transports call :meth:`acquire`, :meth:`release`, :meth:`held_buffers`
+    Transports call :meth:`acquire`, :meth:`release`, :meth:`held`
     and :meth:`drop_connection` from their connection threads.
     """
 
@@ -174,22 +174,15 @@ class Ledger:
             source = entry.tree.join(msg.relay, getattr(conn, "remote_host", "")) if entry.tree is not None and getattr(conn, "transport", "") == "tcp" else SENDER
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
-    def held_runs(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
-        """(position, address, length) arrays of a held snapshot=False
-        piece; None if not held or not such a piece."""
+    def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
+        """What holds the bytes of a piece ``conn`` acquired: a ``Packed``
+        (``buffers()``: its pool blocks) or, for a snapshot=False plan, a
+        ``SourcedPiece`` (``buffers()`` and ``runs()`` of the tensors
+        themselves); None if ``conn`` does not hold it."""
         with self._cond:
             if not conn.holds.get((ticket_id, piece_idx)):
                 return None
-            entry = self._entries[ticket_id]
-            return entry.pieces[piece_idx].packed.runs() if entry.sourced else None
-
-    def held_buffers(self, conn: Any, ticket_id: int, piece_idx: int) -> list[memoryview] | None:
-        """The bytes of a piece ``conn`` holds, as buffers to send (pool
-        blocks, or a snapshot=False plan's tensors); None if not held."""
-        with self._cond:
-            if not conn.holds.get((ticket_id, piece_idx)):
-                return None
-            return self._entries[ticket_id].pieces[piece_idx].packed.buffers()
+            return self._entries[ticket_id].pieces[piece_idx].packed
 
     def release(self, conn: Any, ticket_id: int, piece_idx: int, send: Callable[[Any], None] | None = None) -> P.Released | P.Failure:
         """A reader is done with a piece. ``send(reply)`` (the server's

@@ -126,6 +126,14 @@ class ControlServer:
         """Handle a transport-specific request; False if it is not one."""
         return False
 
+    def _held(self, conn: Connection, msg: Any) -> Any:
+        """What holds the piece ``msg`` asks about (see ``Ledger.held``), or
+        None after telling the receiver it does not hold it."""
+        held = self.ledger.held(conn, msg.ticket_id, msg.piece)
+        if held is None:
+            P.send_msg(conn.sock, P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not acquired on this connection"))
+        return held
+
     # -- the loop ----------------------------------------------------------------
 
     def _accept_loop(self) -> None:

@@ -60,11 +60,13 @@ class ShmServer(ControlServer):
     def _handle_extra(self, conn: Connection, msg) -> bool:
         if not isinstance(msg, P.Sources):
             return False
-        runs = self.ledger.held_runs(conn, msg.ticket_id, msg.piece)
-        if runs is None:
-            P.send_msg(conn.sock, P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not a held snapshot=False piece"))
+        held = self._held(conn, msg)
+        if held is None:
             return True
-        pos, addr, n = (np.ascontiguousarray(a, dtype="<i8").tobytes() for a in runs)
+        if not hasattr(held, "runs"):
+            P.send_msg(conn.sock, P.Failure(kind="not-sourced", message=f"ticket {msg.ticket_id} piece {msg.piece} is in the pool (not a snapshot=False piece): map it"))
+            return True
+        pos, addr, n = (np.ascontiguousarray(a, dtype="<i8").tobytes() for a in held.runs())
         P.send_msg(conn.sock, P.SourceRuns(pid=os.getpid(), pos=pos, address=addr, nbytes=n))
         return True
 

@@ -179,10 +179,10 @@ class TcpServer(TcpControlServer):
     def _handle_extra(self, conn: Connection, msg) -> bool:
         if not isinstance(msg, P.Fetch):
             return False
-        buffers = self.ledger.held_buffers(conn, msg.ticket_id, msg.piece)
-        if buffers is None:
-            P.send_msg(conn.sock, P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not acquired on this connection"))
+        held = self._held(conn, msg)
+        if held is None:
             return True
+        buffers = held.buffers()
         if msg.start:
             buffers = skip_bytes(buffers, msg.start)
         total = sum(b.nbytes for b in buffers)
