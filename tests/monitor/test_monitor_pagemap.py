@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 
 import pytest
@@ -15,7 +16,15 @@ from monitor_helpers import rollup_truth
 
 from tensorferry.errors import ConfigurationError, NoSuchProcess
 from tensorferry.monitor import sample
-from tensorferry.monitor._pagemap import PagemapWalk, WalkUnstable, _subtract, _union, slice_nbytes_for_stall
+from tensorferry.monitor._pagemap import (
+    LOCK_BURST_SECONDS,
+    LOCK_GAP_SECONDS,
+    PagemapWalk,
+    WalkUnstable,
+    _subtract,
+    _union,
+    slice_nbytes_for_stall,
+)
 from tensorferry.monitor._procfs import ProcfsBackend
 
 MIB = 1 << 20
@@ -261,6 +270,36 @@ def test_sample_exact_uses_pagemap(start_target) -> None:
     assert s.uss_bytes is not None and s.uss_bytes >= 64 * MIB
     off = ProcfsBackend(pagemap=False)
     assert sample(t.pid, exact=True, backend=off).uss_source == "smaps_rollup"
+
+
+def test_walk_pauses_between_lock_bursts_and_is_not_charged_for_them(start_target) -> None:
+    """512 MiB of present 4 KiB pages: reading their pagemap takes the target's
+    lock for milliseconds in all (~25 ns a page), so the walk pauses between
+    bursts (a writer waiting for the lock gets it then), at most once per
+    LOCK_BURST_SECONDS of its own time. The pauses are in each step's length
+    but not in what the walk charges (they cost no CPU), and the figures are
+    unchanged by them."""
+    t = start_target("big", "512")
+    w = ProcfsBackend().start_walk(t.pid, slice_nbytes=64 * MIB)
+    assert w is not None
+    opening = w.cost_seconds
+    step_walls = []
+    done = False
+    while not done:
+        t0 = time.perf_counter()
+        done = w.step()
+        step_walls.append(time.perf_counter() - t0)
+    assert w.gaps >= 2, (w.gaps, w.cost_seconds)
+    assert w.gaps <= w.cost_seconds / LOCK_BURST_SECONDS + 1, (w.gaps, w.cost_seconds)
+    assert w.gap_seconds >= w.gaps * LOCK_GAP_SECONDS
+    charged = w.cost_seconds - opening
+    # What the steps took, less the pauses, is what was charged (the step
+    # calls' own overhead aside).
+    assert charged + w.gap_seconds <= sum(step_walls) <= charged + w.gap_seconds + 1e-3 + 0.05 * sum(step_walls)
+    assert w.max_step_seconds >= max(step_walls) - 1e-3
+    truth = rollup_truth(t.pid)
+    assert w.result is not None
+    assert abs(w.result.uss_bytes - (truth["Private_Clean"] + truth["Private_Dirty"])) <= 256 * 1024
 
 
 def adaptive_walk(pid: int, *, first_slice_nbytes: int, step_limit_seconds: float):

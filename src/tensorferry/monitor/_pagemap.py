@@ -37,6 +37,8 @@ from __future__ import annotations
 
 __all__ = [
     "CHANGE_TOLERANCE",
+    "LOCK_BURST_SECONDS",
+    "LOCK_GAP_SECONDS",
     "SCAN_HOLD_SECONDS",
     "STEP_TARGET_FRACTION",
     "PagemapWalk",
@@ -89,10 +91,14 @@ _SCAN_REGIONS = 512
 # Present regions closer than this (in pages) are read with one pread: 512
 # pages (2 MiB of address space) cost 4 KiB of pagemap, less than a syscall.
 _MERGE_GAP_PAGES = 512
-# At most this many entries per pread, into one buffer reused for the whole
-# walk: 512 KiB of pagemap (256 MiB of address space) stays in cache for
-# counting and is not allocated and faulted in afresh per read.
+# At most this many entries are counted at once, from one buffer reused for
+# the whole walk: 512 KiB of pagemap (256 MiB of address space) stays in
+# cache for counting and is not allocated and faulted in afresh per read.
 _PREAD_PAGES = 1 << 16
+# One pread asks for at most this many entries: 16 MiB of address space, ~0.1
+# ms of dense pagemap at ~25 ns a page, so the walk can pause between preads
+# (see LOCK_BURST_SECONDS) and a burst overruns its bound by one short call.
+_PREAD_CALL_PAGES = 1 << 12
 # Where a PAGEMAP_SCAN call finds all it walked present, the walk reads on
 # without scanning (a scan of dense memory costs ~11 ns a page and finds
 # nothing to skip) until a read finds less than this fraction present.
@@ -128,6 +134,22 @@ every 2 MiB), so each call is bounded from the measured time of the calls
 before it. 250 µs is ~90 MiB of present 4 KiB pages at ~11 ns each: an eighth
 of the 2 ms a victim may be stalled, leaving room for the monitor to be
 descheduled while it holds the lock on a busy machine."""
+LOCK_BURST_SECONDS = SCAN_HOLD_SECONDS
+"""The longest the walk takes the target's mmap lock again and again without a
+pause. A pagemap read drops the lock every 2 MiB, but retakes it within ~2 µs;
+a writer waiting for the lock (the target's mmap, munmap, mprotect) is woken
+at each drop and needs 5-60 µs to run, and by then this reader has taken the
+lock again: the kernel lets a reader take a rwsem a writer waits for ("reader
+lock stealing") until that writer has waited 1-2 jiffies (4-8 ms at HZ=250).
+Traced on a 4 GiB target (mmap_lock and sched tracepoints): one munmap woken
+109 times in an 11 ms wait, the walk holding the lock again 2-3 µs after each
+wake. So after this much time of lock-taking calls the walk pauses for
+:data:`LOCK_GAP_SECONDS`."""
+LOCK_GAP_SECONDS = 100e-6
+"""How long the walk pauses between bursts, with the lock free: longer than a
+woken writer's 5-60 µs to run on an idle CPU (measured), so it takes the lock.
+The pause is a sleep (the monitor's CPU is free too, for a writer on the
+same CPU); it is not charged as the walk's cost."""
 # A call is bounded twice: by the present pages it may report (max_pages; the
 # cost of dense memory) and by its range of address space (the cost of page
 # tables full of empty entries; ranges without page tables cost next to
@@ -359,6 +381,10 @@ class PagemapWalk:
         self.max_scan_seconds = 0.0
         """The longest PAGEMAP_SCAN call so far (the longest the walk held the lock at once)."""
         self.scan_calls = 0
+        self.gap_seconds = 0.0
+        """Time the walk paused between lock bursts (not in ``cost_seconds``)."""
+        self.gaps = 0
+        self._burst_start = self._last_lock_call = time.perf_counter()
         self._kpc = kpagecount_fd
         self.cost_seconds = 0.0
         self.max_step_seconds = 0.0
@@ -468,14 +494,36 @@ class PagemapWalk:
 
         if self._buf is None:
             self._buf = np.empty(_PREAD_PAGES, dtype=np.uint64)
-        view = memoryview(self._buf).cast("B")[: npages * _ENTRY_NBYTES]
-        try:
-            nbytes = os.preadv(self._fd, [view], (start // _PAGE_NBYTES) * _ENTRY_NBYTES)  # type: ignore[arg-type]
-        except OSError as exc:
-            raise _translate(exc, self.pid) from exc
-        # A short read: the address space ended (the process exited; checked
-        # at the end of the walk). Missing entries are pages not present.
-        return self._buf[: nbytes // _ENTRY_NBYTES]
+        view = memoryview(self._buf).cast("B")
+        first = start // _PAGE_NBYTES
+        done = 0
+        while done < npages:
+            lo = done * _ENTRY_NBYTES
+            want = min(npages - done, _PREAD_CALL_PAGES) * _ENTRY_NBYTES
+            try:
+                nbytes = os.preadv(self._fd, [view[lo: lo + want]], (first + done) * _ENTRY_NBYTES)  # type: ignore[arg-type]
+            except OSError as exc:
+                raise _translate(exc, self.pid) from exc
+            done += nbytes // _ENTRY_NBYTES
+            self._pace()
+            if nbytes < want:
+                # A short read: the address space ended (the process exited;
+                # checked at the end of the walk). Missing entries are pages
+                # not present.
+                break
+        return self._buf[:done]
+
+    def _pace(self) -> None:
+        """After a call that took the target's lock: pause once the calls since
+        the last pause have taken :data:`LOCK_BURST_SECONDS`, so a writer the
+        kernel woke gets the lock before this walk takes it again."""
+        now = self._last_lock_call = time.perf_counter()
+        if now - self._burst_start < LOCK_BURST_SECONDS:
+            return
+        time.sleep(LOCK_GAP_SECONDS)
+        self._burst_start = time.perf_counter()
+        self.gap_seconds += self._burst_start - now
+        self.gaps += 1
 
     def _read_pages(self, start: int, npages: int) -> int:
         """Count ``npages`` from ``start``; returns how many were present."""
@@ -540,6 +588,7 @@ class PagemapWalk:
                 return None
             raise _translate(exc, self.pid) from exc
         took = time.perf_counter() - t0
+        self._pace()
         walk_end = _PM_SCAN_ARG.unpack(arg)[4]
         if walk_end <= start:
             # No progress reported (not seen from Linux 6.7 to 6.18): read
@@ -630,9 +679,9 @@ class PagemapWalk:
         # page, device memory) is in neither Pss nor Rss of smaps.
         return float(np.sum(_PAGE_NBYTES / per_page[mapped].astype(np.float64)))
 
-    def _charge(self, seconds: float) -> None:
+    def _charge(self, seconds: float, wall_seconds: float | None = None) -> None:
         self.cost_seconds += seconds
-        self.max_step_seconds = max(self.max_step_seconds, seconds)
+        self.max_step_seconds = max(self.max_step_seconds, seconds if wall_seconds is None else wall_seconds)
         self.steps += 1
 
     # -- the walk --------------------------------------------------------------
@@ -667,6 +716,11 @@ class PagemapWalk:
         if self._done:
             return True
         t0 = time.perf_counter()
+        if t0 - self._last_lock_call >= LOCK_GAP_SECONDS:
+            # Idle since the last lock-taking call for at least a pause (the
+            # agent resumes walks tick by tick): a new burst starts here.
+            self._burst_start = t0
+        gaps_before = self.gap_seconds
         read_pages = 0
         try:
             budget = self.slice_pages
@@ -691,7 +745,9 @@ class PagemapWalk:
             raise
         finally:
             took = time.perf_counter() - t0
-            self._charge(took)
+            # The pauses cost the monitor no CPU: the budget is charged without
+            # them, the step's length (and the next slice) includes them.
+            self._charge(took - (self.gap_seconds - gaps_before), took)
             self.slice_history.append(read_pages)
         self._adapt_slice(read_pages, took)
         if self._done and self._result is not None:
