@@ -28,16 +28,23 @@ Measures (see docs/monitor.md for the reading):
      unmapping 256 KiB and one allocating 8 MiB tensors in a loop; the
      monitor's CPU per exact figure per GiB resident; how often the agent's
      default budget gives it a figure (ticks at 1 Hz on a simulated clock,
-     each walk step's real cost charged).
+     each walk step's real cost charged). A control row walks another
+     process of the same size while the victim loops: the monitor's CPU
+     without the victim's lock, so what it adds is scheduling. Each row also
+     gives where the victim's time went (its schedstat): blocked (the lock)
+     and waiting for a CPU (scheduling). Every row runs in several rounds;
+     the table gives medians.
 
-Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only]
+Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only] [--exact-rounds N]
 Writes benchmarks/results/bench_monitor.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -53,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tensorferry.monitor import Agent, AgentConfig, Selection  # noqa: E402
+from tensorferry.monitor import _pagemap  # noqa: E402
 from tensorferry.monitor._pagemap import slice_nbytes_for_stall  # noqa: E402
 from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
 
@@ -234,8 +242,34 @@ def _interference_rows(victim: Target, seconds: float) -> dict[str, dict[str, fl
     return out
 
 
-def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str, object]:
-    """Section 4: pagemap slices against smaps_rollup and memory_full_info."""
+UNPACED = "pagemap slices, no pauses"
+"""The ablation row: the same walks with the pauses between lock bursts turned
+off (preads of 256 MiB back to back, as before they were added)."""
+CONTROL = "pagemap slices, another process"
+"""The control row: the same pagemap walks of another process of the same size
+while the victim loops. It takes the monitor's CPU as the real row does and
+none of the victim's lock, so what it adds over no monitor is scheduling."""
+
+
+@contextlib.contextmanager
+def unpaced():
+    """Walks without pauses between lock bursts, for the ablation row only."""
+    saved = _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES
+    _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES = math.inf, _pagemap._PREAD_PAGES
+    try:
+        yield
+    finally:
+        _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES = saved
+
+
+def exact_unpaced(backend: ProcfsBackend, pid: int):
+    with unpaced():
+        return backend.exact(pid)
+
+
+def exact_figures(victim: Target, victim_mib: int, seconds: float, sim_seconds: int, rounds: int) -> dict[str, object]:
+    """Section 4: pagemap slices against smaps_rollup and memory_full_info,
+    ``rounds`` rounds of every row (the medians are what the table reports)."""
     backend = ProcfsBackend(count_fds=False)
     rss = backend.cheap(victim.pid).rss_bytes
     gib = rss / 2**30
@@ -244,6 +278,7 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
     p = psutil.Process(victim.pid)
     methods = {
         "pagemap slices": lambda: backend.exact(victim.pid),
+        UNPACED: lambda: exact_unpaced(backend, victim.pid),
         "smaps_rollup": lambda: backend.exact_rollup(victim.pid),
         "psutil memory_full_info": p.memory_full_info,
     }
@@ -257,47 +292,58 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
         cpu[name] = statistics.median(runs)
         figures[name] = getattr(out, "uss_bytes", getattr(out, "uss", None))
     pm = backend.exact(victim.pid)
-    # One walk as exact() makes it, for its slices and its PAGEMAP_SCAN calls
-    # (the longest call is the longest the walk held the victim's lock at once).
+    # One walk as exact() makes it, for its slices, its PAGEMAP_SCAN calls
+    # (the longest call is the longest the walk held the victim's lock at
+    # once) and its pauses between lock bursts.
     stall = AgentConfig().max_stall_seconds
     walk = backend.start_walk(victim.pid, slice_nbytes=slice_nbytes_for_stall(stall), step_limit_seconds=stall)
+    walk_wall = time.perf_counter()
     while walk is not None and not walk.step():
         pass
-    rows: dict[str, dict[str, object]] = {}
+    walk_wall = time.perf_counter() - walk_wall
+    other = Target("control", "big", str(victim_mib))
+    methods[CONTROL] = lambda: backend.exact(other.pid)
+    per_round: list[dict[str, dict[str, object]]] = []
     restore, victim_cpu = pin_apart(victim)
     try:
-        for load in ("churn", "alloc"):
-            def run(label: str, fn) -> None:
-                stop = threading.Event()
-                count = [0]
+        for round_no in range(rounds):
+            rows: dict[str, dict[str, object]] = {}
+            for load in ("churn", "alloc"):
+                def run(label: str, fn) -> None:
+                    stop = threading.Event()
+                    count = [0]
 
-                def loop() -> None:
-                    while not stop.is_set():
-                        t0 = time.perf_counter()
-                        fn()
-                        count[0] += 1
-                        stop.wait(max(0.0, 1.0 - (time.perf_counter() - t0)))
+                    def loop() -> None:
+                        while not stop.is_set():
+                            t0 = time.perf_counter()
+                            fn()
+                            count[0] += 1
+                            stop.wait(max(0.0, 1.0 - (time.perf_counter() - t0)))
 
-                th = threading.Thread(target=loop, daemon=True) if fn is not None else None
-                if th is not None:
-                    th.start()
-                try:
-                    victim.proc.stdin.write(f"{load} {seconds}\n")
-                    victim.proc.stdin.flush()
-                    r = json.loads(victim.proc.stdout.readline())
-                finally:
-                    stop.set()
+                    th = threading.Thread(target=loop, daemon=True) if fn is not None else None
                     if th is not None:
-                        th.join(30)
-                r["figures"] = count[0]
-                rows[f"{load}: {label}"] = r
-                print(f"  exact: {load}: {label}", file=sys.stderr, flush=True)
+                        th.start()
+                    try:
+                        victim.proc.stdin.write(f"{load} {seconds}\n")
+                        victim.proc.stdin.flush()
+                        r = json.loads(victim.proc.stdout.readline())
+                    finally:
+                        stop.set()
+                        if th is not None:
+                            th.join(30)
+                    r["figures"] = count[0]
+                    rows[f"{load}: {label}"] = r
+                    print(f"  exact round {round_no + 1}/{rounds}: {load}: {label} "
+                          f"(worst {r['worst_seconds'] * 1e3:.2f} ms, load {os.getloadavg()[0]:.2f})",
+                          file=sys.stderr, flush=True)
 
-            run("no monitor", None)
-            for name, fn in methods.items():
-                run(name, fn)
+                run("no monitor", None)
+                for name, fn in methods.items():
+                    run(name, fn)
+            per_round.append(rows)
     finally:
         os.sched_setaffinity(0, restore)
+        other.close()
     # How often the default budget gives this process a figure: 1 Hz ticks
     # on a simulated clock (no sleeping), each step's real cost charged.
     clock = [0.0]
@@ -314,6 +360,7 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
     return {
         "rss_bytes": rss,
         "victim_cpu": victim_cpu,
+        "rounds": rounds,
         "cpu_seconds_per_figure": cpu,
         "cpu_seconds_per_figure_per_gib": {k: v / gib for k, v in cpu.items()},
         "uss_bytes": figures,
@@ -323,7 +370,12 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
         if walk else None,
         "pagemap_scan_calls": walk.scan_calls if walk else None,
         "pagemap_max_scan_seconds": walk.max_scan_seconds if walk else None,
-        "interference": rows,
+        "pagemap_walk_wall_seconds": walk_wall,
+        "pagemap_walk_cost_seconds": walk.cost_seconds if walk else None,
+        "pagemap_lock_gaps": walk.gaps if walk else None,
+        "pagemap_lock_gap_seconds": walk.gap_seconds if walk else None,
+        "interference_rounds": per_round,
+        "interference": summarize_rounds(per_round),
         "agent_simulated_seconds": sim_seconds,
         "agent_figures": len(finished),
         "agent_figure_times": finished,
@@ -334,21 +386,64 @@ def exact_figures(victim: Target, seconds: float, sim_seconds: int) -> dict[str,
     }
 
 
+def summarize_rounds(per_round: list[dict[str, dict[str, object]]]) -> dict[str, dict[str, object]]:
+    """Per row: the median over rounds of each figure, and of the round's
+    worst call divided by the same round's worst with no monitor."""
+    out: dict[str, dict[str, object]] = {}
+    for name in per_round[0]:
+        base = name.split(":")[0] + ": no monitor"
+        rs = [rows[name] for rows in per_round]
+        row: dict[str, object] = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("figures", "p50_seconds", "p999_seconds", "worst_seconds", "slow_iterations",
+                      "blocked_seconds", "runqueue_seconds", "iterations")
+        }
+        row["worst_seconds_per_round"] = [r["worst_seconds"] for r in rs]
+        row["worst_over_no_monitor"] = statistics.median(
+            rows[name]["worst_seconds"] / rows[base]["worst_seconds"] for rows in per_round)
+        out[name] = row
+    return out
+
+
+def exact_targets(ex: dict[str, object]) -> dict[str, object]:
+    """Issue 17's speed figures from section 4, with the ratios it asks for."""
+    rows = ex["interference"]
+    rest = rows["churn: no monitor"]["worst_seconds"]
+    limit = max(2e-3, 3 * rest)
+    out: dict[str, object] = {"mmap_loop_worst_at_rest_ms": rest * 1e3, "target_ms": limit * 1e3}
+    for name in ("pagemap slices", UNPACED, CONTROL, "smaps_rollup", "psutil memory_full_info"):
+        for load in ("churn", "alloc"):
+            r = rows[f"{load}: {name}"]
+            out[f"{load}: {name}: worst_ms"] = r["worst_seconds"] * 1e3
+            out[f"{load}: {name}: worst_over_rest"] = r["worst_over_no_monitor"]
+    for load in ("churn", "alloc"):
+        rest_l = rows[f"{load}: no monitor"]["worst_seconds"]
+        worst = rows[f"{load}: pagemap slices"]["worst_seconds"]
+        out[f"{load}: pagemap_target_met"] = worst <= max(2e-3, 3 * rest_l)
+    cpu = ex["cpu_seconds_per_figure_per_gib"]
+    out["cpu_ms_per_gib_pagemap"] = cpu["pagemap slices"] * 1e3
+    out["cpu_ms_per_gib_smaps_rollup"] = cpu["smaps_rollup"] * 1e3
+    out["cpu_pagemap_over_smaps_rollup"] = cpu["pagemap slices"] / cpu["smaps_rollup"]
+    out["default_budget_seconds_per_figure"] = ex["agent_seconds_per_figure"]
+    return out
+
+
 def print_exact(ex: dict[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c = Console(width=200)
-    t = Table(title=f"exact figures of a {ex['rss_bytes'] / 2**30:.1f} GiB process (4 KiB pages), monitor at 1 Hz")
-    for h in ("victim loop", "monitor", "figures", "p50 µs", "p99.9 µs", "worst µs", "worst / no monitor",
-              "iterations > 5 ms"):
+    c = Console(width=220)
+    t = Table(title=f"exact figures of a {ex['rss_bytes'] / 2**30:.1f} GiB process (4 KiB pages), monitor at 1 Hz, "
+                    f"median of {ex['rounds']} rounds")
+    for h in ("victim loop", "monitor", "figures", "p50 µs", "p99.9 µs", "worst ms", "worst ms per round",
+              "worst / no monitor", "iterations > 5 ms", "victim blocked ms", "victim waiting for a CPU ms"):
         t.add_column(h, justify="right")
-    rows = ex["interference"]
-    for name, r in rows.items():
-        base = rows[name.split(":")[0] + ": no monitor"]["worst_seconds"]
-        t.add_row(*name.split(": "), str(r["figures"]), f"{r['p50_seconds'] * 1e6:.0f}",
-                  f"{r['p999_seconds'] * 1e6:.0f}", f"{r['worst_seconds'] * 1e6:.0f}",
-                  f"{r['worst_seconds'] / base:.2f}x", str(r["slow_iterations"]))
+    for name, r in ex["interference"].items():
+        t.add_row(*name.split(": "), f"{r['figures']:.0f}", f"{r['p50_seconds'] * 1e6:.0f}",
+                  f"{r['p999_seconds'] * 1e6:.0f}", f"{r['worst_seconds'] * 1e3:.2f}",
+                  " / ".join(f"{w * 1e3:.1f}" for w in r["worst_seconds_per_round"]),
+                  f"{r['worst_over_no_monitor']:.2f}x", f"{r['slow_iterations']:.0f}",
+                  f"{r['blocked_seconds'] * 1e3:.1f}", f"{r['runqueue_seconds'] * 1e3:.1f}")
     c.print(t)
     t = Table(title="monitor CPU per exact figure")
     for h in ("source", "CPU ms", "CPU ms per GiB resident", "vs smaps_rollup"):
@@ -362,7 +457,24 @@ def print_exact(ex: dict[str, object]) -> None:
             f"{ex['agent_steps']} steps, {ex['agent_exact_seconds'] * 1e3:.0f} ms walking; "
             f"a pagemap figure took {ex['pagemap_steps']} steps, the longest {ex['pagemap_max_step_seconds'] * 1e3:.1f} ms; "
             f"slices (MiB): {', '.join(f'{m:.0f}' for m in ex['pagemap_slice_mib'] or [])}; "
-            f"{ex['pagemap_scan_calls']} PAGEMAP_SCAN calls, the longest {ex['pagemap_max_scan_seconds'] * 1e3:.2f} ms")
+            f"{ex['pagemap_scan_calls']} PAGEMAP_SCAN calls, the longest {ex['pagemap_max_scan_seconds'] * 1e3:.2f} ms; "
+            f"one walk {ex['pagemap_walk_wall_seconds'] * 1e3:.1f} ms of wall time, "
+            f"{ex['pagemap_walk_cost_seconds'] * 1e3:.1f} ms charged, "
+            f"{ex['pagemap_lock_gaps']} pauses between lock bursts ({ex['pagemap_lock_gap_seconds'] * 1e3:.1f} ms)")
+    tg = exact_targets(ex)
+    rows = ex["interference"]
+    c.print("issue 17, worst victim call (medians): mmap loop "
+            + ", ".join(f"{n} {tg[f'churn: {n}: worst_ms']:.2f} ms ({tg[f'churn: {n}: worst_over_rest']:.2f}x)"
+                        for n in ("pagemap slices", UNPACED, CONTROL, "smaps_rollup", "psutil memory_full_info"))
+            + f", at rest {tg['mmap_loop_worst_at_rest_ms']:.2f} ms; target {tg['target_ms']:.2f} ms: "
+            + ("met" if tg["churn: pagemap_target_met"] else "missed")
+            + f". tensor loop: pagemap {tg['alloc: pagemap slices: worst_ms']:.2f} ms "
+            + f"({tg['alloc: pagemap slices: worst_over_rest']:.2f}x), at rest "
+            + f"{rows['alloc: no monitor']['worst_seconds'] * 1e3:.2f} ms: "
+            + ("met" if tg["alloc: pagemap_target_met"] else "missed")
+            + f". CPU per figure per GiB: pagemap {tg['cpu_ms_per_gib_pagemap']:.1f} ms, smaps_rollup "
+            + f"{tg['cpu_ms_per_gib_smaps_rollup']:.1f} ms ({tg['cpu_pagemap_over_smaps_rollup']:.2f}x). "
+            + f"Default budget: one figure per {tg['default_budget_seconds_per_figure'] or 0:.0f} s.")
 
 
 AGENT_CODE = r"""
@@ -477,17 +589,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller targets, shorter phases (a smoke run)")
     ap.add_argument("--exact-only", action="store_true", help="only section 4 (exact figures of a 4 GiB process)")
+    ap.add_argument("--exact-rounds", type=int, default=3, metavar="N",
+                    help="rounds of every section-4 row; the table gives medians (default 3)")
     args = ap.parse_args()
+    if args.exact_rounds < 1:
+        ap.error(f"--exact-rounds {args.exact_rounds}: must be at least 1")
     if args.exact_only:
-        victim = Target("4G RSS", "big", "1024" if args.quick else "4096")
+        mib = 1024 if args.quick else 4096
+        load_start = os.getloadavg()
+        victim = Target("4G RSS", "big", str(mib))
         try:
-            ex = exact_figures(victim, 3.0 if args.quick else 8.0, 300 if args.quick else 900)
+            ex = exact_figures(victim, mib, 3.0 if args.quick else 8.0, 300 if args.quick else 900, args.exact_rounds)
         finally:
             victim.close()
         print_exact(ex)
+        print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
+              f"(1 min; {os.cpu_count()} CPUs)")
         out = RESULTS.with_name("bench_monitor_exact.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"kernel": os.uname().release, "exact": ex, "load_average_at_end": os.getloadavg()},
+        out.write_text(json.dumps({"kernel": os.uname().release, "exact": ex, "targets": exact_targets(ex),
+                                   "load_average_at_start": load_start, "load_average_at_end": os.getloadavg()},
                                   indent=2))
         print(f"wrote {out}", file=sys.stderr)
         return 0
@@ -507,7 +628,7 @@ def main() -> int:
         costs = sample_costs(targets, args.quick)
         victim = targets[5]
         interf = interference(victim, churn_seconds)
-        exact = exact_figures(victim, churn_seconds, 900)
+        exact = exact_figures(victim, big[1], churn_seconds, 900, args.exact_rounds)
     finally:
         for t in targets:
             t.close()
@@ -541,6 +662,7 @@ def main() -> int:
         "agent_cpu_target_0.5pct_met": max(default_cost["core_fraction"], worst_cost["core_fraction"]) < 0.005,
         "agent_rss_mib": max(default_cost["rss_bytes"], worst_cost["rss_bytes"]) / 2**20,
         "agent_rss_target_80mib_met": max(default_cost["rss_bytes"], worst_cost["rss_bytes"]) < 80 * 2**20,
+        "exact": exact_targets(exact),
         "load_average_at_end": os.getloadavg(),
         "wall_seconds": time.monotonic() - t_start,
     }
