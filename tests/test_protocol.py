@@ -32,6 +32,9 @@ MESSAGES = [
     P.Fetch(ticket_id=1, piece=2),
     P.Fetch(ticket_id=1, start=4096),
     P.Pull(ticket_id=9, digest=b"d" * 16, start=1 << 20, nbytes=1 << 30),
+    P.Pull(ticket_id=9, digest=b"d" * 16, start=0, nbytes=64, host=b"boot/4026531836/4026531833"),
+    P.Lend(pid=42, address=1 << 40, nbytes=1 << 30),
+    P.Arrived(end=1 << 20),
     P.Located(blocks=[(0, 64)], sourced=True),
     P.Sources(ticket_id=3, piece=1),
     P.SourceRuns(pid=42, pos=b"\0" * 8, address=b"\1" * 8, nbytes=b"\2" * 8),
@@ -88,6 +91,15 @@ def test_every_message_round_trips(pair):
 def test_every_message_type_has_a_decoder():
     kinds = {v for k, v in vars(P.MsgType).items() if not k.startswith("_")}
     assert {P._TYPE_OF[type(m)] for m in MESSAGES} | {P.MsgType.DATA} == kinds
+
+
+def test_a_lend_names_a_live_process_and_an_address(pair):
+    # A child copies out of the pid and address a relay lends: neither may be 0.
+    a, b = pair
+    for bad in ({"pid": 0, "address": 4096, "nbytes": 1}, {"pid": 7, "address": 0, "nbytes": 1}, {"pid": 7, "address": 4096, "nbytes": -1}):
+        a.sendall(frame(P.MsgType.LEND, msgspec.msgpack.encode(bad)))
+        with pytest.raises(ProtocolError, match="malformed Lend"):
+            P.recv_msg(b)
 
 
 def test_file_descriptors_travel_with_a_frame(pair):

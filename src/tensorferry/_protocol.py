@@ -35,6 +35,8 @@ __all__ = [
     "Located",
     "Fetch",
     "Pull",
+    "Lend",
+    "Arrived",
     "Sources",
     "SourceRuns",
     "Release",
@@ -70,6 +72,8 @@ class MsgType:
     PULL = 10
     SOURCES = 11
     SOURCE_RUNS = 12
+    LEND = 13
+    ARRIVED = 14
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -135,6 +139,30 @@ class Pull(msgspec.Struct, frozen=True):
     digest: Annotated[bytes, msgspec.Meta(max_length=64)]
     start: Annotated[int, msgspec.Meta(ge=0)]
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    # The child's host (boot, network and pid namespace; see
+    # transports._relay.host_identity), b"" for a stream: a relay on the
+    # same one answers with Lend, and the child copies out of its memory.
+    host: Annotated[bytes, msgspec.Meta(max_length=128)] = b""
+
+
+class Lend(msgspec.Struct, frozen=True):
+    """Relay -> a child on its host, in reply to Pull: the ticket's stream
+    is ``nbytes`` bytes at ``address`` in process ``pid``; Arrived frames
+    follow, and the child copies each newly arrived range itself
+    (process_vm_readv). The memory stays there until the child says how far
+    it read (an Arrived back; answered with Released once it read it all)
+    or closes."""
+
+    pid: Annotated[int, msgspec.Meta(gt=0)]
+    address: Annotated[int, msgspec.Meta(gt=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Arrived(msgspec.Struct, frozen=True):
+    """Relay -> a child it lends to: bytes ``[0, end)`` of the stream are
+    in its memory now. Child -> relay, last: it copied up to ``end``."""
+
+    end: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Sources(msgspec.Struct, frozen=True):
@@ -187,6 +215,8 @@ _TYPES: dict[int, type] = {
     MsgType.PULL: Pull,
     MsgType.SOURCES: Sources,
     MsgType.SOURCE_RUNS: SourceRuns,
+    MsgType.LEND: Lend,
+    MsgType.ARRIVED: Arrived,
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -25,7 +25,7 @@ import functools
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -121,6 +121,12 @@ class Receiver:
             the get resumes from the bytes it has.
         relay_linger_seconds: a relay keeps a ticket's bytes this long after
             it arrived (or after a child's last pull), for late children.
+        relay_reads: how this receiver reads a relay on its own host (same
+            boot, network and pid namespace): ``"memory"`` copies straight
+            out of the relay's receive memory (process_vm_readv: one kernel
+            copy, no socket; where the kernel refuses, another user or
+            ptrace restricted, it logs why and streams), ``"tcp"`` takes
+            the stream as from a relay on another host.
     """
 
     def __init__(
@@ -139,11 +145,16 @@ class Receiver:
         advertise_host: str | None = None,
         stall_seconds: float = 5.0,
         relay_linger_seconds: float = 60.0,
+        relay_reads: Literal["memory", "tcp"] = "memory",
     ) -> None:
         from ._memory import _huge_pages_off
         from .transports import channel_class
         from .transports._connections import ChannelPool, ReceiveContext, Releaser
+        from .transports._relay import SameHostReads
 
+        if relay_reads not in ("memory", "tcp"):
+            raise ConfigurationError(f"Receiver(relay_reads={relay_reads!r}): pass \"memory\" (copy out of a same-host relay) or \"tcp\"")
+        self._same_host_reads = SameHostReads(enabled=relay_reads == "memory")
         self.transport = transport
         if transport is not None:
             channel_class(transport)  # fail early on an unknown name
@@ -422,7 +433,7 @@ class Receiver:
                         ch.receive_range(ticket.id, 0, blocks, buf, got[0], progress, deadline=deadline, chunk_nbytes=CHUNK_NBYTES)
                     else:
                         pull(source, token=self.token, ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=got[0],
-                             progress=progress, stall_seconds=self.stall_seconds, deadline=deadline)
+                             progress=progress, stall_seconds=self.stall_seconds, deadline=deadline, reads=self._same_host_reads)
                 except (PeerGoneError, TransferTimeoutError, ProtocolError):
                     if not source or time.monotonic() > deadline:
                         raise
@@ -601,13 +612,19 @@ class Receiver:
         it will not keep: under 1 MiB, over the cap, or the cache off),
         ``cache_taken_nbytes``, ``cache_trimmed_nbytes`` (unmapped after
         sitting idle, or at close) and ``cache_evicted_nbytes`` (unmapped to
-        stay within the cap). A relaying receiver adds ``relay_bytes_sent``
-        (to its children) and ``relay_held_nbytes`` (tickets kept for them).
+        stay within the cap). ``relay_memory_read_nbytes`` and
+        ``relay_stream_nbytes``: bytes this receiver copied out of same-host
+        relays' memory and took from relays as tcp streams. A relaying
+        receiver adds ``relay_bytes_sent`` (passed on to its children, either
+        way), ``relay_bytes_lent`` (of which same-host children copied out of
+        its memory) and ``relay_held_nbytes`` (tickets kept for them).
         """
         cache = self._cache.stats()
-        relay = {}
+        reads = self._same_host_reads
+        relay = {"relay_memory_read_nbytes": reads.memory_nbytes, "relay_stream_nbytes": reads.stream_nbytes}
         if self._relay_server is not None:
-            relay = {"relay_bytes_sent": self._relay_server.bytes_sent, "relay_held_nbytes": self._book.held_nbytes()}
+            relay.update(relay_bytes_sent=self._relay_server.bytes_sent, relay_bytes_lent=self._relay_server.bytes_lent,
+                         relay_held_nbytes=self._book.held_nbytes())
         return {"gets": self.gets, "bytes_received": self.bytes_received, **relay, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
 
     def close(self) -> None:

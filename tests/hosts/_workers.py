@@ -23,12 +23,16 @@ Each prints one JSON line per fact on stdout and exits; times are
   waits for the release and answers ``{"bytes_sent", "used_nbytes",
   "live_tickets"}`` (the sender's ``stats()``), as ``stats`` does at once;
   ``stop`` closes it.
-* ``bc_receiver HOST TOKEN RELAY STALL LINGER``: a tcp ``Receiver``, relaying
-  (``RELAY`` 1) on ``HOST`` or a leaf (0); prints ``{"ready",
-  "relay_address"}``, then answers commands: ``get`` (``ticket``) with
-  ``{"checksum", "t_start", "t_done"}``; ``stats`` with ``{"relay_bytes_sent",
-  "bytes_received"}``; ``stop`` closes it. It stays up after a get: its
-  children may still pull from it.
+* ``bc_receiver HOST TOKEN RELAY STALL LINGER [READS [GUARDED]]``: a tcp
+  ``Receiver``, relaying (``RELAY`` 1) on ``HOST`` or a leaf (0), reading
+  same-host relays by ``READS`` (``memory``, the default, or ``tcp``);
+  ``GUARDED`` 1 makes the process non-dumpable (``PR_SET_DUMPABLE`` 0: only
+  a process with CAP_SYS_PTRACE may read its memory). Prints ``{"ready",
+  "relay_address", "pid"}``, then answers commands: ``get`` (``ticket``)
+  with ``{"checksum", "t_start", "t_done"}``; ``stats`` with
+  ``{"relay_bytes_sent", "relay_bytes_lent", "memory_read_nbytes",
+  "stream_nbytes", "refused", "bytes_received"}``; ``stop`` closes it. It
+  stays up after a get: its children may still pull from it.
 
 A failed command answers ``{"error": traceback}``.
 """
@@ -208,12 +212,20 @@ def bc_sender(host: str, token: str, capacity_nbytes: int) -> None:
                 say(error=traceback.format_exc())
 
 
-def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger_seconds: float) -> None:
+def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger_seconds: float, reads: str = "memory",
+                guarded: bool = False) -> None:
+    import ctypes
+    import os
+
     from tensorferry import Receiver
 
+    if guarded:
+        PR_SET_DUMPABLE = 4
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     with Receiver("tcp", token=token, timeout=60.0, relay=relay, host=host, port=0,
-                  stall_seconds=stall_seconds, relay_linger_seconds=linger_seconds) as receiver:
-        say(ready=True, relay_address=receiver.relay_address)
+                  stall_seconds=stall_seconds, relay_linger_seconds=linger_seconds, relay_reads=reads) as receiver:
+        say(ready=True, relay_address=receiver.relay_address, pid=os.getpid())
         for cmd in _commands():
             try:
                 if cmd["cmd"] == "get":
@@ -223,11 +235,11 @@ def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger
                     say(checksum=checksum(got), t_start=t0, t_done=t1)
                     del got
                 elif cmd["cmd"] == "stats":
-                    # No public counter of what a relay passed on yet: its
-                    # server's own (tensorferry/transports/_relay.py).
-                    server = receiver._relay_server
-                    say(relay_bytes_sent=server.bytes_sent if server is not None else 0,
-                        bytes_received=receiver.bytes_received)
+                    st = receiver.stats()
+                    say(relay_bytes_sent=st.get("relay_bytes_sent", 0), relay_bytes_lent=st.get("relay_bytes_lent", 0),
+                        memory_read_nbytes=st["relay_memory_read_nbytes"], stream_nbytes=st["relay_stream_nbytes"],
+                        # Why the kernel refused a vm read (also logged); not a public counter.
+                        refused=receiver._same_host_reads.refused, bytes_received=receiver.bytes_received)
             except Exception:
                 say(error=traceback.format_exc())
 
@@ -247,7 +259,7 @@ def main(argv: list[str]) -> None:
     elif verb == "bc_sender":
         bc_sender(args[0], args[1], int(args[2]))
     elif verb == "bc_receiver":
-        bc_receiver(args[0], args[1], args[2] == "1", float(args[3]), float(args[4]))
+        bc_receiver(args[0], args[1], args[2] == "1", float(args[3]), float(args[4]), *args[5:6], *[a == "1" for a in args[6:7]])
     else:
         raise SystemExit(f"_workers.py: unknown verb {verb!r}")
 

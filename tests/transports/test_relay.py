@@ -4,13 +4,26 @@ Real senders, receivers and sockets in one process: the placement (chain,
 tree, leaves), what each side sent, and faults made deterministic (a relay
 that closed before its child pulled, a relay that accepts and never sends).
 Links with real rates and killed relay processes are in tests/hosts/.
+
+Children on the relay's host copy out of its memory (process_vm_readv):
+here every receiver is on one host, so that path is the default one; the
+tests at the end run relays and children as separate processes, also one
+the kernel refuses to let its children read (they fall back to the stream).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import secrets
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,3 +233,141 @@ def test_a_relay_lets_go_of_a_ticket_after_lingering_or_at_the_next_one(receiver
         relay.get(second)
         assert relay._book.held_nbytes() == second.total_nbytes  # the first was let go
         assert wait_until(lambda: relay._book.held_nbytes() == 0, 5.0)  # and the second after lingering
+
+
+@pytest.mark.parametrize("reads", ["memory", "tcp"])
+def test_children_on_the_relays_host_copy_out_of_its_memory_or_take_the_stream(receivers, reads):
+    want = obj(10)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        rs = receivers(3, relay=True, relay_reads=reads)
+        ticket = sender.put(want, readers=3, fanout=1)
+        for got in get_all(rs, ticket):
+            assert_same(got, want)
+        t = ticket.total_nbytes
+        stats = [r.stats() for r in rs]
+        assert sender.stats()["bytes_sent"] == t
+        assert sorted(s["relay_bytes_sent"] for s in stats) == [0, t, t]
+        lent = sum(s["relay_bytes_lent"] for s in stats)
+        read = sum(s["relay_memory_read_nbytes"] for s in stats)
+        streamed = sum(s["relay_stream_nbytes"] for s in stats)
+        # Two children of relays, every byte either copied out of the relay
+        # (this host: the same boot, pid and network namespace) or streamed.
+        assert (lent, read, streamed) == ((2 * t, 2 * t, 0) if reads == "memory" else (0, 0, 2 * t))
+        sender.wait_released(ticket, timeout=10.0)
+
+
+def test_relay_reads_is_checked():
+    with pytest.raises(ConfigurationError, match="relay_reads"):
+        Receiver("tcp", relay_reads="shm")
+
+
+# -- relays and children as processes (tests/hosts/_workers.py bc_receiver) ---------
+
+_WORKERS_PATH = Path(__file__).parents[1] / "hosts" / "_workers.py"
+_spec = importlib.util.spec_from_file_location("_relay_test_workers", _WORKERS_PATH)
+workers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(workers)
+
+NBYTES = 32 * MiB
+
+
+class Proc:
+    """A bc_receiver process on loopback, spoken to in JSON lines."""
+
+    def __init__(self, token: str, *, relay: bool, guarded: bool = False, prefix: tuple[str, ...] = ()) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+        argv = [*prefix, sys.executable, str(_WORKERS_PATH), "bc_receiver", "127.0.0.1", token, str(int(relay)), "5", "60", "memory", str(int(guarded))]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.ready = self.fact()
+
+    def fact(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"worker exited {self.proc.wait()}: {self.proc.stderr.read()}"
+        got = json.loads(line)
+        assert "error" not in got, got["error"]
+        return got
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.fact()
+
+    def stop(self) -> str:
+        """Stop it; its stderr."""
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stderr.read()
+
+
+@pytest.fixture
+def procs():
+    made: list[Proc] = []
+
+    def start(*args, **kw) -> Proc:
+        made.append(Proc(*args, **kw))
+        return made[-1]
+
+    yield start
+    for p in made:
+        p.stop()
+
+
+def test_child_processes_copy_out_of_their_relay_processes_memory(procs):
+    token = secrets.token_hex(8)
+    want = workers.make_object(1717, NBYTES)
+    with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
+        chain = [procs(token, relay=True) for _ in range(3)]
+        for round_ in range(2):  # the second round reuses the memory the first let go
+            ticket = sender.put(want, readers=3, fanout=1)
+            hexed = ticket.to_bytes().hex()
+            # One after the other: a chain in this order, each child reads a
+            # relay that already holds everything (the pipelined case, over
+            # links, is in tests/hosts/test_broadcast.py).
+            for p in chain:
+                assert p.call(cmd="get", ticket=hexed)["checksum"] == workers.checksum(want)
+            sender.wait_released(ticket, timeout=10.0)
+            t = ticket.total_nbytes
+            stats = [p.call(cmd="stats") for p in chain]
+            assert sender.stats()["bytes_sent"] == (round_ + 1) * t
+            assert [s["memory_read_nbytes"] for s in stats] == [0, (round_ + 1) * t, (round_ + 1) * t]
+            assert [s["relay_bytes_lent"] for s in stats] == [(round_ + 1) * t, (round_ + 1) * t, 0]
+            assert all(s["stream_nbytes"] == 0 and s["refused"] == "" for s in stats)
+        assert wait_until(lambda: pool_empty(sender.pool), 5.0)
+
+
+def _no_ptrace_prefix() -> tuple[str, ...]:
+    """setpriv without CAP_SYS_PTRACE (root reads any process's memory with it)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to start a process without CAP_SYS_PTRACE")
+    return ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--")
+
+
+def test_a_child_the_kernel_refuses_takes_the_stream_and_says_why(procs):
+    """The relay is non-dumpable and the child lacks CAP_SYS_PTRACE: its
+    process_vm_readv gets EPERM (as under another user or a ptrace scope);
+    it takes the tcp stream from the byte it had, logs the reason once, and
+    does not try again."""
+    token = secrets.token_hex(8)
+    want = workers.make_object(1818, NBYTES)
+    with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
+        relay = procs(token, relay=True, guarded=True)
+        child = procs(token, relay=False, prefix=_no_ptrace_prefix())
+        for _ in range(2):
+            ticket = sender.put(want, readers=2, fanout=1)
+            for p in (relay, child):
+                assert p.call(cmd="get", ticket=ticket.to_bytes().hex())["checksum"] == workers.checksum(want)
+            sender.wait_released(ticket, timeout=10.0)
+        t = ticket.total_nbytes
+        got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
+        assert got["memory_read_nbytes"] == 0 and got["stream_nbytes"] == 2 * t
+        assert "not permitted" in got["refused"] and str(relay.ready["pid"]) in got["refused"]
+        assert lent["relay_bytes_sent"] == 2 * t and lent["relay_bytes_lent"] == 0  # announced, never read: not lent
+        assert sender.stats()["bytes_sent"] == 2 * t
+        log = child.stop()
+        assert log.count("over tcp: process_vm_readv of relay process") == 1, log

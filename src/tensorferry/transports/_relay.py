@@ -9,6 +9,15 @@ arrived. Its :class:`RelayServer` answers children's :class:`Pull`
 requests from that stream while the rest still comes in (pipelined by
 chunks), so a chain of relays moves the object about as fast as one link.
 
+A child on the relay's own host (same boot, network and pid namespace:
+:func:`host_identity`) does not take a stream: the relay lends it its
+receive memory (:class:`~tensorferry._protocol.Lend`: pid and address),
+then says how far the bytes have arrived, and the child copies each new
+range out of the relay with ``process_vm_readv``: one kernel copy at
+memory speed, no socket, so a host's link carries the object once however
+many receivers it has. Where the kernel refuses (another user, ptrace
+restricted), the child says why once and takes the stream.
+
 :func:`pull` is the child's side. A relay that dies or stalls shows up in
 the child as a broken or silent connection; the child then asks the sender
 for another source and resumes from the bytes it has.
@@ -16,24 +25,88 @@ for another source and resumes from the bytes it has.
 
 from __future__ import annotations
 
+import functools
 import hmac
+import logging
+import os
 import socket
 import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import _protocol as P
 from ..errors import AuthenticationError, PeerGoneError, ProtocolError, TransferError, TransferTimeoutError
 from ._base import Connection
+from ._shm import vm_readv
 from ._tcp import TcpControlServer, connect
 
-__all__ = ["CHUNK_NBYTES", "RelayBook", "RelayServer", "pull"]
+__all__ = ["CHUNK_NBYTES", "LEND_READ_NBYTES", "RelayBook", "RelayServer", "SameHostReads", "host_identity", "pull"]
+
+log = logging.getLogger("tensorferry.transports")
 
 # Bytes a relay receives before it passes them on: each hop of a chain
 # adds one chunk's time (1 MiB: 8.4 ms at 1 Gbit/s; 4 MiB made a chain of 8
 # 0.24 s slower), and a chunk still costs far more than its bookkeeping
 # (a condition notify and a loop turn, tens of µs).
 CHUNK_NBYTES = 1 << 20
+
+# The most bytes a child copies out of a same-host relay in one
+# process_vm_readv: a relay that already holds everything lends it in one
+# Arrived, and a child that relays too passes each piece on as it lands
+# (8 MiB: about 1 ms at memory speed, far below a link's chunk time).
+LEND_READ_NBYTES = 8 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def host_identity() -> bytes:
+    """What a relay and a child compare to know they can read each other's
+    memory by pid: the boot (a pid means nothing on another machine or after
+    a reboot), the pid namespace (a pid means nothing in another one) and
+    the network namespace (a host as the broadcast tree sees it: test hosts
+    made of namespaces stay apart, as containers with their own network do)."""
+    parts = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            parts.append(f.read().strip())
+        for ns in ("pid", "net"):
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino).encode())
+    except OSError:
+        return b""  # no /proc: every relay is read as a stream
+    return b"/".join(parts)
+
+
+class SameHostReads:
+    """A child's choice and record of how it reads relays on its own host.
+
+    Args:
+        enabled: copy out of a same-host relay's memory (``False``: take
+            the tcp stream from every relay).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.memory_nbytes = 0  # copied out of same-host relays' memory
+        self.stream_nbytes = 0  # taken as tcp streams from relays
+        self.refused = ""  # why the kernel refused the last vm read, if it did
+        self._refused_at: set[str] = set()
+        self._lock = threading.Lock()
+
+    def wanted(self, address: str) -> bool:
+        return self.enabled and address not in self._refused_at
+
+    def refuse(self, address: str, reason: str) -> None:
+        with self._lock:
+            if address not in self._refused_at:
+                self._refused_at.add(address)
+                self.refused = reason
+                log.warning("reading the relay at %s over tcp: %s", address, reason)
+
+    def count(self, memory: int = 0, stream: int = 0) -> None:
+        with self._lock:
+            self.memory_nbytes += memory
+            self.stream_nbytes += stream
 
 
 class _Held:
@@ -42,6 +115,8 @@ class _Held:
     def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview) -> None:
         self.book, self.ticket_id, self.digest, self.buf = book, ticket_id, digest, buf
         self.total = len(buf)
+        # Where same-host children read it: ``buf`` (held here) keeps it there.
+        self.address = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if self.total else 0
         self.arrived = 0
         self.state = "receiving"  # then "complete" or "failed"
         self.pulls = 0
@@ -171,13 +246,16 @@ class RelayBook:
 
 class RelayServer(TcpControlServer):
     """A relaying receiver's server: children present the token, then
-    :class:`Pull` byte ranges of a ticket, streamed as they arrive here."""
+    :class:`Pull` byte ranges of a ticket, streamed as they arrive here, or
+    lent (children on this host) and announced as they arrive."""
 
     transport = "tcp"
 
     def __init__(self, book: RelayBook, *, token: bytes, host: str, port: int, advertise_host: str | None) -> None:
         self.book = book
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # passed on to children, streamed or lent
+        self.bytes_lent = 0  # of which children on this host copied out of our memory
+        self._lending: set[Connection] = set()
         super().__init__(book, token=token, host=host, port=port, advertise_host=advertise_host)
 
     def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
@@ -192,6 +270,9 @@ class RelayServer(TcpControlServer):
             return True
         if msg.start + msg.nbytes > held.total:
             P.send_msg(conn.sock, P.Failure(kind="bad-range", message=f"bytes {msg.start:,}+{msg.nbytes:,} of a {held.total:,}-byte ticket"))
+            return True
+        if msg.host and held.total and msg.host == host_identity():
+            self._lend(conn, held, msg.start, msg.start + msg.nbytes)
             return True
         P.send_data_header(conn.sock, msg.nbytes)
         self.book.begin_pull(held)
@@ -208,6 +289,66 @@ class RelayServer(TcpControlServer):
             self.book.end_pull(held)
         return True
 
+    def _lend(self, conn: Connection, held: _Held, pos: int, end: int) -> None:
+        """A child on this host copies ``[pos, end)`` out of ``held``'s
+        memory itself; this says where it is and how far it has arrived.
+
+        The memory must stay where it is while the child may still read it:
+        ``held`` (this frame) keeps it alive until the child says how far it
+        read (an Arrived back, counted as lent) or closes the connection,
+        also when this relay is closing (then it only stops announcing: see
+        :meth:`close`) or its own receive failed.
+        """
+        sock, start = conn.sock, pos
+        P.send_msg(sock, P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total))
+        self.book.begin_pull(held)
+        with self._lock:
+            self._lending.add(conn)
+        read = start
+        try:
+            try:
+                while pos < end and not self._closed:
+                    stop = min(held.wait_beyond(pos, timeout=1.0), end)
+                    if stop > pos:
+                        P.send_msg(sock, P.Arrived(end=stop))
+                        pos = stop
+            except PeerGoneError:
+                # Our own receive failed, or the child went: no more from us.
+                try:
+                    sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+            sock.settimeout(None)
+            try:
+                while True:  # the child's one frame (how far it read), then its close
+                    msg = P.recv_msg(sock, expect=(P.Arrived,))
+                    if isinstance(msg, P.Arrived) and start <= msg.end <= pos:
+                        read = max(read, msg.end)
+                        if read == end:
+                            P.send_msg(sock, P.Released(valid=True))
+            except (PeerGoneError, ProtocolError, TransferTimeoutError):
+                pass
+        finally:
+            with self._lock:
+                self._lending.discard(conn)
+                self.bytes_sent += read - start
+                self.bytes_lent += read - start
+            self.book.end_pull(held)
+
+    def close(self) -> None:
+        """Stop serving. A child copying out of our memory is told so (end
+        of its stream) but not cut off: its connection, and so the memory
+        it reads, stays until it closes it."""
+        with self._lock:
+            lending = set(self._lending)
+            self._conns -= lending
+        for c in lending:
+            try:
+                c.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        super().close()
+
 
 def pull(
     address: str,
@@ -221,10 +362,15 @@ def pull(
     stall_seconds: float,
     deadline: float,
     chunk_nbytes: int = CHUNK_NBYTES,
+    reads: SameHostReads | None = None,
 ) -> None:
     """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
-    relay at ``address`` into ``buf``, a chunk at a time, ``progress(end)``
-    after each.
+    relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
+
+    A relay on this host (``reads`` enabled) lends its memory and the child
+    copies out of it (process_vm_readv); else, or where the kernel refuses
+    that copy (recorded in ``reads``, logged once per relay), the relay
+    streams the bytes over tcp.
 
     Raises:
         PeerGoneError: the relay is gone, or does not hold the ticket.
@@ -232,6 +378,34 @@ def pull(
             stalled relay), or the get's deadline passed.
         AuthenticationError: the relay refused the token.
     """
+    reached = [start]
+
+    def advance(end: int) -> None:
+        reached[0] = end
+        progress(end)
+
+    session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf,
+                                progress=advance, stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads)
+    if reads is not None and reads.wanted(address):
+        try:
+            session(start, host_identity())
+            return
+        except _VmReadRefused as exc:
+            reads.refuse(address, str(exc))
+    session(reached[0], b"")
+
+
+class _VmReadRefused(Exception):
+    """The kernel would not let us read a same-host relay's memory."""
+
+
+def _pull_session(
+    address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
+) -> None:
+    """One connection to the relay: a Pull from ``start`` (naming this
+    ``host`` when not b""), then the bytes as a stream or by reads of its
+    memory, whichever it answers."""
     total = len(buf)
     sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
     try:
@@ -242,10 +416,13 @@ def pull(
             if welcome.kind == "auth":
                 raise AuthenticationError(f"relay at {address} refused us: {welcome.message}; pass the sender's token")
             raise PeerGoneError(f"relay at {address} refused us: {welcome.message}")
-        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start))
+        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host))
         reply = P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
         if isinstance(reply, P.Failure):
             raise PeerGoneError(f"relay at {address}: {reply.message}")
+        if isinstance(reply, P.Lend) and host:
+            _read_lent(sock, address, reply, buf, start, progress, stall_seconds, deadline, reads)
+            return
         if not (isinstance(reply, tuple) and reply[0] == "DATA") or reply[1] != total - start:
             raise ProtocolError(f"relay at {address} answered a Pull of {total - start:,} bytes with {reply!r:.80}")
         pos = start
@@ -258,10 +435,78 @@ def pull(
             except TransferTimeoutError as exc:
                 raise TransferTimeoutError(f"the relay at {address} stalled: no {k:,}-byte chunk within {stall_seconds} s ({exc})") from exc
             pos += k
+            if reads is not None:
+                reads.count(stream=k)
             progress(pos)
     except (OSError, socket.timeout) as exc:
         if isinstance(exc, TransferError):
             raise
         raise PeerGoneError(f"lost the relay at {address} ({exc})") from exc
     finally:
+        # Closing is what tells a lending relay it may let its memory go.
         sock.close()
+
+
+def _read_lent(
+    sock: socket.socket, address: str, lend: P.Lend, buf: memoryview, pos: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """Copy ``buf[pos:]`` out of a same-host relay's memory as its Arrived
+    frames say the bytes are there. Every range is read while our
+    connection is open, so the relay still holds that memory.
+
+    Raises:
+        _VmReadRefused: the kernel refused the first read (EPERM).
+    """
+    total = len(buf)
+    if lend.nbytes != total:
+        raise ProtocolError(f"relay at {address} lends a {lend.nbytes:,}-byte stream, the ticket has {total:,}")
+    here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    at, refused = [pos], False
+    try:
+        _copy_lent(sock, address, lend, here, at, total, progress, stall_seconds, deadline, reads)
+    except _VmReadRefused:
+        refused = True
+        raise
+    finally:
+        if not refused:
+            # How far we read, which the relay counts; when complete, its
+            # answer (after which it may let the memory go) lets the
+            # relay's counters include us before our get returns.
+            try:
+                P.send_msg(sock, P.Arrived(end=at[0]))
+                if at[0] == total:
+                    P.recv_msg(sock, expect=(P.Released,), deadline=time.monotonic() + min(stall_seconds, 1.0))
+            except TransferError:
+                pass
+
+
+def _copy_lent(
+    sock: socket.socket, address: str, lend: P.Lend, here: int, at: list[int], total: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """The Arrived frames and the copies; ``at[0]``: how far it has read."""
+    pos = at[0]
+    while pos < total:
+        try:
+            msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=min(deadline, time.monotonic() + stall_seconds))
+        except TransferTimeoutError as exc:
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}") from exc
+            raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s") from exc
+        if isinstance(msg, P.Failure):
+            raise PeerGoneError(f"relay at {address}: {msg.message}")
+        if not pos < msg.end <= total:
+            raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; we hold {pos:,} of {total:,}")
+        while pos < msg.end:
+            k = min(LEND_READ_NBYTES, msg.end - pos)
+            try:
+                vm_readv(lend.pid, np.array([here + pos]), np.array([lend.address + pos]), np.array([k]),
+                         peer="relay", fix="reading it over tcp instead")
+            except AuthenticationError as exc:
+                raise _VmReadRefused(str(exc)) from exc
+            pos += k
+            at[0] = pos
+            if reads is not None:
+                reads.count(memory=k)
+            progress(pos)

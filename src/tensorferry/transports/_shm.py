@@ -96,10 +96,11 @@ _process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, cty
 _IOV_MAX = 1024
 
 
-def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray) -> None:
+def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, *, peer: str = "sender", fix: str = "use tcp or snapshot=True") -> None:
     """Copy ``nbytes[i]`` bytes from ``remote[i]`` in process ``pid`` to
     ``local[i]`` here, 1024 runs a system call (the kernel copies; no
-    shared memory needed: same user, ptrace access).
+    shared memory needed: same user, ptrace access). ``peer`` names the
+    process and ``fix`` the remedy in the errors.
 
     Raises:
         PeerGoneError: the process is gone, or its memory there is gone.
@@ -119,8 +120,8 @@ def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
         if got != want:
             err = ctypes.get_errno()
             if got < 0 and err == errno.EPERM:
-                raise AuthenticationError(f"process_vm_readv of sender process {pid}: not permitted (another user, or ptrace restricted); use tcp or snapshot=True")
-            raise PeerGoneError(f"process_vm_readv of sender process {pid} moved {got} of {want:,} bytes ({os.strerror(err) if got < 0 else 'short'}): its tensors are gone")
+                raise AuthenticationError(f"process_vm_readv of {peer} process {pid}: not permitted (another user, or ptrace restricted); {fix}")
+            raise PeerGoneError(f"process_vm_readv of {peer} process {pid} moved {got} of {want:,} bytes ({os.strerror(err) if got < 0 else 'short'}): its memory there is gone")
 
 
 class ShmChannel(Channel):
