@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import packing
-from ._copy import CopyPlan, copy_converting, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
+from ._copy import _PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, run_parts, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
 from ._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from ._views import build_views
 from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
@@ -51,6 +51,48 @@ __all__ = ["SendPlan", "RecvPlan"]
 def _buffer_at(address: int, nbytes: int) -> memoryview:
     """A writable byte buffer over host memory someone else owns (no copy)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+# A gap between two runs of a gather up to this size is filled with zeros
+# in the same torch.cat (cheaper than starting another cat); larger gaps
+# (a big tensor converted or copied by value) start a new stretch.
+_BRIDGE_NBYTES = 64 << 10
+
+
+def _cat_into(out: torch.Tensor, stretches: list[tuple[int, int, list[torch.Tensor]]]) -> None:
+    for start, end, parts in stretches:
+        torch.cat(parts, out=out[start:end])
+
+
+def _split_stretches(stretches: list[tuple[int, int, list[torch.Tensor]]], k: int, min_nbytes: int = _PARALLEL_GATHER_NBYTES) -> list[list[tuple[int, int, list[torch.Tensor]]]]:
+    """Stretches cut into ``k`` lists of about equal bytes (a part's tensor
+    cut in two where a seam falls in it), for ``k`` threads; one list if
+    they hold less than ``min_nbytes``."""
+    total = sum(end - start for start, end, _ in stretches)
+    if k <= 1 or total < min_nbytes:
+        return [stretches]
+    step = -(-total // k)
+    out: list[list[tuple[int, int, list[torch.Tensor]]]] = [[]]
+    room = step  # bytes the current list still takes
+    for start, _, parts in stretches:
+        at, cur = start, []
+        for part in parts:
+            while len(out) < k and part.numel() >= room:
+                if room:
+                    cur.append(part[:room])
+                    part = part[room:]
+                if cur:
+                    out[-1].append((start, at + room, cur))
+                at += room
+                start, cur, room = at, [], step
+                out.append([])
+            if part.numel():
+                cur.append(part)
+                at += part.numel()
+                room -= part.numel()
+        if cur:
+            out[-1].append((start, at, cur))
+    return [o for o in out if o]
 
 
 class SendPlan:
@@ -96,7 +138,7 @@ class SendPlan:
         self._watch = _Watch(leaves, self._keys, module, ops, counts, keys)
         self._host = info.all_cpu and sender.pool.device.type == "cpu"
         self._sources: _BufferList | None = None
-        self._gather: list[tuple[int, int, list[torch.Tensor]]] | None = None
+        self._gather: list[list[tuple[int, int, list[torch.Tensor]]]] | None = None
         self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
         self.lock = threading.Lock()
         if self._host:
@@ -151,12 +193,11 @@ class SendPlan:
         copy = self._copy
         pool = self._sender.pool
         if self._vectored and lo == 0 and hi >= self.total_nbytes:
-            # Many small runs, the whole object: one torch.cat per stretch
-            # of runs that touch in the pool (a C++ loop of memcpy; 100k
-            # runs of 10 KiB: 102 ms here against 193 ms for a memmove a
-            # run and 143 ms for pwritev, and 78 ms for one memcpy).
-            for start, end, parts in self._gathers():
-                torch.cat(parts, out=out[start:end])
+            # Many small runs, the whole object: torch.cat of the runs (a
+            # C++ loop of memcpy; 100k runs of 10 KiB: 102 ms here against
+            # 193 ms for a memmove a run and 143 ms for pwritev, and 78 ms
+            # for one memcpy), a part per copy thread (cat runs without the GIL).
+            run_parts(_cat_into, [(out, part) for part in self._gathers()])
             runs = copy.num_runs
         elif self._vectored and pool.fd is not None:
             # A piece of a streamed put: the window of the runs by pwritev.
@@ -169,7 +210,7 @@ class SendPlan:
                 d, s, n = copy.dst, copy.src, copy.nbytes
             else:
                 d, s, n, _ = copy.window(lo, hi, by_dst=True)
-            memmove_runs(d + (out.data_ptr() - lo), s, n)
+            memmove_runs(d + (out.data_ptr() - lo), s, n, apart=copy.apart)
             runs = int(n.size)
         pairs = []
         for start, nbytes, dt, src in self._conversions:
@@ -223,22 +264,30 @@ class SendPlan:
         d, s, n, _ = self._copy.window(lo, hi, by_dst=True)
         return d, s, n
 
-    def _gathers(self) -> list[tuple[int, int, list[torch.Tensor]]]:
-        """The raw runs as stretches that touch in the packed object:
-        ``(start, end, [a uint8 tensor over each run's source])``, made
-        once per plan (a tensor per run: ~5 us each, once)."""
+    def _gathers(self) -> list[list[tuple[int, int, list[torch.Tensor]]]]:
+        """The raw runs as torch.cat jobs, made once per plan (a tensor per
+        run: ~5 us each, once): per copy thread, its stretches ``(start,
+        end, [uint8 tensors])`` of the packed object, each filled by one
+        cat. Gaps of up to ``_BRIDGE_NBYTES`` between runs (alignment, the
+        place of a tensor converted or copied by value, written after) are
+        bridged with zeros, so a state dict of mixed dtypes is a few cats,
+        not one per run (a cat costs ~10 us to start)."""
         if self._gather is None:
             c = self._copy
-            out: list[tuple[int, int, list[torch.Tensor]]] = []
+            stretches: list[tuple[int, int, list[torch.Tensor]]] = []
+            zeros = torch.zeros(_BRIDGE_NBYTES, dtype=torch.uint8)
             for d, s, n in zip(c.dst.tolist(), c.src.tolist(), c.nbytes.tolist()):
                 part = torch.frombuffer(_buffer_at(s, n), dtype=torch.uint8)
-                if out and out[-1][1] == d:
-                    start, _, parts = out[-1]
+                gap = d - stretches[-1][1] if stretches else -1
+                if 0 <= gap <= _BRIDGE_NBYTES:
+                    start, _, parts = stretches[-1]
+                    if gap:
+                        parts.append(zeros[:gap])
                     parts.append(part)
-                    out[-1] = (start, d + n, parts)
+                    stretches[-1] = (start, d + n, parts)
                 else:
-                    out.append((d, d + n, [part]))
-            self._gather = out
+                    stretches.append((d, d + n, [part]))
+            self._gather = _split_stretches(stretches, copy_threads())
         return self._gather
 
     def _run_buffers(self) -> "_BufferList":

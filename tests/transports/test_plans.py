@@ -517,13 +517,36 @@ def test_a_buffer_list_window_is_exactly_the_stream_range(runs, tail, cut):
     assert b"".join(bytes(b) for b in bl.window(0, total)) == bytes(expected)
 
 
+@pytest.fixture(params=["c-loop", "python"])
+def copies(request, monkeypatch):
+    """Which copy loop moves many small runs: the C extension's (built by
+    the install), or the fallback without it (vectored I/O, torch.cat)."""
+    from tensorferry import _copy
+
+    if request.param == "c-loop" and _copy._native is None:
+        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
+    if request.param == "python":
+        monkeypatch.setattr(_copy, "_native", None)
+    return request.param
+
+
+def test_the_c_copy_loop_is_built():
+    # The install builds it wherever a C compiler is (CI's machines): a
+    # failed build would only show as slow syncs, so it is checked here.
+    from tensorferry import _copy
+
+    assert _copy._native is not None, "tensorferry._memcpy did not build: pip install -e . with a C compiler"
+
+
 @pytest.mark.parametrize("dtype", [None, torch.float16], ids=["as-is", "to-float16"])
 @pytest.mark.parametrize("capacity", [8 * MiB, 16 << 10], ids=["resident", "streamed"])
-def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capacity):
-    # Hundreds of small tensors apart in memory: the sender writes them into
-    # the pool's file with pwritev, a shm receiver reads its targets with
-    # preadv. Tensors that are converted or copied value by value lie among
-    # them, written after the zeros the vectored write puts in their place.
+def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capacity, copies):
+    # Hundreds of small tensors apart in memory. With the C loop they move
+    # as memmove runs; without it the sender writes them into the pool's
+    # file with pwritev (or gathers them with torch.cat) and a shm receiver
+    # reads its targets with preadv. Tensors that are converted or copied
+    # value by value lie among them, written after the zeros the vectored
+    # write puts in their place.
     g = torch.Generator().manual_seed(21)
     obj = []
     for i in range(600):
@@ -532,10 +555,10 @@ def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capa
     obj[5] = make_tensor(g, torch.float32, (9, 4)).t()  # not dense: value by value
     with Sender(transport, capacity_nbytes=capacity) as sender:
         plan = sender.plan(obj, dtype=dtype)
-        assert plan._vectored
+        assert plan._vectored == (copies == "python")
         targets = [torch.empty(t.shape, dtype=torch.float16 if dtype is not None and t.is_floating_point() else t.dtype) for t in obj]
         rplan = first_sync(sender, receiver, plan, into=targets)
-        assert rplan.coords((plan.total_nbytes,)).small
+        assert rplan.coords((plan.total_nbytes,)).small == (copies == "python")
         for _ in range(2):
             bump(obj)
             ticket = sender.put(plan)
@@ -544,6 +567,56 @@ def test_many_small_tensors_move_by_vectored_io(transport, receiver, dtype, capa
             want = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in obj]
             assert_same(targets, want)
         assert idle(sender)
+
+
+@pytest.mark.parametrize("copies", ["python"], indirect=True)
+def test_a_large_gather_of_mixed_dtypes_splits_over_the_copy_threads(monkeypatch, copies):
+    # Without the C loop: 56 MiB in 3,000 tensors of four dtypes (alignment
+    # gaps between them, bridged with zeros) and a few converted ones: the
+    # gather is cut into one torch.cat job per copy thread, seams inside tensors.
+    monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "3")
+    g = torch.Generator().manual_seed(5)
+    obj = [make_tensor(g, (torch.float32, torch.int16, torch.float64, torch.uint8)[i % 4], (5000 + i % 7,)) for i in range(3000)]
+    with Sender("shm", capacity_nbytes=128 * MiB) as sender, Receiver("shm", timeout=20.0) as receiver:
+        for dtype in (None, torch.bfloat16):
+            plan = sender.plan(obj, dtype=dtype)
+            assert plan._vectored and len(plan._gathers()) == 3
+            rplan = first_sync(sender, receiver, plan)
+            bump(obj)
+            receiver.get(sender.put(plan), into=rplan)
+            want = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in obj]
+            assert_same(rplan.result, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shape=st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(1, 30), min_size=1, max_size=6)), min_size=1, max_size=6),
+    k=st.integers(1, 5),
+)
+def test_gather_stretches_split_for_threads_cover_every_byte_once(shape, k):
+    from tensorferry import plans
+
+    stretches, at, fill = [], 0, 0
+    for gap, sizes in shape:
+        at += gap
+        parts = []
+        for n in sizes:
+            parts.append(torch.arange(fill, fill + n, dtype=torch.int64).to(torch.uint8))
+            fill += n
+        n = sum(sizes)
+        stretches.append((at, at + n, parts))
+        at += n
+    split = plans._split_stretches(stretches, k, min_nbytes=0)
+    assert 1 <= len(split) <= k
+    want, got = torch.zeros(at, dtype=torch.uint8), torch.full((at,), 7, dtype=torch.uint8)
+    want.fill_(7)
+    for start, end, parts in stretches:
+        torch.cat(parts, out=want[start:end])
+    for job in split:
+        for start, end, parts in job:
+            assert parts and end - start == sum(p.numel() for p in parts)
+            torch.cat(parts, out=got[start:end])
+    assert torch.equal(got, want)
 
 
 @settings(max_examples=200, deadline=None)
