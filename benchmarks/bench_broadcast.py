@@ -60,6 +60,19 @@ machine's load spreads over all N; medians are reported. The last round of
 each N and every fault round is verified after its timing: each receiver's
 BLAKE2b of every received tensor's bytes equals the sender's.
 
+Same-host children (``--same-host K ...``, a run of its own): the sender in
+host 0, and in host 1 one relay and K more receivers, each its own process.
+The relay takes the object over the link; the others are placed below it
+(a relay of their own host, whatever the fanout) and copy it out of its
+receive memory (``relay_reads="memory"``: process_vm_readv) or take it as a
+local TCP stream (``"tcp"``), interleaved round by round. Two measures per
+round: *after* (the relay already holds everything, then the K gets at
+once: the local read itself, beside K plain memcpys of the same bytes
+between two faulted-in buffers, one in each child process at once, in the
+same round) and *pipelined* (the K gets with the relay's own: how long
+after the relay the last child holds the bytes). Writes
+``bench_broadcast_same_host.json``.
+
 Targets (issue 16), checked in the table: 8 receivers with fanout=1 in at
 most 1.3x the time of 1 receiver; with a relay killed halfway, every other
 receiver done in at most 2x the fault-free time.
@@ -78,6 +91,7 @@ defaults).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -227,19 +241,37 @@ def receiver_worker(args: argparse.Namespace) -> None:
     cache = args.nbytes + MIB
     with Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
             Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache, relay=True, host=args.host,
-                     stall_seconds=STALL_SECONDS, relay_linger_seconds=args.linger) as relay:
+                     stall_seconds=STALL_SECONDS, relay_linger_seconds=args.linger) as relay, \
+            Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache, relay_reads="tcp") as by_tcp:
+        # Leaves below a relay of their host: ``plain`` copies out of its
+        # memory (relay_reads="memory", the default), ``by_tcp`` streams.
+        by_reads = {"memory": plain, "tcp": by_tcp}
         _say(ready=os.getpid(), relay_address=relay.relay_address)
+        copy = None
         for line in sys.stdin:
             cmd = json.loads(line)
             try:
                 if cmd["cmd"] == "get":
-                    receiver = relay if cmd["relay"] else plain
+                    receiver = by_reads[cmd["reads"]] if "reads" in cmd else relay if cmd["relay"] else plain
+                    before = receiver.stats()
                     t0 = time.monotonic()
                     got = receiver.get(bytes.fromhex(cmd["ticket"]))
                     t1 = time.monotonic()
                     digest = _digest(got) if cmd["verify"] else None
                     del got
-                    _say(t_start=t0, t_done=t1, digest=digest)
+                    after = receiver.stats()
+                    _say(t_start=t0, t_done=t1, digest=digest,
+                         memory_read_nbytes=after["relay_memory_read_nbytes"] - before["relay_memory_read_nbytes"],
+                         stream_nbytes=after["relay_stream_nbytes"] - before["relay_stream_nbytes"])
+                elif cmd["cmd"] == "memcpy":
+                    # The same bytes copied by libc between two buffers
+                    # faulted in beforehand (as the receive cache's are).
+                    if copy is None:
+                        copy = (torch.ones(args.nbytes, dtype=torch.uint8), torch.zeros(args.nbytes, dtype=torch.uint8))
+                    src, dst = copy
+                    t0 = time.monotonic()
+                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), args.nbytes)
+                    _say(t_start=t0, t_done=time.monotonic())
                 elif cmd["cmd"] == "sink":
                     _sink(args.host, cmd["nbytes"], args.timeout)
                 elif cmd["cmd"] == "stop":
@@ -359,6 +391,8 @@ def main() -> int:
     ap.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
     ap.add_argument("--linger", type=float, default=2.0, help="Receiver(relay_linger_seconds=) of the relays")
     ap.add_argument("--no-raw", action="store_true", help="leave out the raw TCP star")
+    ap.add_argument("--same-host", type=int, nargs="+", default=None, metavar="K",
+                    help="only the same-host section: K receivers beside a relay in its host (memory vs tcp reads vs memcpy)")
     ap.add_argument("--quick", action="store_true", help="100mbit, 16 MiB (smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON", help="only redraw the table and plot")
@@ -394,6 +428,8 @@ def main() -> int:
     ns = sorted(set(args.receivers))
     if ns[0] < 1 or ns[-1] > 200:
         ap.error("--receivers: 1 to 200")
+    if args.same_host is not None:
+        return same_host(args, Hosts, rate_bits)
     repeats = {k: args.repeats for k in args.strategies}
     if "star" in repeats and args.star_repeats is not None:
         repeats["star"] = args.star_repeats
@@ -470,6 +506,128 @@ def main() -> int:
     if doc["rows"]:
         plot(doc, path.with_suffix(".png"))
     log(f"done in {time.monotonic() - started:.0f} s; wrote {path} and .png")
+    return 1 if doc["errors"] else 0
+
+
+def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
+    """The sender in host 0; a relay and max(K) more receivers in host 1.
+    Per round and K, for each way of reading the relay (interleaved): the
+    relay's get, then the K gets at once (after), and K memcpys at once;
+    then the K gets started with the relay's (pipelined)."""
+    ks = sorted(set(args.same_host))
+    if ks[0] < 1 or ks[-1] > 16:
+        print("bench_broadcast: --same-host: 1 to 16 receivers beside the relay", file=sys.stderr)
+        return 2
+    line_seconds = args.nbytes * 8 / rate_bits
+    timeout = max(60.0, 4 * line_seconds + 30)
+    started, load_start = time.monotonic(), os.getloadavg()[0]
+    log(f"same host: a relay and K = {ks} receivers in host 1, the sender in host 0, links {args.rate}; "
+        f"{args.nbytes / MIB:,.0f} MiB; {args.repeats} rounds; load {load_start:.2f}")
+    doc: dict[str, Any] = {"rounds": [], "errors": []}
+    info: dict[str, Any] = {"nbytes": args.nbytes}
+    modes = ["memory", "tcp"]
+    with Hosts(2, rate=args.rate) as hosts:
+        sender = Worker(hosts, 0, "sender", args, timeout)
+        relay = Worker(hosts, 1, "receiver", args, timeout)
+        children = [Worker(hosts, 1, "receiver", args, timeout) for _ in range(ks[-1])]
+        try:
+            info = sender.recv(120)
+            for w in (relay, *children):
+                w.recv(120)
+            log(f"workers up in {time.monotonic() - started:.1f} s")
+            for rep in range(args.repeats + 1):  # round 0: warm-up (each receiver's cache, the copy buffers)
+                for k in ks:
+                    for mode in (modes if rep % 2 else modes[::-1]):
+                        kids = children[:k]
+                        verify = rep == args.repeats
+                        put = sender.call(timeout, cmd="put", readers=1 + k, fanout=1)
+                        relay.send(cmd="get", ticket=put["ticket"], verify=verify, relay=True)
+                        r_got = relay.recv(timeout)
+                        for c in kids:
+                            c.send(cmd="get", ticket=put["ticket"], verify=verify, reads=mode)
+                        got = [c.recv(timeout) for c in kids]
+                        sender.call(timeout, cmd="wait", ticket=put["ticket"], timeout=timeout)
+                        for c in kids:
+                            c.send(cmd="memcpy")
+                        copies = [c.recv(timeout) for c in kids]
+                        # Pipelined: the children's gets right after the relay's.
+                        put2 = sender.call(timeout, cmd="put", readers=1 + k, fanout=1)
+                        relay.send(cmd="get", ticket=put2["ticket"], verify=False, relay=True)
+                        time.sleep(0.05)  # the relay acquires first: the children are placed below it
+                        for c in kids:
+                            c.send(cmd="get", ticket=put2["ticket"], verify=False, reads=mode)
+                        r2 = relay.recv(timeout)
+                        got2 = [c.recv(timeout) for c in kids]
+                        released = sender.call(timeout, cmd="wait", ticket=put2["ticket"], timeout=timeout)
+                        row = {
+                            "k": k, "mode": mode, "round": rep,
+                            "after_seconds": max(g["t_done"] for g in got) - min(g["t_start"] for g in got),
+                            "after_each_seconds": [g["t_done"] - g["t_start"] for g in got],
+                            "memcpy_seconds": max(c["t_done"] for c in copies) - min(c["t_start"] for c in copies),
+                            "relay_seconds": r_got["t_done"] - r_got["t_start"],
+                            "pipelined_lag_seconds": max(g["t_done"] for g in got2) - r2["t_done"],
+                            "pipelined_relay_seconds": r2["t_done"] - put2["t_put"],
+                            "read_from_memory": all(g["memory_read_nbytes"] == put["total_nbytes"] for g in got + got2),
+                            "streamed": all(g["stream_nbytes"] == put["total_nbytes"] for g in got + got2),
+                            "sender_copies": (released["bytes_sent"] - put["bytes_sent"]) / put["total_nbytes"] / 2,
+                            "pool_empty": released["used_nbytes"] == 0,
+                        }
+                        if verify:
+                            row["verified"] = all(g["digest"] == info["digest"] for g in (r_got, *got))
+                            if not row["verified"]:
+                                doc["errors"].append(f"{mode}, K={k}: a receiver holds other bytes")
+                        if not row["pool_empty"]:
+                            doc["errors"].append(f"{mode}, K={k}: the sender's pool is not empty after the release")
+                        if not row["read_from_memory" if mode == "memory" else "streamed"]:
+                            doc["errors"].append(f"{mode}, K={k}: the children did not read the relay that way")
+                        if rep:
+                            doc["rounds"].append(row)
+                        log(f"{'warm-up ' if not rep else ''}K={k} {mode}: after {row['after_seconds']:.3f} s "
+                            f"(memcpy {row['memcpy_seconds']:.3f} s), pipelined lag {row['pipelined_lag_seconds']:.3f} s, "
+                            f"relay {row['relay_seconds']:.2f} s, sender copies {row['sender_copies']:.2f}")
+        except Exception as exc:
+            doc["errors"].append(f"{type(exc).__name__}: {exc}")
+            log(f"FAILED: {exc}")
+        finally:
+            for w in (sender, relay, *children):
+                w.stop()
+    env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
+           "rate": args.rate, "nbytes": info["nbytes"], "k": ks, "repeats": args.repeats,
+           "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+           "wall_seconds": round(time.monotonic() - started, 1)}
+    doc["env"] = env
+    doc["summary"] = []
+    for k in ks:
+        by = {m: [r for r in doc["rounds"] if r["k"] == k and r["mode"] == m] for m in modes}
+        if not all(by.values()):
+            continue
+        mem, tcp = (med([r["after_seconds"] for r in by[m]]) for m in modes)
+        copy = med([r["memcpy_seconds"] for r in by["memory"] + by["tcp"]])
+        doc["summary"].append({
+            "k": k, "memory_seconds": mem, "tcp_seconds": tcp, "memcpy_seconds": copy,
+            "memory_vs_memcpy": mem / copy, "tcp_vs_memcpy": tcp / copy, "tcp_vs_memory": tcp / mem,
+            "memory_gbytes_per_second": k * info["nbytes"] / mem / 1e9, "tcp_gbytes_per_second": k * info["nbytes"] / tcp / 1e9,
+            "pipelined_lag_memory_seconds": med([r["pipelined_lag_seconds"] for r in by["memory"]]),
+            "pipelined_lag_tcp_seconds": med([r["pipelined_lag_seconds"] for r in by["tcp"]]),
+            "relay_seconds": med([r["relay_seconds"] for r in by["memory"] + by["tcp"]]),
+            "sender_copies": med([r["sender_copies"] for r in by["memory"] + by["tcp"]]),
+        })
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_broadcast_same_host.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print(f"same-host receivers of one relay: {info['nbytes'] / MIB:,.0f} MiB, links {args.rate}, medians of {args.repeats}, "
+          f"load {env['loadavg_1min_start_end']}")
+    print(f"{'K':>3} {'memory s':>9} {'tcp s':>7} {'memcpy s':>9} {'mem/memcpy':>10} {'tcp/memcpy':>10} {'tcp/mem':>8} "
+          f"{'lag mem s':>9} {'lag tcp s':>9} {'relay s':>8} {'sender copies':>13}")
+    for r in doc["summary"]:
+        print(f"{r['k']:>3} {r['memory_seconds']:>9.3f} {r['tcp_seconds']:>7.3f} {r['memcpy_seconds']:>9.3f} "
+              f"{r['memory_vs_memcpy']:>9.2f}x {r['tcp_vs_memcpy']:>9.2f}x {r['tcp_vs_memory']:>7.2f}x "
+              f"{r['pipelined_lag_memory_seconds']:>9.3f} {r['pipelined_lag_tcp_seconds']:>9.3f} {r['relay_seconds']:>8.2f} "
+              f"{r['sender_copies']:>13.2f}")
+    for e in doc["errors"]:
+        print(f"error: {e}")
+    log(f"done in {time.monotonic() - started:.0f} s; wrote {path}")
     return 1 if doc["errors"] else 0
 
 
