@@ -224,7 +224,9 @@ class Sender:
             # Any number of gets until discard(); the lease does not apply.
             readers, deadline = _UNLIMITED, float("inf")
         if planned is not None:
-            planned.check(self)
+            # A snapshot put checks the tensors as their bytes move into the
+            # pool (SendPlan.fill_checked); the others before anything moves.
+            planned.check(self, tensors=not snapshot)
             if not snapshot:
                 return self._put_sourced(planned, ticket_id, readers, lease, deadline)
             layout, layout_bytes, count = planned.layout, planned.layout_bytes, planned.num_tensors
@@ -234,14 +236,16 @@ class Sender:
                 packed = self.pool.pack(obj)
                 layout, layout_bytes = packed.layout, packed.layout.to_bytes()
             elif total:
-                packed = self.pool.pack_with(layout, total, lambda out: planned.fill(out, 0, total), num_tensors=count)
+                packed = self.pool.pack_with(layout, total, planned.fill_checked, num_tensors=count)
             else:
+                planned.check(self)  # no bytes to move: nothing to check them beside
                 packed = None
         except PoolExhaustedError:
             if one_shot:
                 raise
             if planned is None:
                 return self._put_streamed(obj, ticket_id, readers, lease, deadline)
+            planned.check(self)  # its pieces are packed later: check the tensors now
             return self._add_streamed(planned.layout, planned.layout_bytes, total, planned.fill_piece(self.pool), ticket_id, readers, lease, deadline)
         blocks = list(packed.blocks) if packed is not None else []
         if planned is None:

@@ -278,6 +278,33 @@ def test_plain_plans_refuse_moved_and_regrown_tensors(sender):
     assert pool_empty(sender.pool)
 
 
+def test_views_of_flat_buffers_are_checked_while_their_bytes_move(sender, receiver):
+    # 64 views of two flat buffers: the plan holds the two storages and
+    # checks the views on a copy thread during the copy into the pool. A
+    # view moved (its old memory still held by the plan) or a buffer grown
+    # (its memory moved) is refused all the same, and the pool is as it was.
+    flat_a, flat_b = torch.arange(4096, dtype=torch.float32), torch.arange(4096, dtype=torch.float64)
+    views = {f"a{i}": v for i, v in enumerate(flat_a.split(128))} | {f"b{i}": v for i, v in enumerate(flat_b.split(128))}
+    plan = sender.plan(views)
+    rplan = first_sync(sender, receiver, plan)
+    assert plan._watch.storages is not None and len(plan._watch.storages.storages) == 2
+    bump(views)
+    receiver.get(sender.put(plan), into=rplan)
+    assert_same(rplan.result, views)
+
+    views["a7"].data = torch.zeros(128)  # rebound: other memory
+    with pytest.raises(PlanStaleError, match=r"'a7' moved from address"):
+        sender.put(plan)
+    assert idle(sender)
+
+    views["a7"] = flat_a[7 * 128 : 8 * 128]
+    plan = sender.plan(views)
+    flat_b.resize_(1 << 20)  # the storage grows: its memory moves, every view of it is stale
+    with pytest.raises(PlanStaleError, match=r"'b0' \(a storage of 32,768 bytes at .*\) moved to"):
+        sender.put(plan)
+    assert idle(sender)
+
+
 def test_a_plan_belongs_to_its_sender_and_receiver(transport, sender, receiver):
     plan = sender.plan([torch.ones(4)])
     ticket = sender.put(plan)
