@@ -307,8 +307,7 @@ class Receiver:
             self.gets += 1  # nothing to fetch (an empty object, zero-size tensors)
             return plan.result
         with plan.lock:
-            with self._channel(ticket, timeout) as ch:
-                plan.mark_written()  # as get(into=) does
+            with self._channel(ticket, timeout) as ch, plan.writing():  # marked written, as get(into=) does
                 if ticket.streamed:
                     for piece in range(ticket.num_pieces):
                         blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)

@@ -278,6 +278,24 @@ def test_plain_plans_refuse_moved_and_regrown_tensors(sender):
     assert pool_empty(sender.pool)
 
 
+def test_many_separate_targets_are_marked_written_while_the_bytes_land(sender, receiver):
+    # 5,000 separate targets: their version counters are bumped on a copy
+    # thread during the get, and all of them by the time it returns; a
+    # backward that saved one of them refuses the new values.
+    obj = [torch.full((3,), float(i)) for i in range(5000)]
+    targets = [torch.zeros(3, requires_grad=True) for _ in obj]
+    plan = sender.plan(obj)
+    rplan = first_sync(sender, receiver, plan, into=targets)
+    saved = targets[4321] * targets[4321]  # mul saves its inputs
+    before = [t._version for t in targets]
+    bump(obj)
+    receiver.get(sender.put(plan), into=rplan)
+    assert all(t._version > v for t, v in zip(targets, before))
+    assert_same(targets, obj)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
 def test_views_of_flat_buffers_are_checked_while_their_bytes_move(sender, receiver):
     # 64 views of two flat buffers: the plan holds the two storages and
     # checks the views on a copy thread during the copy into the pool. A
