@@ -283,7 +283,8 @@ class RelayServer(TcpControlServer):
                 stop = min(arrived, end)
                 if stop > pos:
                     P.send_all_views(conn.sock, [held.buf[pos:stop]])
-                    self.bytes_sent += stop - pos
+                    with self._lock:  # children's threads count side by side
+                        self.bytes_sent += stop - pos
                     pos = stop
         finally:
             self.book.end_pull(held)
@@ -322,8 +323,13 @@ class RelayServer(TcpControlServer):
             try:
                 while True:  # the child's one frame (how far it read), then its close
                     msg = P.recv_msg(sock, expect=(P.Arrived,))
-                    if isinstance(msg, P.Arrived) and start <= msg.end <= pos:
-                        read = max(read, msg.end)
+                    if isinstance(msg, P.Arrived) and read < msg.end <= pos:
+                        # Counted before the answer: the child's get returns
+                        # after it, with our counters up to date.
+                        with self._lock:
+                            self.bytes_sent += msg.end - read
+                            self.bytes_lent += msg.end - read
+                        read = msg.end
                         if read == end:
                             P.send_msg(sock, P.Released(valid=True))
             except (PeerGoneError, ProtocolError, TransferTimeoutError):
@@ -331,8 +337,6 @@ class RelayServer(TcpControlServer):
         finally:
             with self._lock:
                 self._lending.discard(conn)
-                self.bytes_sent += read - start
-                self.bytes_lent += read - start
             self.book.end_pull(held)
 
     def close(self) -> None:
