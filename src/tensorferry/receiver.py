@@ -307,22 +307,27 @@ class Receiver:
             self.gets += 1  # nothing to fetch (an empty object, zero-size tensors)
             return plan.result
         with plan.lock:
-            with self._channel(ticket, timeout) as ch, plan.writing():  # marked written, as get(into=) does
+            # Targets are marked written (as get(into=) does) while the
+            # bytes land: after the acquire, whose Python work the marking
+            # thread would only slow down.
+            with self._channel(ticket, timeout) as ch:
                 if ticket.streamed:
-                    for piece in range(ticket.num_pieces):
-                        blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
-                        try:
-                            self._receive_planned(ch, ticket.id, piece, blocks, voff, plan, (ticket.total_nbytes,), deadline)
-                        finally:
-                            ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
+                    with plan.writing():
+                        for piece in range(ticket.num_pieces):
+                            blocks, voff = self._acquire_piece(ch, ticket, piece, deadline)
+                            try:
+                                self._receive_planned(ch, ticket.id, piece, blocks, voff, plan, (ticket.total_nbytes,), deadline)
+                            finally:
+                                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
                 else:
                     blocks, source = self._acquire_resident(ch, ticket, deadline)
                     try:
-                        if self._through_relays(ch, blocks, source):
-                            stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
-                            plan.coords((blocks[0][1],)).execute_window(0, blocks[0][1], stream.data_ptr())
-                        else:
-                            self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
+                        with plan.writing():
+                            if self._through_relays(ch, blocks, source):
+                                stream = self._receive_broadcast(ch, ticket, blocks, source, deadline)
+                                plan.coords((blocks[0][1],)).execute_window(0, blocks[0][1], stream.data_ptr())
+                            else:
+                                self._receive_planned(ch, ticket.id, 0, blocks, 0, plan, tuple(n for _, n in blocks), deadline)
                     finally:
                         ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
             plan.finish()
