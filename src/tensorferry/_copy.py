@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from typing import Any
@@ -41,8 +41,10 @@ except ImportError:  # installed without a C compiler: Python loops, slower per 
     _native = None
 
 __all__ = [
+    "Batches",
     "CopyPlan",
     "StagedCopy",
+    "batches",
     "copy_bytes",
     "copy_converting",
     "copy_from_blocks",
@@ -165,13 +167,13 @@ def _memmove_serial(dst: Sequence[int], src: Sequence[int], lengths: Sequence[in
         move(d, s, n)
 
 
-def _copy_serial(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, stream: bool) -> None:
-    """The runs in order on this thread: the C loop (int64 arrays, C
-    order), else memmove a run through ctypes."""
+def _copy_serial(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, stream: bool, dst_base: int = 0, src_base: int = 0) -> None:
+    """The runs in order on this thread, each at its address plus the base:
+    the C loop (int64 arrays, C order), else memmove a run through ctypes."""
     if _native is not None:
-        _native.copy_runs(dst.ctypes.data, src.ctypes.data, lengths.ctypes.data, int(lengths.size), stream)
+        _native.copy_runs(dst.ctypes.data, src.ctypes.data, lengths.ctypes.data, int(lengths.size), stream, dst_base, src_base)
     else:
-        _memmove_serial(dst.tolist(), src.tolist(), lengths.tolist())
+        _memmove_serial((dst + dst_base).tolist(), (src + src_base).tolist(), lengths.tolist())
 
 
 def _parts(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -205,19 +207,40 @@ def destinations_apart(dst: np.ndarray, lengths: np.ndarray) -> bool:
     return not bool((d[1:] < d[:-1] + n[:-1]).any())
 
 
-def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: bool | None = None) -> None:
-    """``memmove(dst[i], src[i], lengths[i])`` for every i, on several threads when it pays.
+class Batches:
+    """Runs split for one copy: one batch (this thread), or equal-byte
+    parts run at once on the copy threads; made by :func:`batches`, run any
+    number of times at any base addresses (a kept plan makes them once)."""
 
-    Arguments are int64 arrays of host addresses and byte counts. ``apart``:
-    whether no two runs write the same byte, if the caller knows (a kept
-    plan does); else it is checked. Runs that do overlap are copied in
-    order on this thread: the later one wins, as with a loop of ``copy_``.
-    Returns when every byte has been copied; an error in any part is
-    raised here.
+    __slots__ = ("parts", "stream", "parallel", "count")
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], stream: bool, parallel: bool, count: int) -> None:
+        self.parts, self.stream, self.parallel = parts, stream, parallel
+        self.count = count  # runs, before any was cut at a seam
+
+    def run(self, dst_base: int = 0, src_base: int = 0) -> None:
+        """Copy every run at ``dst_base + dst[i]`` from ``src_base + src[i]``.
+        Returns when every byte has been copied; an error in any part is raised here."""
+        if not self.parallel:
+            for d, s, n in self.parts:
+                _copy_serial(d, s, n, self.stream, dst_base, src_base)
+            return
+        run_parts(_copy_serial, [(d, s, n, self.stream, dst_base, src_base) for d, s, n in self.parts])
+
+
+def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: bool | None = None) -> Batches:
+    """How ``memmove(dst[i], src[i], lengths[i])`` for every i runs: on
+    several threads when it pays, else in order on the calling thread.
+
+    Arguments are int64 arrays of addresses (or offsets from the bases
+    given to :meth:`Batches.run`) and byte counts. ``apart``: whether no two
+    runs write the same byte, if the caller knows (a kept plan does); else
+    it is checked. Runs that do overlap are copied in order on one thread:
+    the later one wins, as with a loop of ``copy_``.
     """
     count = int(lengths.size)
     if count == 0:
-        return
+        return Batches([], False, False, 0)
     dst, src, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, lengths))
     total = int(lengths.sum())
     stream = total >= _STREAM_MIN_NBYTES
@@ -227,9 +250,15 @@ def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart
         or (_native is None and total < _PARALLEL_MIN_MEAN_RUN * count)
         or (count > 1 and not (apart if apart is not None else destinations_apart(dst, lengths)))
     ):
-        _copy_serial(dst, src, lengths, stream)
-        return
-    run_parts(_copy_serial, [(*part, stream) for part in _parts(dst, src, lengths, threads)])
+        return Batches([(dst, src, lengths)], stream, False, count)
+    return Batches(_parts(dst, src, lengths, threads), stream, True, count)
+
+
+def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: bool | None = None) -> None:
+    """``memmove(dst[i], src[i], lengths[i])`` for every i, on several
+    threads when it pays (see :func:`batches`). Returns when every byte has
+    been copied; an error in any part is raised here."""
+    batches(dst, src, lengths, apart=apart).run()
 
 
 # Buffers per preadv/pwritev call (the kernel's limit, UIO_MAXIOV).
@@ -348,13 +377,16 @@ class CopyPlan:
             caller copies those value by value.
     """
 
-    __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_ends", "_apart")
+    __slots__ = ("dst", "src", "nbytes", "heads", "elementwise", "_ends", "_apart", "_batches")
     _ends: tuple[np.ndarray, bool] | None
 
     def __init__(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, elementwise: np.ndarray) -> None:
         self.dst, self.src, self.nbytes, self.heads, self.elementwise = dst, src, nbytes, heads, elementwise
         self._ends = None  # (run ends on the side windowed last, that side)
         self._apart: bool | None = None
+        # Batches of the windows copied so far, kept: a kept plan copies the
+        # same windows every sync, at other base addresses at most.
+        self._batches: dict[tuple[Any, ...], Batches] = {}
 
     @classmethod
     def build(cls, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, *, raw: np.ndarray | None = None, breaks: np.ndarray | None = None) -> "CopyPlan":
@@ -392,17 +424,32 @@ class CopyPlan:
             self._apart = destinations_apart(self.dst, self.nbytes)
         return self._apart
 
-    def execute(self, dst_base: int = 0, src_base: int = 0) -> None:
-        """Copy every run by address (host memory), on several threads when large."""
-        memmove_runs(self.dst + dst_base, self.src + src_base, self.nbytes, apart=self.apart)
+    def execute(self, dst_base: int = 0, src_base: int = 0) -> int:
+        """Copy every run by address (host memory), on several threads when
+        large. Returns the number of runs."""
+        b = self._batched(None, lambda: (self.dst, self.src, self.nbytes))
+        b.run(dst_base, src_base)
+        return b.count
 
-    def execute_window(self, lo: int, hi: int, dst_base: int, src_base: int) -> None:
-        """Copy the parts of the runs whose sources lie in ``[lo, hi)``.
+    def execute_window(self, lo: int, hi: int, dst_base: int, src_base: int, *, by_dst: bool = False) -> int:
+        """Copy the parts of the runs whose sources (or destinations,
+        ``by_dst``) lie in ``[lo, hi)``; that side must ascend (a stream).
+        The first copy of a window costs ``O(log runs + runs in it)``; the
+        window's batches are kept, so the next costs the bytes. Returns the
+        number of runs copied."""
+        b = self._batched((lo, hi, by_dst), lambda: self.window(lo, hi, by_dst=by_dst)[:3])
+        b.run(dst_base, src_base)
+        return b.count
 
-        Sources must ascend (a stream); ``O(log runs + runs in the window)``.
-        """
-        d, s, n, _ = self.window(lo, hi, by_dst=False)
-        memmove_runs(d + dst_base, s + src_base, n, apart=self.apart)
+    def _batched(self, key: Any, runs: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> "Batches":
+        key = (key, copy_threads())
+        b = self._batches.get(key)
+        if b is None:
+            if len(self._batches) >= _KEPT_WINDOWS:
+                self._batches.clear()
+            d, s, n = runs()
+            b = self._batches[key] = batches(d, s, n, apart=self.apart)
+        return b
 
     def window(self, lo: int, hi: int, *, by_dst: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(dst, src, nbytes, heads)`` of the runs cut to the part whose
@@ -421,6 +468,10 @@ class CopyPlan:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+# Windows whose batches a CopyPlan keeps (a streamed plan's pieces, a few
+# block geometries); more start the cache again.
+_KEPT_WINDOWS = 64
 
 
 _get_is_cpu = attrgetter("is_cpu")

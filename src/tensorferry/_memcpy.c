@@ -53,15 +53,18 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #endif
 
-/* copy_runs(dst, src, nbytes, count, stream): memmove(dst[i], src[i],
- * nbytes[i]) for i < count, in order, without the GIL. dst, src and nbytes
- * are the addresses of int64 arrays of count entries (numpy's .ctypes.data). */
+/* copy_runs(dst, src, nbytes, count, stream, dst_base=0, src_base=0):
+ * memmove(dst_base + dst[i], src_base + src[i], nbytes[i]) for i < count,
+ * in order, without the GIL. dst, src and nbytes are the addresses of int64
+ * arrays of count entries (numpy's .ctypes.data); the bases let a kept plan
+ * reuse its arrays wherever the memory is this time. */
 static PyObject *copy_runs(PyObject *self, PyObject *args)
 {
     unsigned long long dst_at, src_at, nbytes_at;
     Py_ssize_t count;
     int stream;
-    if (!PyArg_ParseTuple(args, "KKKnp", &dst_at, &src_at, &nbytes_at, &count, &stream))
+    long long dst_base = 0, src_base = 0;
+    if (!PyArg_ParseTuple(args, "KKKnp|LL", &dst_at, &src_at, &nbytes_at, &count, &stream, &dst_base, &src_base))
         return NULL;
     if (count < 0) {
         PyErr_SetString(PyExc_ValueError, "copy_runs: count must be >= 0");
@@ -72,8 +75,8 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_at;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        char *d = (char *)(uintptr_t)dst[i];
-        const char *s = (const char *)(uintptr_t)src[i];
+        char *d = (char *)(uintptr_t)(dst[i] + dst_base);
+        const char *s = (const char *)(uintptr_t)(src[i] + src_base);
         size_t n = (size_t)nbytes[i];
 #if TF_STREAMING
         /* Streaming needs the two ranges apart; memmove handles overlap. */
@@ -94,7 +97,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
-     "copy_runs(dst, src, nbytes, count, stream): memmove a batch of runs given as int64 arrays' addresses, without the GIL."},
+     "copy_runs(dst, src, nbytes, count, stream, dst_base=0, src_base=0): memmove a batch of runs given as int64 arrays' addresses (plus the bases), without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

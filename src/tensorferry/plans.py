@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import packing
-from ._copy import _PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, executor, finish, run_parts, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, memmove_runs, pack_leaves
+from ._copy import _PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, executor, finish, run_parts, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, pack_leaves
 from ._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from ._views import build_views
 from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
@@ -225,13 +225,10 @@ class SendPlan:
             # written below) get zeros: every byte of [lo, hi) is written.
             pool.write_buffers(out.data_ptr() - pool.data_ptr, self._run_buffers().window(lo, hi))
             runs = copy.num_runs
+        elif lo == 0 and hi >= self.total_nbytes:
+            runs = copy.execute(dst_base=out.data_ptr())
         else:
-            if lo == 0 and hi >= self.total_nbytes:
-                d, s, n = copy.dst, copy.src, copy.nbytes
-            else:
-                d, s, n, _ = copy.window(lo, hi, by_dst=True)
-            memmove_runs(d + (out.data_ptr() - lo), s, n, apart=copy.apart)
-            runs = int(n.size)
+            runs = copy.execute_window(lo, hi, out.data_ptr() - lo, 0, by_dst=True)
         pairs = []
         for start, nbytes, dt, src in self._conversions:
             a, b = max(lo, start), min(hi, start + nbytes)
