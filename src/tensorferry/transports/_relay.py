@@ -29,6 +29,7 @@ import functools
 import hmac
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -313,6 +314,8 @@ class RelayServer(TcpControlServer):
                     if stop > pos:
                         P.send_msg(sock, P.Arrived(end=stop))
                         pos = stop
+                    elif select.select([sock], [], [], 0)[0]:
+                        break  # the child ended early (it gave us up, or failed): its last word below
             except PeerGoneError:
                 # Our own receive failed, or the child went: no more from us.
                 try:
