@@ -318,3 +318,102 @@ def test_a_large_vectored_transfer_runs_in_parts_that_cover_each_byte_once(tmp_p
         assert np.array_equal(back, data[123:])
     finally:
         os.close(fd)
+
+
+def _f32_bits(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.astype(np.uint32).view(np.float32))
+
+
+def _f16c() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " f16c" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conversions_match_torch_bit_for_bit(monkeypatch, copies, threads, dtype):
+    # Random bit patterns (NaNs of every payload, denormals, infinities among
+    # them) and every special class, in pairs of odd lengths at unaligned
+    # addresses on both sides; 9M values: a streaming batch split over the
+    # threads. A float64 pair goes to torch either way.
+    monkeypatch.setenv("TENSORFERRY_COPY_THREADS", threads)
+    rng = np.random.default_rng(21)
+    special = np.array(_copy._PROBE_BITS, dtype=np.uint32)
+    bits = rng.integers(0, 1 << 32, size=9_000_100, dtype=np.uint32)
+    bits[rng.integers(0, bits.size, size=50_000)] = rng.choice(special, size=50_000)
+    bits[: special.size] = special
+    bits[-special.size :] = special
+    src = _f32_bits(bits)
+    lengths = [7_000_001, 31, 1, 1_999_977]
+    out = torch.full((bits.size + 64,), 0x5A5A, dtype=torch.int16)
+    pairs, want, pos, at = [], [], 1, 0
+    for n in lengths:
+        s = src[at + 3 : at + 3 + n]  # 12 bytes past the source's alignment
+        pairs.append((out[pos : pos + n].view(dtype), s))
+        want.append((pos, s.to(dtype).view(torch.int16)))
+        pos, at = pos + n + 5, at + n + 3
+    f64 = torch.from_numpy(rng.standard_normal(1000))
+    pairs.append((torch.empty(1000, dtype=dtype), f64))
+    to_torch = []
+    convert_torch = _copy._convert_torch
+    monkeypatch.setattr(_copy, "_convert_torch", lambda p: (to_torch.extend(p), convert_torch(p)))
+    _copy.copy_converting(pairs)
+    expect = torch.full_like(out, 0x5A5A)  # the gaps between pairs untouched
+    for p, w in want:
+        expect[p : p + w.numel()] = w
+    assert torch.equal(out, expect)
+    assert torch.equal(pairs[-1][0].view(torch.int16), f64.to(dtype).view(torch.int16))
+    native = copies == "c-loop" and (dtype == torch.bfloat16 or _f16c())
+    assert dtype in _copy._native_conversions() if native else dtype not in _copy._native_conversions()
+    assert len(to_torch) == (1 if native else len(pairs))
+
+
+def test_convert_runs_at_odd_addresses_and_bases():
+    # Directly, where torch makes no tensor: a destination at an odd byte
+    # address (never streamed), and runs given as offsets plus base addresses.
+    if _copy._native is None:
+        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
+    rng = np.random.default_rng(4)
+    src = _f32_bits(rng.integers(0, 1 << 32, size=300_001, dtype=np.uint32))
+    raw = torch.zeros(2 * src.numel() + 64, dtype=torch.uint8)
+    nan = _copy._native_conversions()[torch.bfloat16][1]
+    d = np.array([1, 2 * 200_000 + 9], dtype=np.int64)
+    s = np.array([0, 4 * 200_000], dtype=np.int64)
+    n = np.array([200_000, 100_001], dtype=np.int64)
+    _copy._native.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 2, _copy._native.BFLOAT16, True, raw.data_ptr(), src.data_ptr(), nan)
+    want = src.to(torch.bfloat16).view(torch.uint8).numpy()
+    got = raw.numpy()
+    assert np.array_equal(got[1 : 1 + 400_000], want[:400_000])
+    assert np.array_equal(got[400_009 : 400_009 + 200_002], want[400_000:])
+    assert got[0] == 0 and not got[400_001:400_009].any() and not got[600_011:].any()
+    with pytest.raises(ValueError, match="kind 7"):
+        _copy._native.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 0, 7, False)
+
+
+_SCALAR_TORCH = """
+import numpy as np, torch
+from tensorferry import _copy
+src = torch.from_numpy(np.array([0x7fa5a5a5, 0xffc00000, 0x3f808000, 0x7f7f8000] * 40000, dtype=np.uint32).view(np.float32))
+dst = torch.empty(src.numel(), dtype=torch.bfloat16)
+_copy.copy_converting([(dst, src)])
+kinds = _copy._native_conversions()
+print(hex(kinds[torch.bfloat16][1]), torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16)))
+"""
+
+
+def test_bfloat16_nan_follows_torch_kernel_of_the_process():
+    # torch's scalar kernel (ATEN_CPU_CAPABILITY=default) writes NaN as
+    # 0x7fc0, its vectorised ones as 0xffff: the C loop learns which.
+    if _copy._native is None:
+        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = subprocess.run([sys.executable, "-c", _SCALAR_TORCH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0x7fc0", "True"]
