@@ -46,10 +46,12 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,10 @@ sys.path.insert(0, str(ROOT / "tests"))  # the test-host harness, tests/_hosts.p
 
 MIB = 1 << 20
 MATRICES = 8
+# The machine is shared: below this much available memory the run ends
+# itself (every process in its hosts killed) rather than let the kernel's
+# OOM killer pick someone else's process.
+MIN_AVAILABLE_NBYTES = 1536 * MIB
 GCS_PORT = 6379
 TARGET_ALL_VS_ONE = 1.3
 
@@ -171,6 +177,37 @@ def driver(args: argparse.Namespace) -> None:
 # -- the controller ------------------------------------------------------------------------
 
 
+def _available_nbytes() -> int:
+    with open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _guard(hosts: Any, errors: list[str], stop: threading.Event) -> None:
+    """Kill this run's processes (all inside its namespaces, by pid) if the
+    machine's available memory falls below MIN_AVAILABLE_NBYTES."""
+    low = 1 << 62
+    while not stop.wait(0.2):
+        low = min(low, _available_nbytes())
+        if low < MIN_AVAILABLE_NBYTES:
+            errors.append(f"stopped: the machine's available memory fell to {low / MIB:,.0f} MiB "
+                          f"(limit {MIN_AVAILABLE_NBYTES / MIB:,.0f} MiB); use a smaller --nbytes or --per-host")
+            for name in hosts.names:
+                pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return
+    lowest_available.append(low)
+
+
+lowest_available: list[int] = []  # the least available memory the guard saw, in bytes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="1gbit", help="every link's rate, as tc writes it")
@@ -199,6 +236,9 @@ def main() -> int:
     errors: list[str] = []
     try:
         with Hosts(3, rate=args.rate) as hosts:
+            stop_guard = threading.Event()
+            guard = threading.Thread(target=_guard, args=(hosts, errors, stop_guard), daemon=True)
+            guard.start()
             head = hosts.address(0)
             logs = []
 
@@ -244,12 +284,15 @@ def main() -> int:
                 errors.append(f"driver exit {drv.returncode}: {drv.stderr.read()[-4000:]}")
             for out in logs:
                 out.close()
+            stop_guard.set()
+            guard.join(timeout=5)
     except Exception as exc:  # recorded and reported; the hosts are gone already
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc = {"env": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rate": args.rate, "nbytes": args.nbytes,
                    "per_host": args.per_host, "repeats": args.repeats,
+                   "min_available_mib": round(lowest_available[0] / MIB) if lowest_available else None,
                    "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
                    "wall_seconds": round(time.monotonic() - started, 1)},
            **result, "errors": errors}
