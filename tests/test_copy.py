@@ -417,3 +417,24 @@ def test_bfloat16_nan_follows_torch_kernel_of_the_process():
     out = subprocess.run([sys.executable, "-c", _SCALAR_TORCH], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0x7fc0", "True"]
+
+
+def test_a_copy_plan_reuses_its_windows_batches_at_other_base_addresses(monkeypatch, copies):
+    # A kept plan copies the same windows every sync, from wherever the
+    # stream is this time: the batches are made once per window, and each
+    # run moves from the new bases (offsets in the plan, addresses given).
+    monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "2")
+    rng = np.random.default_rng(5)
+    src_a, _, offs, dst_of, lengths = _runs(rng, 3_000, 6_000)  # 18 MB: parallel, streaming
+    total = int(lengths.sum())
+    src_b = torch.from_numpy(rng.integers(0, 256, size=total, dtype=np.uint8))
+    plan = _copy.CopyPlan.build(dst_of, offs, lengths)
+    for src in (src_a, src_b, src_a):
+        dst = torch.zeros(total, dtype=torch.uint8)
+        assert plan.execute_window(0, total, dst.data_ptr(), src.data_ptr()) == plan.num_runs
+        want = np.zeros(total, dtype=np.uint8)
+        s = src.numpy()
+        for o, do, n in zip(offs.tolist(), dst_of.tolist(), lengths.tolist()):
+            want[do : do + n] = s[o : o + n]
+        assert np.array_equal(dst.numpy(), want)
+    assert len(plan._batches) == 1
