@@ -509,7 +509,7 @@ def _copy_lent(
             k = min(LEND_READ_NBYTES, msg.end - pos)
             try:
                 vm_readv(lend.pid, np.array([here + pos]), np.array([lend.address + pos]), np.array([k]),
-                         peer="relay", fix="reading it over tcp instead")
+                         peer="relay", fix="reading it over tcp instead (memory reads need the same user, and kernel.yama.ptrace_scope=0 or CAP_SYS_PTRACE)")
             except AuthenticationError as exc:
                 raise _VmReadRefused(str(exc)) from exc
             pos += k
