@@ -238,12 +238,19 @@ def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: boo
     given to :meth:`Batches.run`) and byte counts. ``apart``: whether no two
     runs write the same byte, if the caller knows (a kept plan does); else
     it is checked. Runs that do overlap are copied in order on one thread:
-    the later one wins, as with a loop of ``copy_``.
+    the later one wins, as with a loop of ``copy_``. Parallel parts also
+    assume that no run reads what another writes (every caller copies
+    between separate buffers).
+
+    Raises:
+        ValueError: a negative byte count (the C loop would read it as huge).
     """
     count = int(lengths.size)
     if count == 0:
         return Batches([], False, False, 0)
     dst, src, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, lengths))
+    if int(lengths.min()) < 0:
+        raise ValueError(f"copy runs: {int((lengths < 0).sum()):,} negative byte counts (the first {int(lengths[lengths < 0][0]):,})")
     total = int(lengths.sum())
     stream = total >= _STREAM_MIN_NBYTES
     threads = copy_threads() if total >= _PARALLEL_MIN_NBYTES else 1
@@ -538,13 +545,17 @@ class CopyPlan:
         return b.count
 
     def _batched(self, key: Any, runs: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> "Batches":
+        """The kept batches of a window (made on first use); the least
+        recently used of more than ``_KEPT_WINDOWS`` windows are let go
+        (a stream's chunks at arbitrary places never repeat)."""
         key = (key, copy_threads())
-        b = self._batches.get(key)
+        b = self._batches.pop(key, None)
         if b is None:
             if len(self._batches) >= _KEPT_WINDOWS:
-                self._batches.clear()
+                del self._batches[next(iter(self._batches))]
             d, s, n = runs()
-            b = self._batches[key] = batches(d, s, n, apart=self.apart)
+            b = batches(d, s, n, apart=self.apart)
+        self._batches[key] = b  # re-inserted: most recently used last
         return b
 
     def window(self, lo: int, hi: int, *, by_dst: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -566,7 +577,7 @@ class CopyPlan:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 # Windows whose batches a CopyPlan keeps (a streamed plan's pieces, a few
-# block geometries); more start the cache again.
+# block geometries), least recently used let go first.
 _KEPT_WINDOWS = 64
 
 

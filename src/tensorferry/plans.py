@@ -24,7 +24,6 @@ pool) gets its positions from the block sizes, vectorised, cached per sizes.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -102,6 +101,9 @@ class SendPlan:
 
     Holds the planned tensors (they stay alive as long as the plan does)
     and replays their copy into the pool on every ``Sender.put(plan)``.
+    Where they are views of a few storages, it holds those storages too:
+    memory a tensor leaves (``.data =``, ``module.to()``) stays allocated
+    until the plan is dropped or a put finds it stale.
 
     Attributes:
         source: the object planned (an ``nn.Module``, or the tensors' nesting).
@@ -185,8 +187,10 @@ class SendPlan:
         """:meth:`fill` of the whole object into ``out``, with the check of
         :meth:`check`: before the copy, or, when the tensors live in a few
         storages (views of flat buffers), while it runs. Those storages are
-        checked first (the plan holds them, so every byte the copy reads is
-        theirs, whatever the tensors show), then the tensors one by one on
+        checked first (the plan holds them, so every byte the copy reads by
+        the planned addresses is theirs, whatever the tensors show; tensors
+        copied value by value are read through the tensors as they are),
+        then the tensors one by one on
         another thread as the bytes move: the pass over 100k tensors (10 to
         25 ms, most of it cache misses after a training step touched GiBs)
         takes no time of its own where a core is free for it (on 2 cores,
@@ -429,7 +433,7 @@ class _Watch:
                 i = next(i for i, (a, b) in enumerate(zip(now, leaves)) if a is not b)
                 raise PlanStaleError(
                     f"{what}: the module's {self.name(i)} is no longer the tensor the plan was made with "
-                    f"(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); nothing was moved: "
+                    f"(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); {_outcome(what)}: "
                     f"make a new plan with {fix}"
                 )
         # One pass, the addresses only (about 0.08 us a tensor): what can
@@ -447,7 +451,7 @@ class _Watch:
                 f" and was resized from {self.numels[i]:,} to {numel:,} elements" if numel != self.numels[i] else "")
             raise PlanStaleError(
                 f"{what}: {self.name(i)} {change} since the plan was made ({bad.size:,} tensors changed; e.g. "
-                f"`.data` reassigned, module.to(), resize_); nothing was moved: make a new plan with {fix}"
+                f"`.data` reassigned, module.to(), resize_); {_outcome(what)}: make a new plan with {fix}"
             )
 
     def guarded(self, move: Callable[[], Any], what: str, fix: str, *, overlap: bool) -> Any:
@@ -456,20 +460,29 @@ class _Watch:
         tensors in few storages (held since the plan was made, checked
         first), on a copy thread while ``move()`` runs, raising after it."""
         storages = self.storages if overlap else None
-        if storages is None:
-            self.check(what, fix)
-            return move()
-        storages.check(self, what, fix)
-        future = executor().submit(self.check, what, fix)
         try:
-            result = move()
-        except BaseException:
-            # The move's own error comes first; the check is let finish.
-            if not future.cancel():
-                concurrent.futures.wait([future])
+            if storages is None:
+                self.check(what, fix)
+                return move()
+            storages.check(self, what, fix)
+            future = executor().submit(self.check, what, fix)
+            try:
+                result = move()
+            except BaseException as exc:
+                # A stale tensor explains what the move tripped on (a
+                # value-copied leaf replaced by one of another size): that
+                # error wins; else the move's own.
+                stale = future.exception() if not future.cancel() else _stale(self.check, what, fix)
+                if isinstance(stale, PlanStaleError):
+                    raise stale from exc
+                raise
+            finish(future, self.check, what, fix)
+            return result
+        except PlanStaleError:
+            # A stale plan raises on every use: it need not keep the memory
+            # its tensors left (no copy is running any more).
+            self.storages = None
             raise
-        finish(future, self.check, what, fix)
-        return result
 
     def matches(self, obj: Any) -> bool:
         src = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else obj
@@ -493,15 +506,28 @@ class _Watch:
         return f"tensor #{i}"
 
 
-class _Storages:
-    """The storages a plan's tensors live in, held (their memory cannot be
-    freed while a copy reads or writes it by address) with where they were.
+def _stale(check: Callable[[str, str], None], what: str, fix: str) -> BaseException | None:
+    """The error ``check(what, fix)`` raises, or None."""
+    try:
+        check(what, fix)
+    except BaseException as exc:  # returned, not raised: the caller chooses
+        return exc
+    return None
 
-    A tensor moved by ``.data =`` or ``set_`` leaves its old storage, which
-    is held here: a copy running at that moment still touches only memory
-    that is alive. What frees a held storage's memory in place (a
-    ``resize_`` that grows it) changes its address, which :meth:`check`
-    sees before any copy starts."""
+
+class _Storages:
+    """The storages a plan's tensors live in, held, with where they were.
+
+    A tensor moved by ``.data =``, ``set_`` or ``module.to()`` leaves its
+    old storage, which is held here, so a copy by the planned addresses
+    still reads memory that is alive (the plan keeps that memory until a
+    use finds it stale). What frees a held storage's memory in place (a
+    ``resize_`` that grows it, ``untyped_storage().resize_(0)``) changes its
+    address or size, which :meth:`check` sees before any copy starts. Like
+    the check it replaces, this assumes nothing changes the tensors while a
+    put runs (another thread's ``resize_`` during the copy could still
+    free what it reads), and it cannot see memory freed behind torch's back
+    (numpy's ``resize(refcheck=False)`` under a ``from_numpy`` tensor)."""
 
     def __init__(self, storages: list[Any], ptrs: np.ndarray, nbytes: np.ndarray) -> None:
         self.storages, self.ptrs, self.nbytes = storages, ptrs, nbytes
@@ -514,12 +540,16 @@ class _Storages:
         if not live.size:
             return None
         every = [leaves[i].untyped_storage() for i in live.tolist()]
-        ptrs = np.fromiter(map(torch.UntypedStorage.data_ptr, every), dtype=np.int64, count=len(every))
-        _, first = np.unique(ptrs, return_index=True)
+        # Told apart by the storage itself, not its address: two storages
+        # can share one (a tensor and its from_dlpack or from_numpy alias),
+        # and either may be reallocated; every one is held and checked.
+        ids = np.fromiter(map(_get_cdata, every), dtype=np.int64, count=len(every))
+        _, first = np.unique(ids, return_index=True)
         if first.size * 8 > len(leaves):
             return None
         held = [every[i] for i in first.tolist()]
-        return cls(held, ptrs[first], np.fromiter(map(torch.UntypedStorage.nbytes, held), dtype=np.int64, count=len(held)))
+        ptrs = np.fromiter(map(torch.UntypedStorage.data_ptr, held), dtype=np.int64, count=len(held))
+        return cls(held, ptrs, np.fromiter(map(torch.UntypedStorage.nbytes, held), dtype=np.int64, count=len(held)))
 
     def check(self, watch: "_Watch", what: str, fix: str) -> None:
         """Raises PlanStaleError if a held storage's memory moved or shrank."""
@@ -532,15 +562,21 @@ class _Storages:
             i = int(np.flatnonzero((watch.ptrs >= lo) & (watch.ptrs < hi))[0])
             raise PlanStaleError(
                 f"{what}: the memory of {watch.name(i)} (a storage of {self.nbytes[j]:,} bytes at {lo:#x}) moved to {now[j]:#x} "
-                f"and holds {size[j]:,} bytes since the plan was made (e.g. resize_); nothing was moved: make a new plan with {fix}"
+                f"and holds {size[j]:,} bytes since the plan was made (e.g. resize_); {_outcome(what)}: make a new plan with {fix}"
             )
 
 
 _get_dtype = operator.attrgetter("dtype")
+_get_cdata = operator.attrgetter("_cdata")
 
 # A receive plan with this many separately versioned targets bumps their
 # counters on a copy thread while the bytes land.
 _MARK_ON_THREAD_MIN = 4096
+
+def _outcome(what: str) -> str:
+    """What a stale plan's error says became of the data."""
+    return "nothing was sent" if what.startswith("put") else "nothing was written"
+
 
 # What a stale sender plan's error says: the call, and the fix.
 _PUT = ("put(plan)", "sender.plan(...)")

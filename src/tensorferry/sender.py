@@ -242,6 +242,8 @@ class Sender:
                 packed = None
         except PoolExhaustedError:
             if one_shot:
+                if planned is not None:
+                    planned.check(self)  # a stale plan says so, not that the pool is full
                 raise
             if planned is None:
                 return self._put_streamed(obj, ticket_id, readers, lease, deadline)

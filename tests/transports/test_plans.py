@@ -323,6 +323,49 @@ def test_views_of_flat_buffers_are_checked_while_their_bytes_move(sender, receiv
     assert idle(sender)
 
 
+def test_storages_that_share_an_address_are_each_held_and_checked(sender):
+    # b aliases a's memory through DLPack: two storages, one address. Growing
+    # a moves its memory (b's view of it dangles): the plan held and checked
+    # both, so the put refuses before its copy reads the old address.
+    a = torch.arange(4096, dtype=torch.float32)
+    b = torch.from_dlpack(a)
+    views = {f"a{i}": v for i, v in enumerate(a.split(256))} | {f"b{i}": v for i, v in enumerate(b.split(256))}
+    plan = sender.plan(views)
+    assert len(plan._watch.storages.storages) == 2
+    a.resize_(1 << 22)
+    with pytest.raises(PlanStaleError, match="moved"):
+        sender.put(plan)
+    assert idle(sender)
+
+
+def test_a_stale_plan_says_so_even_where_the_copy_trips_first(sender):
+    # A value-copied tensor (a transposed view) replaced by one of another
+    # size trips the copy, which runs beside the check: the error is the
+    # stale plan, and the memory its tensors left is let go.
+    flat = torch.arange(4096, dtype=torch.float32)
+    views = {f"v{i}": v for i, v in enumerate(flat.split(256))}
+    views["t"] = torch.arange(9, dtype=torch.float32).view(3, 3).t()
+    plan = sender.plan(views)
+    assert plan._watch.storages is not None
+    views["t"].set_(torch.zeros(64))
+    with pytest.raises(PlanStaleError, match="'t' moved"):
+        sender.put(plan)
+    assert plan._watch.storages is None and idle(sender)
+    with pytest.raises(PlanStaleError):
+        sender.put(plan)  # still stale, checked first now
+
+
+def test_a_stale_plan_into_a_full_pool_says_it_is_stale(sender):
+    plan = sender.plan([torch.zeros(3 << 20, dtype=torch.uint8)])  # 3 MiB of the 8 MiB pool
+    hold = sender.put(plan, readers=None), sender.put(plan, readers=None)
+    plan.source[0].data = torch.zeros(3 << 20, dtype=torch.uint8)
+    with pytest.raises(PlanStaleError):
+        sender.put(plan, one_shot=True)
+    for t in hold:
+        sender.discard(t)
+    assert idle(sender)
+
+
 def test_a_plan_belongs_to_its_sender_and_receiver(transport, sender, receiver):
     plan = sender.plan([torch.ones(4)])
     ticket = sender.put(plan)
