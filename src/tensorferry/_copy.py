@@ -8,6 +8,8 @@ small module-wide thread pool; each part is a batch of runs moved by
 released: a run costs its bytes, not a Python call; large batches use
 streaming stores). Where the extension was not built (no C compiler), a part
 is a Python loop of libc ``memmove`` through ctypes, about 1 us a run.
+The same extension converts float32 into bfloat16 and float16 for
+``copy_converting`` (``_memcpy.convert_runs``), as torch does, bit for bit.
 
 torch's ``copy_`` of a large CPU uint8 tensor runs about 1.5x slower than
 libc ``memcpy`` here (0.25 s against 0.16 s for 1 GiB), so dense host
