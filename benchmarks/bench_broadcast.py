@@ -71,7 +71,11 @@ once: the local read itself, beside K plain memcpys of the same bytes
 between two faulted-in buffers, one in each child process at once, in the
 same round) and *pipelined* (the K gets with the relay's own: how long
 after the relay the last child holds the bytes). Writes
-``bench_broadcast_same_host.json``.
+``bench_broadcast_same_host.json``. With ``--no-ptrace`` the receivers are
+non-dumpable and lack CAP_SYS_PTRACE, so the kernel refuses
+process_vm_readv (as Yama's ptrace_scope 1 does between siblings) and the
+memory reads go through a mapping of the relay's memfd
+(``bench_broadcast_same_host_no_ptrace.json``).
 
 Targets (issue 16), checked in the table: 8 receivers with fanout=1 in at
 most 1.3x the time of 1 receiver; with a relay killed halfway, every other
@@ -237,6 +241,10 @@ def receiver_worker(args: argparse.Namespace) -> None:
     from tensorferry import Receiver
 
     torch.set_num_threads(1)
+    if args.no_ptrace:
+        PR_SET_DUMPABLE = 4
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     # Each receive cache keeps at most one object's memory between rounds.
     cache = args.nbytes + MIB
     with Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
@@ -262,7 +270,8 @@ def receiver_worker(args: argparse.Namespace) -> None:
                     after = receiver.stats()
                     _say(t_start=t0, t_done=t1, digest=digest,
                          memory_read_nbytes=after["relay_memory_read_nbytes"] - before["relay_memory_read_nbytes"],
-                         stream_nbytes=after["relay_stream_nbytes"] - before["relay_stream_nbytes"])
+                         stream_nbytes=after["relay_stream_nbytes"] - before["relay_stream_nbytes"],
+                         file_read_nbytes=after["relay_file_read_nbytes"] - before["relay_file_read_nbytes"])
                 elif cmd["cmd"] == "memcpy":
                     # The same bytes copied by libc between two buffers
                     # faulted in beforehand (as the receive cache's are).
@@ -307,7 +316,11 @@ class Worker:
         self.name = f"{role}@host{i}"
         argv = [str(Path(__file__).resolve()), "--worker", role, "--host", hosts.address(i), "--token", args.token,
                 "--nbytes", str(args.nbytes), "--timeout", str(timeout), "--linger", str(args.linger)]
-        self.proc = hosts.python(i, *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        prefix: tuple[str, ...] = ()
+        if args.no_ptrace and role == "receiver":
+            # Root reads any process's memory with CAP_SYS_PTRACE; without it, not a non-dumpable one's.
+            prefix, argv = ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--"), [*argv, "--no-ptrace"]
+        self.proc = hosts.python(i, *argv, prefix=prefix, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def send(self, **cmd: Any) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -390,6 +403,9 @@ def main() -> int:
     ap.add_argument("--fault-repeats", type=int, default=2, help="rounds of the chain with a relay killed (0: none)")
     ap.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
     ap.add_argument("--linger", type=float, default=2.0, help="Receiver(relay_linger_seconds=) of the relays")
+    ap.add_argument("--no-ptrace", action="store_true",
+                    help="receivers non-dumpable and without CAP_SYS_PTRACE (as under Yama's ptrace_scope 1): "
+                         "same-host children map the relay's memfd instead of process_vm_readv (needs setpriv)")
     ap.add_argument("--no-raw", action="store_true", help="leave out the raw TCP star")
     ap.add_argument("--same-host", type=int, nargs="+", default=None, metavar="K",
                     help="only the same-host section: K receivers beside a relay in its host (memory vs tcp reads vs memcpy)")
@@ -568,6 +584,7 @@ def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
                             "pipelined_lag_seconds": max(g["t_done"] for g in got2) - r2["t_done"],
                             "pipelined_relay_seconds": r2["t_done"] - put2["t_put"],
                             "read_from_memory": all(g["memory_read_nbytes"] == put["total_nbytes"] for g in got + got2),
+                            "read_through_file": all(g["file_read_nbytes"] == put["total_nbytes"] for g in got + got2),
                             "streamed": all(g["stream_nbytes"] == put["total_nbytes"] for g in got + got2),
                             "sender_copies": (released["bytes_sent"] - put["bytes_sent"]) / put["total_nbytes"] / 2,
                             "pool_empty": released["used_nbytes"] == 0,
@@ -578,6 +595,8 @@ def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
                                 doc["errors"].append(f"{mode}, K={k}: a receiver holds other bytes")
                         if not row["pool_empty"]:
                             doc["errors"].append(f"{mode}, K={k}: the sender's pool is not empty after the release")
+                        if mode == "memory" and row["read_through_file"] != args.no_ptrace:
+                            doc["errors"].append(f"memory, K={k}: the children read {'not ' if args.no_ptrace else ''}through the relay's file")
                         if not row["read_from_memory" if mode == "memory" else "streamed"]:
                             doc["errors"].append(f"{mode}, K={k}: the children did not read the relay that way")
                         if rep:
@@ -593,7 +612,7 @@ def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
                 w.stop()
     env = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
-           "rate": args.rate, "nbytes": info["nbytes"], "k": ks, "repeats": args.repeats,
+           "rate": args.rate, "nbytes": info["nbytes"], "k": ks, "repeats": args.repeats, "no_ptrace": args.no_ptrace,
            "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
            "wall_seconds": round(time.monotonic() - started, 1)}
     doc["env"] = env
@@ -614,9 +633,10 @@ def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
             "sender_copies": med([r["sender_copies"] for r in by["memory"] + by["tcp"]]),
         })
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_broadcast_same_host.json"
+    path = args.out / f"bench_broadcast_same_host{'_no_ptrace' if args.no_ptrace else ''}.json"
     path.write_text(json.dumps(doc, indent=1))
-    print(f"same-host receivers of one relay: {info['nbytes'] / MIB:,.0f} MiB, links {args.rate}, medians of {args.repeats}, "
+    print(f"same-host receivers of one relay ({'memfd mappings: no process_vm_readv' if args.no_ptrace else 'process_vm_readv'}): "
+          f"{info['nbytes'] / MIB:,.0f} MiB, links {args.rate}, medians of {args.repeats}, "
           f"load {env['loadavg_1min_start_end']}")
     print(f"{'K':>3} {'memory s':>9} {'tcp s':>7} {'memcpy s':>9} {'mem/memcpy':>10} {'tcp/memcpy':>10} {'tcp/mem':>8} "
           f"{'lag mem s':>9} {'lag tcp s':>9} {'relay s':>8} {'sender copies':>13}")

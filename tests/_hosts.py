@@ -235,9 +235,10 @@ class Hosts:
         self._procs.append(proc)
         return proc
 
-    def python(self, i: int, *args: str, env: dict[str, str] | None = None, **popen_kw: Any) -> subprocess.Popen:
+    def python(self, i: int, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = (), **popen_kw: Any) -> subprocess.Popen:
         """Start this interpreter inside host ``i`` with ``args``
-        (``"-c", code`` or a script path and its arguments).
+        (``"-c", code`` or a script path and its arguments), under
+        ``prefix`` (a command that execs the rest, as ``setpriv ... --``).
 
         The repo's ``src`` and ``tests`` folders lead ``PYTHONPATH`` (so
         tensorferry and the test helpers import as they do here), and
@@ -246,7 +247,7 @@ class Hosts:
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS), *filter(None, [env.get("PYTHONPATH")])])
         env["PYTHONUNBUFFERED"] = "1"
-        return self.run(i, [sys.executable, *args], env=env, **popen_kw)
+        return self.run(i, [*prefix, sys.executable, *args], env=env, **popen_kw)
 
     # -- life --------------------------------------------------------------------------
 

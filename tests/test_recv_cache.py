@@ -283,6 +283,7 @@ def test_stats_keys():
             "gets", "bytes_received", "cache_capacity_nbytes", "cache_cached_nbytes", "cache_cached_buffers",
             "cache_live_nbytes", "cache_hits", "cache_misses", "cache_bypassed", "cache_taken_nbytes",
             "cache_trimmed_nbytes", "cache_evicted_nbytes",
+            "relay_memory_read_nbytes", "relay_file_read_nbytes", "relay_stream_nbytes",
         }
         assert all(isinstance(v, int) for v in r.stats().values())
 
@@ -410,3 +411,71 @@ def test_a_forked_child_reuses_what_it_inherited_and_the_parent_keeps_its_own():
         assert int(held.sum()) == 7 * 2 * MiB and c.stats().live_nbytes == 2 * MiB
     finally:
         c.close()
+
+
+# -- shared (a relay's memory) ---------------------------------------------------
+
+
+def _fd_open(fd: int) -> bool:
+    import os
+
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_a_shared_cache_hands_out_sealed_memfds_reused_and_closed_with_their_memory():
+    """A relay's cache: each take's memory is bytes 0 on of a memfd sealed
+    at its size (another process mapping it can never read past its end);
+    a collected result's memfd comes back with its pages for the next take,
+    and the fd is closed once its mapping is gone (trimmed here)."""
+    import fcntl
+    import mmap
+    import os
+
+    import numpy as np
+
+    from tensorferry._memory import SHARED_SEALS
+
+    cache = ReceiveCache(64 * MiB, idle_seconds=float("inf"), shared=True)
+    try:
+        buf, reused, fd = cache.take_shared(3 * MiB + 5)
+        assert not reused and fd >= 0 and buf.numel() == 3 * MiB + 5
+        assert os.fstat(fd).st_size >= buf.numel()
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SHARED_SEALS == SHARED_SEALS
+        buf.copy_(torch.arange(buf.numel(), dtype=torch.int64).to(torch.uint8))
+        # What a child on the host sees: a read-only mapping of the file.
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            seen = mmap.mmap(ro, buf.numel(), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(ro)
+        assert np.array_equal(np.frombuffer(seen, dtype=np.uint8), buf.numpy())
+        seen.close()
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 4096)  # sealed: the relay itself cannot shrink it under a child
+        del buf
+        gc.collect()
+        again, reused, fd2 = cache.take_shared(3 * MiB)
+        assert reused and fd2 == fd
+        small, _, fd3 = cache.take_shared(100)  # bypassed (under 1 MiB), still shareable, not kept
+        assert fd3 >= 0 and fd3 != fd
+        del again, small
+        gc.collect()
+        assert not _fd_open(fd3)  # closed with its memory
+        assert _fd_open(fd)  # idle in the cache
+    finally:
+        cache.close()
+    gc.collect()
+    assert not _fd_open(fd)
+
+
+def test_take_shared_needs_a_shared_cache():
+    cache = ReceiveCache(64 * MiB)
+    try:
+        with pytest.raises(ValueError, match="shared=True"):
+            cache.take_shared(2 * MiB)
+    finally:
+        cache.close()

@@ -4,25 +4,33 @@
   device tensor on CUDA), with the numbers in the error when refused.
 * :func:`new_host_bytes`: a receiver's new destination memory, with
   transparent huge pages asked for when large; :func:`host_mapping`, the
-  mapping under it (the receive cache keeps such mappings).
+  mapping under it (the receive cache keeps such mappings), or
+  :func:`shared_host_mapping`, a sealed memfd's (a relay's receive memory,
+  which children on its host map).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import weakref
 
 import numpy as np
 import torch
 
 from .errors import BackendUnavailableError, ConfigurationError, PoolCreationError
 
-__all__ = ["host_mapping", "new_host_bytes", "pool_buffer", "pool_device"]
+__all__ = ["SHARED_SEALS", "host_mapping", "new_host_bytes", "pool_buffer", "pool_device", "shared_host_mapping"]
 
 # New host memory of at least this size gets its own mapping with huge pages
 # (TENSORFERRY_HUGE_PAGES=0: never).
 _HUGE_MIN_NBYTES = 8 << 20
 _HUGE_ENV = "TENSORFERRY_HUGE_PAGES"
+# What a shared mapping's file is sealed with: its size is fixed (a reader
+# that mapped it can never touch a page past its end, so never a SIGBUS),
+# and the seals themselves are.
+SHARED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def pool_buffer(capacity_nbytes: int, device: torch.device, *, prefault: bool, name: str) -> tuple[torch.Tensor, int | None, mmap.mmap | None]:
@@ -129,6 +137,43 @@ def host_mapping(nbytes: int) -> mmap.mmap:
         except OSError:
             pass  # no transparent huge pages here: plain pages, still correct
     return m
+
+
+def shared_host_mapping(nbytes: int, name: str) -> tuple[mmap.mmap, int]:
+    """A new shared mapping of ``nbytes`` backed by a memfd sealed at that
+    size (:data:`SHARED_SEALS`); returns ``(mapping, fd)``. Other processes
+    given the fd (SCM_RIGHTS) map the same pages. The fd is closed once the
+    mapping object is collected (after every buffer exported from it): it
+    stays valid as long as the memory does.
+
+    Shared memory (shmem) gets huge pages only where
+    ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows them, so a
+    first write may fault 4 KiB pages; the receive cache keeps these
+    mappings faulted in for the next gets.
+
+    Raises:
+        PoolCreationError: the host refused the memfd or the mapping.
+    """
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise PoolCreationError(nbytes, "cpu", f"memfd_create failed ({exc})") from exc
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARED_SEALS)
+        m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException as exc:
+        os.close(fd)
+        if isinstance(exc, OSError):
+            raise PoolCreationError(nbytes, "cpu", f"{exc.strerror or exc}; {_host_memory()}") from exc
+        raise
+    weakref.finalize(m, os.close, fd)
+    if nbytes >= _HUGE_MIN_NBYTES and hasattr(mmap, "MADV_HUGEPAGE") and not _huge_pages_off():
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # shmem without huge pages: plain pages, still correct
+    return m, fd
 
 
 def _huge_pages_off() -> bool:

@@ -147,15 +147,20 @@ class Pull(msgspec.Struct, frozen=True):
 
 class Lend(msgspec.Struct, frozen=True):
     """Relay -> a child on its host, in reply to Pull: the ticket's stream
-    is ``nbytes`` bytes at ``address`` in process ``pid``; Arrived frames
-    follow, and the child copies each newly arrived range itself
-    (process_vm_readv). The memory stays there until the child says how far
-    it read (an Arrived back; answered with Released once it read it all)
-    or closes."""
+    is ``nbytes`` bytes at ``address`` in process ``pid``, and bytes 0 on
+    of the memfd that the relay's abstract Unix socket ``file`` passes (for
+    a Hello with ``key`` as its token, while this lend lasts); Arrived
+    frames follow, and the child copies each newly arrived range itself
+    (process_vm_readv, or out of its mapping of the file). The memory stays
+    there until the child says how far it read (an Arrived back; answered
+    with Released once it read it all) or closes."""
 
     pid: Annotated[int, msgspec.Meta(gt=0)]
     address: Annotated[int, msgspec.Meta(gt=0)]
     nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    # "": no shared file (the child reads by process_vm_readv or streams).
+    file: Annotated[str, msgspec.Meta(max_length=107)] = ""
+    key: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class Arrived(msgspec.Struct, frozen=True):

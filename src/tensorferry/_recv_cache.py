@@ -26,6 +26,10 @@ take of about its size gets it again:
 * nothing a live tensor points to is ever unmapped: a mapping is dropped
   only when it is idle, and the kernel unmaps it only once the last buffer
   exported from it is gone;
+* shared (``shared=True``, a relaying receiver's cache): every mapping is
+  a sealed memfd (:func:`~tensorferry._memory.shared_host_mapping`), so
+  :meth:`ReceiveCache.take_shared` can name the file that children on the
+  relay's host map;
 * a forked child gets fresh locks and no trimmer thread (the parent's lock
   may have been held by a thread the child does not have); results it
   inherited come back to its own copy of the cache.
@@ -51,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 from ._args import positive_seconds
-from ._memory import host_mapping, new_host_bytes
+from ._memory import host_mapping, new_host_bytes, shared_host_mapping
 from ._views import owned_view
 from .errors import ConfigurationError
 
@@ -112,12 +116,13 @@ class CacheStats(NamedTuple):
 
 
 class _Mapping:
-    """One anonymous mapping the cache owns; idle or held by a result."""
+    """One mapping the cache owns (anonymous, or a memfd's in a shared cache); idle or held by a result."""
 
-    __slots__ = ("mapping", "nbytes", "idle_since")
+    __slots__ = ("mapping", "nbytes", "idle_since", "fd")
 
-    def __init__(self, mapping: mmap.mmap, nbytes: int) -> None:
-        self.mapping, self.nbytes, self.idle_since = mapping, nbytes, 0.0
+    def __init__(self, mapping: mmap.mmap, nbytes: int, fd: int = -1) -> None:
+        # fd: the memfd of a shared mapping (closed with the mapping), else -1.
+        self.mapping, self.nbytes, self.idle_since, self.fd = mapping, nbytes, 0.0, fd
 
 
 _caches: "weakref.WeakSet[ReceiveCache]" = weakref.WeakSet()
@@ -135,10 +140,12 @@ class ReceiveCache:
     Args:
         cap_nbytes: the most idle bytes kept (0: off, every take is new memory).
         idle_seconds: an idle mapping older than this is unmapped.
+        shared: every mapping is a sealed memfd (a relay's children map it).
     """
 
-    def __init__(self, cap_nbytes: int, idle_seconds: float = DEFAULT_IDLE_SECONDS) -> None:
+    def __init__(self, cap_nbytes: int, idle_seconds: float = DEFAULT_IDLE_SECONDS, *, shared: bool = False) -> None:
         self.cap_nbytes = cap_nbytes
+        self.shared = shared
         self.idle_seconds = idle_seconds
         self.name = f"receive-cache:{os.getpid()}:{next(_serial)}"
         self._lock = threading.Lock()
@@ -171,10 +178,27 @@ class ReceiveCache:
         it is collected; ``reused`` is True when the pages are already
         faulted in (an idle mapping of an earlier result).
         """
+        buffer, reused, _fd = self._take(nbytes)
+        return buffer, reused
+
+    def take_shared(self, nbytes: int) -> tuple[torch.Tensor, bool, int]:
+        """As :meth:`take`, from a ``shared=True`` cache, with the memfd
+        whose bytes from 0 on are the buffer's: ``(buffer, reused, fd)``.
+        The fd stays open as long as the buffer (any tensor sharing its
+        storage) is alive; do not close it."""
+        if not self.shared:
+            raise ValueError("take_shared needs a ReceiveCache(shared=True)")
+        return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, bool, int]:
         if self._closed or nbytes < _MIN_CACHED_NBYTES or _rounded(nbytes) > self.cap_nbytes:
             with self._locked():
                 self._bypassed += 1
-            return new_host_bytes(nbytes), False
+            if self.shared:
+                # Not kept: unmapped (and the fd closed) with the result.
+                mapping, fd = shared_host_mapping(max(nbytes, 1), "tensorferry-relay")
+                return owned_view(mapping, 0, nbytes), False, fd
+            return new_host_bytes(nbytes), False, -1
         size = _rounded(nbytes)
         start = None
         with self._locked():
@@ -195,7 +219,11 @@ class ReceiveCache:
         reused = found is not None
         if found is None:
             try:
-                found = _Mapping(host_mapping(size), size)
+                if self.shared:
+                    mapping, fd = shared_host_mapping(size, "tensorferry-relay")
+                    found = _Mapping(mapping, size, fd)
+                else:
+                    found = _Mapping(host_mapping(size), size)
             except BaseException:
                 with self._locked():
                     self._live_nbytes -= size
@@ -203,7 +231,7 @@ class ReceiveCache:
                 raise
         # The callback holds the record, never a tensor: the mapping stays
         # alive through the record and through the buffer exported from it.
-        return owned_view(found.mapping, 0, nbytes, _Giver(self, found)), reused
+        return owned_view(found.mapping, 0, nbytes, _Giver(self, found)), reused, found.fd
 
     def _give_back(self, m: _Mapping) -> None:
         """A result's mapping came back (its last tensor was collected).

@@ -124,9 +124,11 @@ class Receiver:
         relay_reads: how this receiver reads a relay on its own host (same
             boot, network and pid namespace): ``"memory"`` copies straight
             out of the relay's receive memory (process_vm_readv: one kernel
-            copy, no socket; where the kernel refuses, another user or
-            ptrace restricted, it logs why and streams), ``"tcp"`` takes
-            the stream as from a relay on another host.
+            copy, no socket; where the kernel refuses, ptrace restricted,
+            out of a read-only mapping of the relay's memfd, passed over a
+            Unix socket; where neither works, another user, it logs why and
+            streams), ``"tcp"`` takes the stream as from a relay on another
+            host.
     """
 
     def __init__(
@@ -175,7 +177,8 @@ class Receiver:
         if relay:
             self._start_relay(host, port, advertise_host, positive_seconds("Receiver(relay_linger_seconds)", relay_linger_seconds))
         # Last: nothing after it can fail and leave it registered with the monitor.
-        self._cache = ReceiveCache(cache_cap, cache_idle)
+        # A relay's memory is memfds, which its same-host children map.
+        self._cache = ReceiveCache(cache_cap, cache_idle, shared=relay)
 
     def _start_relay(self, host: str, port: int, advertise_host: str | None, linger: float) -> None:
         from .transports._relay import RelayBook, RelayServer
@@ -419,9 +422,14 @@ class Receiver:
         if len(blocks) != 1:
             raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
         total = blocks[0][1]
-        stream = self._destination([total])[0][0]
+        if self._book is not None:
+            # Shareable: children on this host map its file (the receive
+            # pool, if any, is left to other gets).
+            stream, _, fd = self._cache.take_shared(total)
+        else:
+            stream, fd = self._destination([total])[0][0], -1
         buf = memoryview(stream.numpy())
-        held = self._book.add(ticket.id, ticket.digest, buf) if self._book is not None else None
+        held = self._book.add(ticket.id, ticket.digest, buf, fd) if self._book is not None else None
         got = [0]
 
         def progress(end: int) -> None:
@@ -618,14 +626,17 @@ class Receiver:
         sitting idle, or at close) and ``cache_evicted_nbytes`` (unmapped to
         stay within the cap). ``relay_memory_read_nbytes`` and
         ``relay_stream_nbytes``: bytes this receiver copied out of same-host
-        relays' memory and took from relays as tcp streams. A relaying
+        relays' memory and took from relays as tcp streams;
+        ``relay_file_read_nbytes``: of the memory reads, those out of a
+        mapping of the relay's memfd (where process_vm_readv was refused). A relaying
         receiver adds ``relay_bytes_sent`` (passed on to its children, either
         way), ``relay_bytes_lent`` (of which same-host children copied out of
         its memory) and ``relay_held_nbytes`` (tickets kept for them).
         """
         cache = self._cache.stats()
         reads = self._same_host_reads
-        relay = {"relay_memory_read_nbytes": reads.memory_nbytes, "relay_stream_nbytes": reads.stream_nbytes}
+        relay = {"relay_memory_read_nbytes": reads.memory_nbytes, "relay_file_read_nbytes": reads.file_nbytes,
+                 "relay_stream_nbytes": reads.stream_nbytes}
         if self._relay_server is not None:
             relay.update(relay_bytes_sent=self._relay_server.bytes_sent, relay_bytes_lent=self._relay_server.bytes_lent,
                          relay_held_nbytes=self._book.held_nbytes())

@@ -31,7 +31,7 @@ Each prints one JSON line per fact on stdout and exits; times are
   "relay_address", "pid"}``, then answers commands: ``get`` (``ticket``)
   with ``{"checksum", "t_start", "t_done"}``; ``stats`` with
   ``{"relay_bytes_sent", "relay_bytes_lent", "memory_read_nbytes",
-  "stream_nbytes", "refused", "bytes_received"}``; ``stop`` closes it. It
+  "file_read_nbytes", "stream_nbytes", "refused", "bytes_received"}``; ``stop`` closes it. It
   stays up after a get: its children may still pull from it.
 
 A failed command answers ``{"error": traceback}``.
@@ -238,6 +238,7 @@ def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger
                     st = receiver.stats()
                     say(relay_bytes_sent=st.get("relay_bytes_sent", 0), relay_bytes_lent=st.get("relay_bytes_lent", 0),
                         memory_read_nbytes=st["relay_memory_read_nbytes"], stream_nbytes=st["relay_stream_nbytes"],
+                        file_read_nbytes=st["relay_file_read_nbytes"],
                         # Why the kernel refused a vm read (also logged); not a public counter.
                         refused=receiver._same_host_reads.refused, bytes_received=receiver.bytes_received)
             except Exception:

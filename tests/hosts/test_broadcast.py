@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import time
@@ -47,14 +48,17 @@ STALL_SECONDS = 3.0
 # Between the get commands of a round whose chain order matters: the fault
 # tests kill or stop the relay in host 2, which must not end the chain.
 STAGGER_SECONDS = 0.25
+# Root reads any process's memory with CAP_SYS_PTRACE; without it, not a
+# non-dumpable one's.
+NO_PTRACE = ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--")
 
 
 class Worker:
     """A worker process in a host, spoken to in JSON lines."""
 
-    def __init__(self, hosts: Hosts, i: int, *args: object) -> None:
+    def __init__(self, hosts: Hosts, i: int, *args: object, prefix: tuple[str, ...] = ()) -> None:
         self.host = i
-        self.proc = hosts.python(i, WORKERS, *map(str, args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = hosts.python(i, WORKERS, *map(str, args), prefix=prefix, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
 
     def send(self, **cmd: object) -> None:
@@ -86,10 +90,14 @@ class Worker:
 class Group:
     """A sender in host 0 and receivers in other hosts: ``relays[i]`` relays
     from host ``i``, ``leaves[i]`` is a leaf (``relay=False``) in host ``i``,
-    and ``more`` relays beside them, one in each host listed there."""
+    and ``more`` relays beside them, one in each host listed there.
+    ``guarded``: every receiver non-dumpable and started without
+    CAP_SYS_PTRACE, so none may process_vm_readv another (as under Yama's
+    ptrace_scope 1): same-host children map their relay's memory file."""
 
-    def __init__(self, hosts: Hosts, relays: range, leaves: tuple[int, ...] = (), more: tuple[int, ...] = ()) -> None:
-        self.hosts, self.token = hosts, secrets.token_hex(16)
+    def __init__(self, hosts: Hosts, relays: range, leaves: tuple[int, ...] = (), more: tuple[int, ...] = (), *,
+                 guarded: bool = False) -> None:
+        self.hosts, self.token, self.guarded = hosts, secrets.token_hex(16), guarded
         self.sender = Worker(hosts, 0, "bc_sender", hosts.address(0), self.token, 3 * NBYTES)
         self.relays = {i: self._receiver(i, relay=True) for i in relays}
         self.leaves = {i: self._receiver(i, relay=False) for i in leaves}
@@ -98,7 +106,10 @@ class Group:
         self.relay_address = {w: w.fact(120)["relay_address"] for w in self.everyone}
 
     def _receiver(self, i: int, *, relay: bool) -> Worker:
-        return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60)
+        if not self.guarded:
+            return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60)
+        return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60, "memory", 1,
+                      prefix=NO_PTRACE)
 
     @property
     def everyone(self) -> list[Worker]:
@@ -293,18 +304,24 @@ def _delta(after: dict, before: dict, key: str) -> int:
     return after[key] - before[key]
 
 
-@pytest.fixture(scope="module")
-def crowded(need_hosts):
-    """Three receivers in host 1 and one in host 2, all relays; the sender in host 0."""
+@pytest.fixture(scope="module", params=["vm-reads", "file-reads"])
+def crowded(need_hosts, request):
+    """Three receivers in host 1 and one in host 2, all relays; the sender
+    in host 0. ``file-reads``: none may read another's memory by
+    process_vm_readv, so host 1's children map their relay's memfd."""
+    guarded = request.param == "file-reads"
+    if guarded and (os.geteuid() != 0 or shutil.which("setpriv") is None):
+        pytest.skip("needs root and setpriv to start receivers without CAP_SYS_PTRACE")
     with Hosts(3, rate=RATE) as hosts:
-        g = Group(hosts, relays=range(1, 3), more=(1, 1))
+        g = Group(hosts, relays=range(1, 3), more=(1, 1), guarded=guarded)
         yield g
         g.stop()
 
 
 def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memory(crowded):
     """Host 1's first receiver takes the object over the link; its other
-    two copy it out of a relay's memory (process_vm_readv) as it arrives,
+    two copy it out of a relay's memory (process_vm_readv, or their mapping
+    of its memfd where that is refused) as it arrives,
     so host 1's link carries it once in (and once out, to host 2)."""
     g = crowded
     one = [g.relays[1], *g.more]
@@ -316,6 +333,8 @@ def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memo
     after = _reads(workers)
     t = r["total"]
     read = {w: _delta(after[w], before[w], "memory_read_nbytes") for w in workers}
+    mapped = {w: _delta(after[w], before[w], "file_read_nbytes") for w in workers}
+    assert mapped == (read if g.guarded else dict.fromkeys(workers, 0))
     streamed = {w: _delta(after[w], before[w], "stream_nbytes") for w in workers}
     lent = {w: _delta(after[w], before[w], "relay_bytes_lent") for w in workers}
     assert r["sender_sent"] == t  # one copy into host 1, none for its other receivers
@@ -324,7 +343,7 @@ def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memo
     # Host 2's receiver streamed from a relay in host 1: one copy out of it.
     assert streamed[g.relays[2]] == t and sum(streamed[w] for w in one) == 0
     assert sum(r["relay_sent"].values()) == 3 * t
-    assert all(after[w]["refused"] == "" for w in workers)
+    assert all(("not permitted" in after[w]["refused"]) == (g.guarded and read[w] > 0) for w in workers)
     limit = 3 * stagger + 0.6 * 4 * g.line_seconds  # the star: 4 copies through the sender's link
     assert r["seconds"] < limit, f"{r['seconds']:.2f} s, limit {limit:.2f} s"
 
@@ -348,6 +367,7 @@ def test_a_hosts_relay_killed_halfway_its_same_host_children_resume(crowded):
     t = ref["total"]
     assert [_delta(after[w], before[w], "memory_read_nbytes") for w in workers] == [0, t, t], "not a chain in the order of the gets"
     assert [_delta(after[w], before[w], "relay_bytes_lent") for w in workers] == [t, t, 0], "not a chain in the order of the gets"
+    assert [_delta(after[w], before[w], "file_read_nbytes") for w in workers] == ([0, t, t] if g.guarded else [0, 0, 0])
     victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
 
     sender0, _ = g.sent()

@@ -348,16 +348,50 @@ def _no_ptrace_prefix() -> tuple[str, ...]:
     return ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--")
 
 
-def test_a_child_the_kernel_refuses_takes_the_stream_and_says_why(procs):
+def test_a_child_the_kernel_refuses_maps_the_relays_memory_file(procs):
     """The relay is non-dumpable and the child lacks CAP_SYS_PTRACE: its
-    process_vm_readv gets EPERM (as under another user or a ptrace scope);
-    it takes the tcp stream from the byte it had, logs the reason once, and
-    does not try again."""
+    process_vm_readv gets EPERM (as under Yama's ptrace_scope 1 between
+    siblings); it fetches the relay's memfd over the relay's Unix socket,
+    maps it read-only and copies out of it, needing no ptrace permission,
+    and does not try process_vm_readv again (logged at INFO: nothing is
+    lost, no warning)."""
     token = secrets.token_hex(8)
     want = workers.make_object(1818, NBYTES)
     with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
         relay = procs(token, relay=True, guarded=True)
         child = procs(token, relay=False, prefix=_no_ptrace_prefix())
+        for _ in range(2):  # the second round: the relay's memory of the first, mapped again
+            ticket = sender.put(want, readers=2, fanout=1)
+            for p in (relay, child):
+                assert p.call(cmd="get", ticket=ticket.to_bytes().hex())["checksum"] == workers.checksum(want)
+            sender.wait_released(ticket, timeout=10.0)
+        t = ticket.total_nbytes
+        got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
+        assert got["memory_read_nbytes"] == got["file_read_nbytes"] == 2 * t and got["stream_nbytes"] == 0
+        assert "not permitted" in got["refused"] and str(relay.ready["pid"]) in got["refused"]
+        assert lent["relay_bytes_sent"] == lent["relay_bytes_lent"] == 2 * t
+        assert sender.stats()["bytes_sent"] == 2 * t
+        log = child.stop()
+        assert "over tcp" not in log, log
+
+
+def _other_user_prefix() -> tuple[str, ...]:
+    """setpriv as user and group nobody (65534), no capabilities."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to start a process as another user")
+    return ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--")
+
+
+def test_a_child_of_another_user_takes_the_stream_and_says_why(procs):
+    """A child of another user may neither read the relay's memory
+    (process_vm_readv: EPERM) nor have its file (the relay checks the
+    peer's uid on its Unix socket): it takes the tcp stream from the byte
+    it had, logs both reasons once, and does not try again."""
+    token = secrets.token_hex(8)
+    want = workers.make_object(1919, NBYTES)
+    with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
+        relay = procs(token, relay=True)
+        child = procs(token, relay=False, prefix=_other_user_prefix())
         for _ in range(2):
             ticket = sender.put(want, readers=2, fanout=1)
             for p in (relay, child):
@@ -366,7 +400,7 @@ def test_a_child_the_kernel_refuses_takes_the_stream_and_says_why(procs):
         t = ticket.total_nbytes
         got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
         assert got["memory_read_nbytes"] == 0 and got["stream_nbytes"] == 2 * t
-        assert "not permitted" in got["refused"] and str(relay.ready["pid"]) in got["refused"]
+        assert "not permitted" in got["refused"] and "user 65534 may not map" in got["refused"]
         assert lent["relay_bytes_sent"] == 2 * t and lent["relay_bytes_lent"] == 0  # announced, never read: not lent
         assert sender.stats()["bytes_sent"] == 2 * t
         log = child.stop()
@@ -457,6 +491,88 @@ def test_what_a_child_copies_out_of_a_relay_is_the_relays_bytes():
         assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8), stream)
         assert reads.memory_nbytes == stream.numel() and reads.stream_nbytes == 0
         assert server.bytes_lent == server.bytes_sent == stream.numel()
+    finally:
+        server.close()
+        book.close()
+
+
+def _relay_with_file(nbytes: int, file_nbytes: int, *, sealed: bool):
+    """A relay's book and server holding one whole ticket whose memory is
+    lent with a memfd of ``file_nbytes`` (sealed or not): a real server and
+    a real file; what the file holds is the stream's bytes."""
+    import mmap
+
+    from tensorferry._memory import shared_host_mapping
+    from tensorferry.transports._relay import RelayBook, RelayServer
+
+    if sealed:
+        mapping, fd = shared_host_mapping(file_nbytes, "test-relay")
+    else:
+        fd = os.memfd_create("test-relay", os.MFD_CLOEXEC)
+        os.ftruncate(fd, file_nbytes)
+        mapping = mmap.mmap(fd, file_nbytes, flags=mmap.MAP_SHARED)
+    stream = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+    stream.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(12)))
+    book = RelayBook(linger_seconds=60.0)
+    server = RelayServer(book, token=b"", host="127.0.0.1", port=0, advertise_host=None)
+    held = book.add(7, b"d" * 16, memoryview(stream.numpy()), fd)
+    held.progress(nbytes)
+    held.finish(True)
+    return book, server, stream, fd
+
+
+def _pull_by_file(server, nbytes: int):
+    """A child that process_vm_readv was refused at this relay before (the
+    record SameHostReads keeps): it goes to the relay's file at once."""
+    from tensorferry.transports._relay import SameHostReads, pull
+
+    buf = memoryview(bytearray(nbytes))
+    reads = SameHostReads(enabled=True)
+    reads.refuse_vm(server.address, "process_vm_readv of relay process 1: not permitted (as the kernel says)")
+    pull(server.address, token=b"", ticket_id=7, digest=b"d" * 16, buf=buf, start=0, progress=lambda end: None,
+         stall_seconds=5.0, deadline=time.monotonic() + 30, reads=reads)
+    return buf, reads
+
+
+def test_a_child_refused_process_vm_readv_copies_out_of_the_relays_sealed_file():
+    book, server, stream, fd = _relay_with_file(6 * MiB + 3, 8 * MiB, sealed=True)
+    try:
+        buf, reads = _pull_by_file(server, stream.numel())
+        assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8), stream)
+        assert reads.memory_nbytes == reads.file_nbytes == stream.numel() and reads.stream_nbytes == 0
+        assert server.bytes_lent == stream.numel()
+    finally:
+        server.close()
+        book.close()
+
+
+def test_a_relay_file_that_can_shrink_is_not_mapped_the_child_streams():
+    """A file the relay could shrink under the child's mapping (no seal)
+    could fault the child's reads: the child takes the stream instead."""
+    book, server, stream, fd = _relay_with_file(4 * MiB, 4 * MiB, sealed=False)
+    try:
+        buf, reads = _pull_by_file(server, stream.numel())
+        assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8), stream)
+        assert reads.file_nbytes == 0 and reads.stream_nbytes == stream.numel()
+        assert "can shrink" in reads.refused
+    finally:
+        server.close()
+        book.close()
+        os.close(fd)
+
+
+def test_a_relay_file_smaller_than_its_stream_is_a_protocol_error():
+    """Sizes are checked against the file itself: a relay lending a
+    4 MiB stream in a 2 MiB file is a bad source (the get asks the sender
+    for another), never a read past the file's end."""
+    from tensorferry import ProtocolError
+
+    book, server, stream, fd = _relay_with_file(2 * MiB, 2 * MiB, sealed=True)
+    try:
+        held = book.find(7, timeout=1.0)
+        held.total = 4 * MiB  # what the relay claims: more than its file has
+        with pytest.raises(ProtocolError, match="2,097,152-byte file"):
+            _pull_by_file(server, 4 * MiB)
     finally:
         server.close()
         book.close()

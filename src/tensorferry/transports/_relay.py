@@ -11,12 +11,16 @@ chunks), so a chain of relays moves the object about as fast as one link.
 
 A child on the relay's own host (same boot, network and pid namespace:
 :func:`host_identity`) does not take a stream: the relay lends it its
-receive memory (:class:`~tensorferry._protocol.Lend`: pid and address),
-then says how far the bytes have arrived, and the child copies each new
-range out of the relay with ``process_vm_readv``: one kernel copy at
-memory speed, no socket, so a host's link carries the object once however
-many receivers it has. Where the kernel refuses (another user, ptrace
-restricted), the child says why once and takes the stream.
+receive memory (:class:`~tensorferry._protocol.Lend`: pid and address,
+and the memfd the memory is, passed over an abstract Unix socket), then
+says how far the bytes have arrived, and the child copies each new range
+itself, so a host's link carries the object once however many receivers
+it has. It copies with ``process_vm_readv`` (one kernel copy, nothing to
+map) where the kernel lets it; where not (Yama's ``ptrace_scope`` 1, the
+default on Ubuntu, between sibling processes; a non-dumpable relay) it
+maps the relay's memfd read-only and copies out of the mapping, which
+needs no ptrace permission, only the same user. Only where neither works
+does the child say why once and take the stream.
 
 :func:`pull` is the child's side. A relay that dies or stalls shows up in
 the child as a broken or silent connection; the child then asks the sender
@@ -25,12 +29,17 @@ for another source and resumes from the bytes it has.
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import functools
 import hmac
 import logging
+import mmap
 import os
+import secrets
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -52,6 +61,8 @@ log = logging.getLogger("tensorferry.transports")
 # 0.24 s slower), and a chunk still costs far more than its bookkeeping
 # (a condition notify and a loop turn, tens of µs).
 CHUNK_NBYTES = 1 << 20
+
+_UCRED = struct.Struct("3i")  # pid, uid, gid
 
 # The most bytes a child copies out of a same-host relay in one
 # process_vm_readv: a relay that already holds everything lends it in one
@@ -88,14 +99,26 @@ class SameHostReads:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.memory_nbytes = 0  # copied out of same-host relays' memory
+        self.memory_nbytes = 0  # copied out of same-host relays' memory, either way
+        self.file_nbytes = 0  # of which out of a mapping of the relay's memfd
         self.stream_nbytes = 0  # taken as tcp streams from relays
-        self.refused = ""  # why the kernel refused the last vm read, if it did
-        self._refused_at: set[str] = set()
+        self.refused = ""  # why the last refused memory read was refused, if one was
+        self._refused_at: set[str] = set()  # relays read as streams
+        self._no_vm_at: set[str] = set()  # relays read through their file
         self._lock = threading.Lock()
 
     def wanted(self, address: str) -> bool:
         return self.enabled and address not in self._refused_at
+
+    def vm_allowed(self, address: str) -> bool:
+        return address not in self._no_vm_at
+
+    def refuse_vm(self, address: str, reason: str) -> None:
+        with self._lock:
+            if address not in self._no_vm_at:
+                self._no_vm_at.add(address)
+                self.refused = reason
+                log.info("reading the relay at %s through its shared memory file: %s", address, reason)
 
     def refuse(self, address: str, reason: str) -> None:
         with self._lock:
@@ -104,17 +127,21 @@ class SameHostReads:
                 self.refused = reason
                 log.warning("reading the relay at %s over tcp: %s", address, reason)
 
-    def count(self, memory: int = 0, stream: int = 0) -> None:
+    def count(self, memory: int = 0, stream: int = 0, file: int = 0) -> None:
         with self._lock:
             self.memory_nbytes += memory
+            self.file_nbytes += file
             self.stream_nbytes += stream
 
 
 class _Held:
     """One ticket's stream in a relay, and how much of it has arrived."""
 
-    def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview) -> None:
+    def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview, fd: int) -> None:
         self.book, self.ticket_id, self.digest, self.buf = book, ticket_id, digest, buf
+        # The memfd whose bytes from 0 on are ``buf`` (-1: none), open as
+        # long as ``buf`` is alive (ReceiveCache.take_shared).
+        self.fd = fd
         self.total = len(buf)
         # Where same-host children read it: ``buf`` (held here) keeps it there.
         self.address = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if self.total else 0
@@ -163,12 +190,13 @@ class RelayBook:
         self._timer: threading.Timer | None = None
         self._closed = False
 
-    def add(self, ticket_id: int, digest: bytes, buf: memoryview) -> _Held:
-        """A ticket this receiver starts to receive. Tickets it finished
+    def add(self, ticket_id: int, digest: bytes, buf: memoryview, fd: int = -1) -> _Held:
+        """A ticket this receiver starts to receive (into ``buf``, which is
+        bytes 0 on of the memfd ``fd`` if not -1). Tickets it finished
         that no child is pulling are let go now: a weight sync sends a new
         version every few seconds, and a child that still wants an old one
         is sent elsewhere by the sender (its pull here fails)."""
-        held = _Held(self, ticket_id, digest, buf)
+        held = _Held(self, ticket_id, digest, buf, fd)
         with self.cond:
             for tid, h in list(self._held.items()):
                 if h.state != "receiving" and not h.pulls:
@@ -257,7 +285,56 @@ class RelayServer(TcpControlServer):
         self.bytes_sent = 0  # passed on to children, streamed or lent
         self.bytes_lent = 0  # of which children on this host copied out of our memory
         self._lending: set[Connection] = set()
+        # Lends going on, by the key a child presents at the file socket.
+        self._files: dict[bytes, _Held] = {}
         super().__init__(book, token=token, host=host, port=port, advertise_host=advertise_host)
+        self._file_name = f"tensorferry-relay-{os.getpid()}-{secrets.token_hex(6)}"
+        self._file_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._file_listener.bind("\0" + self._file_name)  # abstract: gone with the process, per network namespace
+            self._file_listener.listen(64)
+        except OSError:
+            self._file_listener.close()
+            super().close()
+            raise
+        self._file_thread = threading.Thread(target=self._pass_files, name="tensorferry-relay-files", daemon=True)
+        self._file_thread.start()
+
+    def _pass_files(self) -> None:
+        """The file socket: a child on this host presents the key of its
+        lend (a Hello) and gets a read-only fd of the lent memfd (SCM_RIGHTS)
+        with the stream's size (a Welcome). The key exists only while that
+        lend lasts, so the memory is ours to keep while the child reads it."""
+        while True:
+            try:
+                conn, _ = self._file_listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    self._pass_file(conn)
+                except (OSError, TransferError):
+                    pass  # the child learns it from the closed socket and streams
+
+    def _pass_file(self, conn: socket.socket) -> None:
+        conn.settimeout(2.0)
+        pid, uid, _gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid != os.getuid() and uid != 0:
+            P.send_msg(conn, P.Failure(kind="auth", message=f"process {pid} of user {uid} may not map this relay's memory"))
+            return
+        hello = P.recv_msg(conn, expect=(P.Hello,), deadline=time.monotonic() + 2.0)
+        with self._lock:
+            held = self._files.get(hello.token) if isinstance(hello, P.Hello) else None
+            if held is None:
+                P.send_msg(conn, P.Failure(kind="unknown", message="no lend of this relay has that key"))
+                return
+            # Read-only: the child can neither write our memory nor resize
+            # the file (its size is sealed besides).
+            ro = os.open(f"/proc/self/fd/{held.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            P.send_msg(conn, P.Welcome(pool_nbytes=held.total, pool_generation=0), fds=[ro])
+        finally:
+            os.close(ro)
 
     def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
         return P.Welcome(pool_nbytes=0, pool_generation=0), []
@@ -299,15 +376,23 @@ class RelayServer(TcpControlServer):
         ``held`` (this frame) keeps it alive until the child says how far it
         read (an Arrived back, counted as lent) or closes the connection,
         also when this relay is closing (then it only stops announcing: see
-        :meth:`close`) or its own receive failed.
+        :meth:`close`) or its own receive failed. The file socket passes the
+        memfd only while this lend lasts; a child's mapping would keep the
+        pages alive after that, but the memory could hold the next ticket
+        by then, so the child reads only what we announced while its
+        connection is open, and unmaps when it closes.
         """
         sock, start = conn.sock, pos
-        P.send_msg(sock, P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total))
+        key = secrets.token_bytes(16) if held.fd >= 0 else b""
         self.book.begin_pull(held)
         with self._lock:
             self._lending.add(conn)
+            if key:
+                self._files[key] = held
         read = start
         try:
+            P.send_msg(sock, P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total,
+                                    file="@" + self._file_name if key else "", key=key))
             try:
                 while pos < end and not self._closed:
                     stop = min(held.wait_beyond(pos, timeout=1.0), end)
@@ -340,6 +425,7 @@ class RelayServer(TcpControlServer):
         finally:
             with self._lock:
                 self._lending.discard(conn)
+                self._files.pop(key, None)
             self.book.end_pull(held)
 
     def close(self) -> None:
@@ -354,6 +440,11 @@ class RelayServer(TcpControlServer):
                 c.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+        try:
+            self._file_listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._file_listener.close()
         super().close()
 
 
@@ -463,19 +554,21 @@ def _read_lent(
     connection is open, so the relay still holds that memory.
 
     Raises:
-        _VmReadRefused: the kernel refused the first read (EPERM).
+        _VmReadRefused: neither process_vm_readv nor the relay's file
+            could be had (the reason in the message): take the stream.
     """
     total = len(buf)
     if lend.nbytes != total:
         raise ProtocolError(f"relay at {address} lends a {lend.nbytes:,}-byte stream, the ticket has {total:,}")
-    here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    reader = _LentReader(address, lend, buf, reads, min(stall_seconds, 2.0))
     at, refused = [pos], False
     try:
-        _copy_lent(sock, address, lend, here, at, total, progress, stall_seconds, deadline, reads)
+        _copy_lent(sock, address, reader, at, total, progress, stall_seconds, deadline, reads)
     except _VmReadRefused:
         refused = True
         raise
     finally:
+        reader.close()
         if not refused:
             # How far we read, which the relay counts; when complete, its
             # answer (after which it may let the memory go) lets the
@@ -488,8 +581,89 @@ def _read_lent(
                 pass
 
 
+class _LentReader:
+    """Copies ranges of a lent stream into ``buf``: by process_vm_readv
+    while the kernel allows it (one copy, nothing to map or fault in), else
+    out of a read-only mapping of the relay's memfd (no ptrace permission
+    needed), fetched from its file socket on the first refusal."""
+
+    def __init__(self, address: str, lend: P.Lend, buf: memoryview, reads: SameHostReads | None, timeout: float) -> None:
+        self.address, self.lend, self.reads, self.timeout = address, lend, reads, timeout
+        self.here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+        self.vm = reads is None or reads.vm_allowed(address)
+        self.mapping: mmap.mmap | None = None
+        self.base = 0
+
+    def copy(self, pos: int, k: int) -> None:
+        if self.vm:
+            try:
+                vm_readv(self.lend.pid, np.array([self.here + pos]), np.array([self.lend.address + pos]), np.array([k]),
+                         peer="relay", fix="reading it through its shared memory file instead")
+                if self.reads is not None:
+                    self.reads.count(memory=k)
+                return
+            except AuthenticationError as exc:
+                self.vm = False
+                if self.reads is not None:
+                    self.reads.refuse_vm(self.address, str(exc))
+                vm_refused = str(exc)
+        else:
+            vm_refused = "process_vm_readv was refused before"
+        if self.mapping is None:
+            self._map(vm_refused)
+        ctypes.memmove(self.here + pos, self.base + pos, k)  # within the sealed size: checked in _map
+        if self.reads is not None:
+            self.reads.count(memory=k, file=k)
+
+    def _map(self, vm_refused: str) -> None:
+        """Fetch the relay's memfd and map it read-only, checked: sealed
+        against shrinking (a read below its size can never fault) and at
+        least the stream's size."""
+        lend, where = self.lend, f"relay at {self.address}"
+        if not lend.file.startswith("@") or not lend.key:
+            raise _VmReadRefused(f"{vm_refused}; the {where} lends no shared memory file")
+        fds: list[int] = []
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as us:
+                us.settimeout(self.timeout)
+                us.connect("\0" + lend.file[1:])
+                P.send_msg(us, P.Hello(token=lend.key, transport="tcp"))
+                reply = P.recv_msg(us, expect=(P.Welcome,), fds=fds, deadline=time.monotonic() + self.timeout)
+        except (OSError, TransferError) as exc:
+            for fd in fds:
+                os.close(fd)
+            raise _VmReadRefused(f"{vm_refused}; the {where} did not pass its memory file ({exc})") from exc
+        if isinstance(reply, P.Failure) or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            why = reply.message if isinstance(reply, P.Failure) else f"{len(fds)} file descriptors instead of 1"
+            raise _VmReadRefused(f"{vm_refused}; the {where} did not pass its memory file ({why})")
+        fd = fds[0]
+        try:
+            size = os.fstat(fd).st_size
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if seals & fcntl.F_SEAL_SHRINK == 0:
+                raise _VmReadRefused(f"{vm_refused}; the {where} passed a file that can shrink (it could fault our reads)")
+            if size < lend.nbytes or reply.pool_nbytes != lend.nbytes:
+                raise ProtocolError(f"{where} lends a {lend.nbytes:,}-byte stream in a {size:,}-byte file (it said {reply.pool_nbytes:,})")
+            if lend.nbytes:
+                self.mapping = mmap.mmap(fd, lend.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                view = np.frombuffer(self.mapping, dtype=np.uint8)
+                self.base = int(view.ctypes.data)
+                del view  # the address stays valid until the mapping is closed
+        except OSError as exc:
+            raise _VmReadRefused(f"{vm_refused}; could not map the {where}'s memory file ({exc})") from exc
+        finally:
+            os.close(fd)  # the mapping holds its own reference to the file
+
+    def close(self) -> None:
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
+
+
 def _copy_lent(
-    sock: socket.socket, address: str, lend: P.Lend, here: int, at: list[int], total: int,
+    sock: socket.socket, address: str, reader: _LentReader, at: list[int], total: int,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
 ) -> None:
     """The Arrived frames and the copies; ``at[0]``: how far it has read."""
@@ -507,13 +681,7 @@ def _copy_lent(
             raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; we hold {pos:,} of {total:,}")
         while pos < msg.end:
             k = min(LEND_READ_NBYTES, msg.end - pos)
-            try:
-                vm_readv(lend.pid, np.array([here + pos]), np.array([lend.address + pos]), np.array([k]),
-                         peer="relay", fix="reading it over tcp instead (memory reads need the same user, and kernel.yama.ptrace_scope=0 or CAP_SYS_PTRACE)")
-            except AuthenticationError as exc:
-                raise _VmReadRefused(str(exc)) from exc
+            reader.copy(pos, k)
             pos += k
             at[0] = pos
-            if reads is not None:
-                reads.count(memory=k)
             progress(pos)
