@@ -438,3 +438,25 @@ def test_a_copy_plan_reuses_its_windows_batches_at_other_base_addresses(monkeypa
             want[do : do + n] = s[o : o + n]
         assert np.array_equal(dst.numpy(), want)
     assert len(plan._batches) == 1
+
+
+def test_the_c_loops_refuse_negative_lengths_and_a_nan_that_is_not_16_bits():
+    # Lengths a size_t would read as huge, refused before any byte moves.
+    if _copy._native is None:
+        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
+    m = _copy._native
+    buf = torch.arange(16, dtype=torch.float32)
+    keep = buf.clone()
+    at = np.array([buf.data_ptr()], dtype=np.int64)
+    bad = np.array([-1], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"nbytes\[0\] is -1"):
+        m.copy_runs(at.ctypes.data, at.ctypes.data, bad.ctypes.data, 1, False)
+    with pytest.raises(ValueError, match=r"nelems\[0\] is -1"):
+        m.convert_runs(at.ctypes.data, at.ctypes.data, bad.ctypes.data, 1, m.BFLOAT16, False)
+    one = np.array([4], dtype=np.int64)
+    for nan in (-1, 1 << 16, 1 << 32):
+        with pytest.raises((ValueError, OverflowError), match="16 bits|too large|overflow"):
+            m.convert_runs(at.ctypes.data, at.ctypes.data, one.ctypes.data, 1, m.BFLOAT16, False, 0, 0, nan)
+    with pytest.raises(ValueError, match="negative byte counts"):
+        _copy.memmove_runs(at, at, bad)
+    assert torch.equal(buf, keep)

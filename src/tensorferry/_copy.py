@@ -41,6 +41,12 @@ try:
     from . import _memcpy as _native
 except ImportError:  # installed without a C compiler: Python loops, slower per run
     _native = None
+    import logging
+
+    logging.getLogger("tensorferry").warning(
+        "tensorferry._memcpy was not built (no C compiler when tensorferry was installed): copies of many small "
+        "tensors and dtype conversions take slower Python paths; install a C compiler and reinstall tensorferry"
+    )
 
 __all__ = [
     "Batches",

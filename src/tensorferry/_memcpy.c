@@ -21,11 +21,20 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
+/* The x86 paths use GCC/Clang's target attributes and CPU checks. */
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
 #include <immintrin.h>
 #define TF_STREAMING 1
 #else
 #define TF_STREAMING 0
+#endif
+
+/* AVX512-BF16 intrinsics came with GCC 10 and Clang 11: an older compiler
+ * builds the module without that path rather than failing it whole. */
+#if TF_STREAMING && ((defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 10))
+#define TF_AVX512BF16 1
+#else
+#define TF_AVX512BF16 0
 #endif
 
 #define STREAM_MIN_RUN 1024
@@ -58,6 +67,18 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #endif
 
+/* -1 with ValueError set if a length is negative (a size_t would read it
+ * as huge), else 0. */
+static int first_negative(const int64_t *lengths, Py_ssize_t count, const char *what)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (lengths[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is %lld: lengths cannot be negative", what, i, (long long)lengths[i]);
+            return -1;
+        }
+    return 0;
+}
+
 /* copy_runs(dst, src, nbytes, count, stream, dst_base=0, src_base=0):
  * memmove(dst_base + dst[i], src_base + src[i], nbytes[i]) for i < count,
  * in order, without the GIL. dst, src and nbytes are the addresses of int64
@@ -78,6 +99,8 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
     const int64_t *src = (const int64_t *)(uintptr_t)src_at;
     const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_at;
+    if (first_negative(nbytes, count, "copy_runs: nbytes") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         char *d = (char *)(uintptr_t)(dst[i] + dst_base);
@@ -176,6 +199,7 @@ __attribute__((target("avx2"))) static inline void bf16_block_avx2(char *d, cons
     }
 }
 
+#if TF_AVX512BF16
 /* AVX512-BF16 converts 32 floats in one instruction, rounding to nearest
  * even as above, but flushes float32 denormals to zero and keeps NaN
  * payloads, where torch keeps denormals and writes one NaN. A block holding
@@ -194,6 +218,7 @@ __attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512bf16"))) static inli
     else
         _mm512_storeu_si512((__m512i *)d, out);
 }
+#endif
 
 /* float16 by F16C: IEEE round to nearest even, the instruction torch's
  * vectorised kernels use (so NaNs keep their sign and top payload bits as
@@ -247,11 +272,13 @@ __attribute__((target("avx2"))) static void bf16_body_avx2(char *d, const char *
         bf16_block_avx2(d + 2 * BLOCK_ELEMS * b, s + 4 * BLOCK_ELEMS * b, stream, nan32);
 }
 
+#if TF_AVX512BF16
 __attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512bf16"))) static void bf16_body_avx512(char *d, const char *s, size_t blocks, int stream, __m128i nan32)
 {
     for (size_t b = 0; b < blocks; b++)
         bf16_block_avx512(d + 2 * BLOCK_ELEMS * b, s + 4 * BLOCK_ELEMS * b, stream, nan32);
 }
+#endif
 
 __attribute__((target("avx,f16c"))) static void f16_body_f16c(char *d, const char *s, size_t blocks, int stream, __m128i unused)
 {
@@ -314,8 +341,8 @@ static PyObject *convert_runs(PyObject *self, PyObject *args)
     Py_ssize_t count;
     int kind, stream;
     long long dst_base = 0, src_base = 0;
-    unsigned int nan = 0x7fc0;
-    if (!PyArg_ParseTuple(args, "KKKnip|LLI", &dst_at, &src_at, &nelems_at, &count, &kind, &stream, &dst_base, &src_base, &nan))
+    long nan = 0x7fc0;
+    if (!PyArg_ParseTuple(args, "KKKnip|LLl", &dst_at, &src_at, &nelems_at, &count, &kind, &stream, &dst_base, &src_base, &nan))
         return NULL;
     if (count < 0) {
         PyErr_SetString(PyExc_ValueError, "convert_runs: count must be >= 0");
@@ -325,13 +352,15 @@ static PyObject *convert_runs(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "convert_runs: kind %d is not one this CPU converts (0: bfloat16; 1: float16, with F16C)", kind);
         return NULL;
     }
-    if (nan > 0xffff) {
-        PyErr_Format(PyExc_ValueError, "convert_runs: nan=0x%x is not 16 bits", nan);
+    if (nan < 0 || nan > 0xffff) {
+        PyErr_Format(PyExc_ValueError, "convert_runs: nan=%ld is not 16 bits", nan);
         return NULL;
     }
     const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
     const int64_t *src = (const int64_t *)(uintptr_t)src_at;
     const int64_t *nelems = (const int64_t *)(uintptr_t)nelems_at;
+    if (first_negative(nelems, count, "convert_runs: nelems") < 0)
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
         convert_run((char *)(uintptr_t)(dst[i] + dst_base), (const char *)(uintptr_t)(src[i] + src_base), (size_t)nelems[i], kind, stream, (uint16_t)nan);
@@ -365,8 +394,10 @@ PyMODINIT_FUNC PyInit__memcpy(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2"))
         bf16_body = bf16_body_avx2;
+#if TF_AVX512BF16
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16"))
         bf16_body = bf16_body_avx512;
+#endif
     if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c"))
         f16_body = f16_body_f16c;
 #endif
