@@ -475,7 +475,7 @@ def test_a_shared_cache_hands_out_sealed_memfds_reused_and_closed_with_their_mem
 def test_take_shared_needs_a_shared_cache():
     cache = ReceiveCache(64 * MiB)
     try:
-        with pytest.raises(ValueError, match="shared=True"):
+        with pytest.raises(ConfigurationError, match="shared=True"):
             cache.take_shared(2 * MiB)
     finally:
         cache.close()

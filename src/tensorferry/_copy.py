@@ -251,14 +251,17 @@ def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: boo
     between separate buffers).
 
     Raises:
-        ValueError: a negative byte count (the C loop would read it as huge).
+        TransferError: a negative byte count (the C loop would read it as huge).
     """
     count = int(lengths.size)
     if count == 0:
         return Batches([], False, False, 0)
     dst, src, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, lengths))
     if int(lengths.min()) < 0:
-        raise ValueError(f"copy runs: {int((lengths < 0).sum()):,} negative byte counts (the first {int(lengths[lengths < 0][0]):,})")
+        raise TransferError(
+            f"copy runs: {int((lengths < 0).sum()):,} negative byte counts (the first {int(lengths[lengths < 0][0]):,}); "
+            "nothing was copied: the runs were computed wrong (a tensorferry bug: please report it)"
+        )
     total = int(lengths.sum())
     stream = total >= _STREAM_MIN_NBYTES
     threads = copy_threads() if total >= _PARALLEL_MIN_NBYTES else 1

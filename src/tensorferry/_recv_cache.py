@@ -187,7 +187,7 @@ class ReceiveCache:
         The fd stays open as long as the buffer (any tensor sharing its
         storage) is alive; do not close it."""
         if not self.shared:
-            raise ValueError("take_shared needs a ReceiveCache(shared=True)")
+            raise ConfigurationError("take_shared needs a cache made with ReceiveCache(shared=True) (a relaying receiver's); this one is private")
         return self._take(nbytes)
 
     def _take(self, nbytes: int) -> tuple[torch.Tensor, bool, int]:
