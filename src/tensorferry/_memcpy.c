@@ -67,10 +67,14 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #endif
 
-/* -1 with ValueError set if a length is negative (a size_t would read it
- * as huge), else 0. */
-static int first_negative(const int64_t *lengths, Py_ssize_t count, const char *what)
+/* -1 with ValueError set if the count or a length is negative (a size_t
+ * would read it as huge), else 0. */
+static int check_lengths(const int64_t *lengths, Py_ssize_t count, const char *what)
 {
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: count must be >= 0, not %zd", what, count);
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < count; i++)
         if (lengths[i] < 0) {
             PyErr_Format(PyExc_ValueError, "%s[%zd] is %lld: lengths cannot be negative", what, i, (long long)lengths[i]);
@@ -92,14 +96,10 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     long long dst_base = 0, src_base = 0;
     if (!PyArg_ParseTuple(args, "KKKnp|LL", &dst_at, &src_at, &nbytes_at, &count, &stream, &dst_base, &src_base))
         return NULL;
-    if (count < 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_runs: count must be >= 0");
-        return NULL;
-    }
     const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
     const int64_t *src = (const int64_t *)(uintptr_t)src_at;
     const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_at;
-    if (first_negative(nbytes, count, "copy_runs: nbytes") < 0)
+    if (check_lengths(nbytes, count, "copy_runs: nbytes") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -344,10 +344,6 @@ static PyObject *convert_runs(PyObject *self, PyObject *args)
     long nan = 0x7fc0;
     if (!PyArg_ParseTuple(args, "KKKnip|LLl", &dst_at, &src_at, &nelems_at, &count, &kind, &stream, &dst_base, &src_base, &nan))
         return NULL;
-    if (count < 0) {
-        PyErr_SetString(PyExc_ValueError, "convert_runs: count must be >= 0");
-        return NULL;
-    }
     if (!kind_supported(kind)) {
         PyErr_Format(PyExc_ValueError, "convert_runs: kind %d is not one this CPU converts (0: bfloat16; 1: float16, with F16C)", kind);
         return NULL;
@@ -359,7 +355,7 @@ static PyObject *convert_runs(PyObject *self, PyObject *args)
     const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
     const int64_t *src = (const int64_t *)(uintptr_t)src_at;
     const int64_t *nelems = (const int64_t *)(uintptr_t)nelems_at;
-    if (first_negative(nelems, count, "convert_runs: nelems") < 0)
+    if (check_lengths(nelems, count, "convert_runs: nelems") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
