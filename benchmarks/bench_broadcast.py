@@ -112,9 +112,10 @@ import threading
 import time
 import traceback
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from _env import package_version  # benchmarks/_env.py (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -665,18 +666,13 @@ def check(doc: dict, what: str, r: dict, digest: str | None) -> None:
 def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: int, load_start: float, started: float) -> dict:
     import torch
 
-    def ver(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
 
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "tensorferry": ver("tensorferry"),
+        "tensorferry": package_version("tensorferry"),
         "rate": args.rate,
         "rate_bits": rate_bits,
         "nbytes": nbytes,

@@ -59,7 +59,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,6 +69,8 @@ import tensorferry
 from tensorferry import packing as tf_layout
 
 from ray.experimental.rdt import nixl_memory_pool as ray_pool
+
+from _env import package_version  # benchmarks/_env.py (this script's folder)
 
 MIB = 1 << 20
 # 256 MiB of float32: the storage every "views" case slices up.
@@ -717,11 +718,6 @@ def environment() -> dict[str, Any]:
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     ncpu = len(os.sched_getaffinity(0))
 
-    def ver(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
 
     import subprocess
 
@@ -743,8 +739,8 @@ def environment() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "ray": ver("ray"),
-        "nixl": ver("nixl"),
+        "ray": package_version("ray"),
+        "nixl": package_version("nixl"),
         "numpy": np.__version__,
         "tensorferry": tensorferry.__version__,
     }

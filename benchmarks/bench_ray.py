@@ -104,11 +104,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from _env import package_version  # benchmarks/_env.py (this script's folder)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -1046,11 +1047,6 @@ def environment() -> dict:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
-    def ver(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -1058,9 +1054,9 @@ def environment() -> dict:
         "cpus": len(os.sched_getaffinity(0)),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "ray": ver("ray"),
-        "nixl": ver("nixl"),
-        "tensorferry": ver("tensorferry"),
+        "ray": package_version("ray"),
+        "nixl": package_version("nixl"),
+        "tensorferry": package_version("tensorferry"),
     }
 
 

@@ -105,9 +105,10 @@ import sys
 import time
 import traceback
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from _env import package_version  # benchmarks/_env.py (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -1378,19 +1379,14 @@ def main() -> int:
 def env_info(args, nbytes, repeats, peer_repeats, transports, info, load_start, started) -> dict:
     import torch
 
-    def ver(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "absent"
 
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.release()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "tensorferry": ver("tensorferry"),
-        "nixl": ver("nixl"),
+        "tensorferry": package_version("tensorferry"),
+        "nixl": package_version("nixl"),
         "nbytes": nbytes,
         "repeats": repeats,
         "peer_repeats": peer_repeats,
