@@ -1082,6 +1082,7 @@ def tf_cases(transport: str, repeats: int) -> list[dict]:
 
 
 def case_label(c: dict) -> str:
+    """A case's (or a plans variant's) object, e.g. ``100k separate``."""
     n = {1: "1", 10_000: "10k", 100_000: "100k"}[c["count"]]
     return f"{n}{' separate' if c['kind'] == 'separate' else ''}"
 
@@ -1143,14 +1144,9 @@ def plan_groups(transport: str, repeats: int) -> list[dict]:
     return groups
 
 
-def plan_label(c: dict) -> str:
-    n = {1: "1", 10_000: "10k", 100_000: "100k"}[c["count"]]
-    return f"{n}{' separate' if c['kind'] == 'separate' else ''}"
-
-
 def plan_case_id(c: dict) -> str:
     """A plans case's name, e.g. ``tcp:into:plan:100k-separate``."""
-    return f"{c['transport']}:{c['group']}:{c['how']}:{plan_label(c).replace(' ', '-')}"
+    return f"{c['transport']}:{c['group']}:{c['how']}:{case_label(c).replace(' ', '-')}"
 
 
 def run_plans(w: Workers, transports: list[str], repeats: int, args, doc: dict) -> None:
@@ -1542,7 +1538,7 @@ def summarize_plans(doc: dict, nbytes: int) -> None:
         sync = med([x["end_to_end_seconds"] for x in r["records"]])
         rows.append({
             "id": c["id"], "transport": c["transport"], "group": c["group"], "how": c["how"], "count": c["count"],
-            "kind": c["kind"], "dest": c["dest"], "label": plan_label(c),
+            "kind": c["kind"], "dest": c["dest"], "label": case_label(c),
             "sync_seconds": sync,
             "sync_all_seconds": [x["end_to_end_seconds"] for x in r["records"]],
             "put_seconds": med([x["put_seconds"] for x in s["records"]]),
