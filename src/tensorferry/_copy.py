@@ -222,20 +222,20 @@ class Batches:
     parts run at once on the copy threads; made by :func:`batches`, run any
     number of times at any base addresses (a kept plan makes them once)."""
 
-    __slots__ = ("parts", "stream", "parallel", "count")
+    __slots__ = ("parts", "stream", "count")
 
-    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], stream: bool, parallel: bool, count: int) -> None:
-        self.parts, self.stream, self.parallel = parts, stream, parallel
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], stream: bool, count: int) -> None:
+        self.parts, self.stream = parts, stream
         self.count = count  # runs, before any was cut at a seam
 
     def run(self, dst_base: int = 0, src_base: int = 0) -> None:
-        """Copy every run at ``dst_base + dst[i]`` from ``src_base + src[i]``.
-        Returns when every byte has been copied; an error in any part is raised here."""
-        if not self.parallel:
-            for d, s, n in self.parts:
-                _copy_serial(d, s, n, self.stream, dst_base, src_base)
-            return
-        run_parts(_copy_serial, [(d, s, n, self.stream, dst_base, src_base) for d, s, n in self.parts])
+        """Copy every run at ``dst_base + dst[i]`` from ``src_base + src[i]``
+        (one part: on this thread). Returns when every byte has been
+        copied; an error in any part is raised here."""
+        if len(self.parts) == 1:
+            _copy_serial(*self.parts[0], self.stream, dst_base, src_base)
+        elif self.parts:
+            run_parts(_copy_serial, [(d, s, n, self.stream, dst_base, src_base) for d, s, n in self.parts])
 
 
 def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: bool | None = None) -> Batches:
@@ -255,7 +255,7 @@ def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: boo
     """
     count = int(lengths.size)
     if count == 0:
-        return Batches([], False, False, 0)
+        return Batches([], False, 0)
     dst, src, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in (dst, src, lengths))
     if int(lengths.min()) < 0:
         raise TransferError(
@@ -270,8 +270,8 @@ def batches(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: boo
         or (_native is None and total < _PARALLEL_MIN_MEAN_RUN * count)
         or (count > 1 and not (apart if apart is not None else destinations_apart(dst, lengths)))
     ):
-        return Batches([(dst, src, lengths)], stream, False, count)
-    return Batches(_parts(dst, src, lengths, threads), stream, True, count)
+        return Batches([(dst, src, lengths)], stream, count)
+    return Batches(_parts(dst, src, lengths, threads), stream, count)
 
 
 def memmove_runs(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, apart: bool | None = None) -> None:

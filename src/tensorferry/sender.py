@@ -224,30 +224,28 @@ class Sender:
             # Any number of gets until discard(); the lease does not apply.
             readers, deadline = _UNLIMITED, float("inf")
         if planned is not None:
-            # A snapshot put checks the tensors as their bytes move into the
-            # pool (SendPlan.fill_checked); the others before anything moves.
-            planned.check(self, tensors=not snapshot)
-            if not snapshot:
-                return self._put_sourced(planned, ticket_id, readers, lease, deadline)
             layout, layout_bytes, count = planned.layout, planned.layout_bytes, planned.num_tensors
             total = planned.total_nbytes
+            # A snapshot put of some bytes checks the tensors as they move
+            # into the pool (SendPlan.fill_checked); any other, before.
+            planned.check(self, tensors=not (snapshot and total))
+            if not snapshot:
+                return self._put_sourced(planned, ticket_id, readers, lease, deadline)
         try:
             if planned is None:
                 packed = self.pool.pack(obj)
                 layout, layout_bytes = packed.layout, packed.layout.to_bytes()
-            elif total:
-                packed = self.pool.pack_with(layout, total, planned.fill_checked, num_tensors=count)
             else:
-                planned.check(self)  # no bytes to move: nothing to check them beside
-                packed = None
+                packed = self.pool.pack_with(layout, total, planned.fill_checked, num_tensors=count) if total else None
         except PoolExhaustedError:
+            if planned is not None:
+                # No block, so fill_checked never ran: a stale plan says so
+                # (not that the pool is full), and streamed pieces are packed later.
+                planned.check(self)
             if one_shot:
-                if planned is not None:
-                    planned.check(self)  # a stale plan says so, not that the pool is full
                 raise
             if planned is None:
                 return self._put_streamed(obj, ticket_id, readers, lease, deadline)
-            planned.check(self)  # its pieces are packed later: check the tensors now
             return self._add_streamed(planned.layout, planned.layout_bytes, total, planned.fill_piece(self.pool), ticket_id, readers, lease, deadline)
         blocks = list(packed.blocks) if packed is not None else []
         if planned is None:
