@@ -16,15 +16,22 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q nixl==1.5.1
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The C copy loop is compiled by the install; a checkout whose _memcpy.c
+# changed since (git pull) rebuilds it here, without reinstalling the rest.
+EXT := $(VENV)/.memcpy-built
+$(EXT): $(STAMP) src/tensorferry/_memcpy.c
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(EXT)
 
-demo: $(STAMP)
+venv: $(EXT)
+
+demo: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/tensorferry demo
 
-test: $(STAMP)
+test: $(EXT)
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_transfer.py
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python benchmarks/bench_ray.py
