@@ -14,3 +14,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def c_loop():
+    """tensorferry's C copy loop (``_copy._native``). The install builds it
+    (a C compiler is on every machine CI runs on): missing, the tests that
+    need it fail rather than skip."""
+    from tensorferry import _copy
+
+    assert _copy._native is not None, "tensorferry._memcpy was not built: install with a C compiler (pip install -e .)"
+    return _copy._native
+
+
+@pytest.fixture(params=["c-loop", "python"])
+def copies(request, monkeypatch):
+    """Which copy loop moves many small runs: the C extension's, or the
+    fallback without it (Python loops of memmove, vectored I/O, torch.cat)."""
+    from tensorferry import _copy
+
+    if request.param == "c-loop":
+        request.getfixturevalue("c_loop")
+    else:
+        monkeypatch.setattr(_copy, "_native", None)
+    return request.param

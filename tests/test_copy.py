@@ -39,15 +39,6 @@ def test_memmove_runs_copies_every_byte_to_its_place(monkeypatch, threads):
         assert np.array_equal(d[do : do + n], s[o : o + n])
 
 
-@pytest.fixture(params=["c-loop", "python"])
-def copies(request, monkeypatch):
-    if request.param == "c-loop" and _copy._native is None:
-        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
-    if request.param == "python":
-        monkeypatch.setattr(_copy, "_native", None)
-    return request.param
-
-
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_many_small_runs_at_odd_addresses_land_exactly(monkeypatch, copies, threads):
     # 40k runs of 1 to 1,500 bytes (30 MB: a streaming batch, split over
@@ -371,11 +362,9 @@ def test_conversions_match_torch_bit_for_bit(monkeypatch, copies, threads, dtype
     assert len(to_torch) == (1 if native else len(pairs))
 
 
-def test_convert_runs_at_odd_addresses_and_bases():
+def test_convert_runs_at_odd_addresses_and_bases(c_loop):
     # Directly, where torch makes no tensor: a destination at an odd byte
     # address (never streamed), and runs given as offsets plus base addresses.
-    if _copy._native is None:
-        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
     rng = np.random.default_rng(4)
     src = _f32_bits(rng.integers(0, 1 << 32, size=300_001, dtype=np.uint32))
     raw = torch.zeros(2 * src.numel() + 64, dtype=torch.uint8)
@@ -404,11 +393,9 @@ print(hex(kinds[torch.bfloat16][1]), torch.equal(dst.view(torch.int16), src.to(t
 """
 
 
-def test_bfloat16_nan_follows_torch_kernel_of_the_process():
+def test_bfloat16_nan_follows_torch_kernel_of_the_process(c_loop):
     # torch's scalar kernel (ATEN_CPU_CAPABILITY=default) writes NaN as
     # 0x7fc0, its vectorised ones as 0xffff: the C loop learns which.
-    if _copy._native is None:
-        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
     import os
     import subprocess
     import sys
@@ -440,10 +427,8 @@ def test_a_copy_plan_reuses_its_windows_batches_at_other_base_addresses(monkeypa
     assert len(plan._batches) == 1
 
 
-def test_the_c_loops_refuse_negative_lengths_and_a_nan_that_is_not_16_bits():
+def test_the_c_loops_refuse_negative_lengths_and_a_nan_that_is_not_16_bits(c_loop):
     # Lengths a size_t would read as huge, refused before any byte moves.
-    if _copy._native is None:
-        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
     m = _copy._native
     buf = torch.arange(16, dtype=torch.float32)
     keep = buf.clone()

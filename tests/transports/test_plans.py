@@ -605,25 +605,10 @@ def test_a_buffer_list_window_is_exactly_the_stream_range(runs, tail, cut):
     assert b"".join(bytes(b) for b in bl.window(0, total)) == bytes(expected)
 
 
-@pytest.fixture(params=["c-loop", "python"])
-def copies(request, monkeypatch):
-    """Which copy loop moves many small runs: the C extension's (built by
-    the install), or the fallback without it (vectored I/O, torch.cat)."""
-    from tensorferry import _copy
-
-    if request.param == "c-loop" and _copy._native is None:
-        pytest.skip("tensorferry._memcpy was not built (no C compiler at install)")
-    if request.param == "python":
-        monkeypatch.setattr(_copy, "_native", None)
-    return request.param
-
-
-def test_the_c_copy_loop_is_built():
+def test_the_c_copy_loop_is_built(c_loop):
     # The install builds it wherever a C compiler is (CI's machines): a
     # failed build would only show as slow syncs, so it is checked here.
-    from tensorferry import _copy
-
-    assert _copy._native is not None, "tensorferry._memcpy did not build: pip install -e . with a C compiler"
+    assert callable(c_loop.copy_runs) and callable(c_loop.convert_runs)
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float16], ids=["as-is", "to-float16"])
