@@ -318,11 +318,13 @@ class RelayServer(TcpControlServer):
 
     def _pass_file(self, conn: socket.socket) -> None:
         conn.settimeout(2.0)
+        # The Hello first, also from a child we refuse: closing before it
+        # arrived would fail the child's send, and it would never read why.
+        hello = P.recv_msg(conn, expect=(P.Hello,), deadline=time.monotonic() + 2.0)
         pid, uid, _gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         if uid != os.getuid() and uid != 0:
             P.send_msg(conn, P.Failure(kind="auth", message=f"process {pid} of user {uid} may not map this relay's memory"))
             return
-        hello = P.recv_msg(conn, expect=(P.Hello,), deadline=time.monotonic() + 2.0)
         with self._lock:
             held = self._files.get(hello.token) if isinstance(hello, P.Hello) else None
             if held is None:
