@@ -169,9 +169,9 @@ class Ledger:
             piece.holding += 1
             entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_seconds)
             conn.holds[key] = conn.holds.get(key, 0) + 1
-            # Only tcp readers join the tree: shm readers on the sender's
-            # host map its pool, and nixl reads it one-sided.
-            source = entry.tree.join(msg.relay, getattr(conn, "remote_host", "")) if entry.tree is not None and getattr(conn, "transport", "") == "tcp" else SENDER
+            # Only tcp and nixl readers join the tree: shm readers on the
+            # sender's host map its pool.
+            source = entry.tree.join(msg.relay, getattr(conn, "remote_host", "")) if entry.tree is not None and getattr(conn, "transport", "") in ("tcp", "nixl") else SENDER
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
     def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:

@@ -36,6 +36,7 @@ __all__ = [
     "Fetch",
     "Pull",
     "Lend",
+    "Exposed",
     "Arrived",
     "Sources",
     "SourceRuns",
@@ -74,6 +75,7 @@ class MsgType:
     SOURCE_RUNS = 12
     LEND = 13
     ARRIVED = 14
+    EXPOSED = 15
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -143,6 +145,9 @@ class Pull(msgspec.Struct, frozen=True):
     # transports._relay.host_identity), b"" for a stream: a relay on the
     # same one answers with Lend, and the child copies out of its memory.
     host: Annotated[bytes, msgspec.Meta(max_length=128)] = b""
+    # True: the child reads with NIXL (a nixl receiver on another host); a
+    # nixl relay answers with Exposed instead of a stream.
+    nixl: bool = False
 
 
 class Lend(msgspec.Struct, frozen=True):
@@ -161,6 +166,19 @@ class Lend(msgspec.Struct, frozen=True):
     # "": no shared file (the child reads by process_vm_readv or streams).
     file: Annotated[str, msgspec.Meta(max_length=107)] = ""
     key: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+
+
+class Exposed(msgspec.Struct, frozen=True):
+    """Relay -> a nixl child, in reply to Pull: the ticket's stream is
+    ``nbytes`` bytes at ``address`` in memory registered with the relay's
+    NIXL agent (``metadata``: its envelope, for the child's add_remote).
+    Then as Lend: Arrived frames, the child READs each newly arrived range,
+    and the memory stays registered until the child says how far it read
+    or closes."""
+
+    metadata: Annotated[bytes, msgspec.Meta(max_length=8 << 20)]
+    address: Annotated[int, msgspec.Meta(gt=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Arrived(msgspec.Struct, frozen=True):
@@ -222,6 +240,7 @@ _TYPES: dict[int, type] = {
     MsgType.SOURCE_RUNS: SourceRuns,
     MsgType.LEND: Lend,
     MsgType.ARRIVED: Arrived,
+    MsgType.EXPOSED: Exposed,
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()

@@ -111,11 +111,13 @@ class Receiver:
             an eighth of the host's memory); 0 turns the cache off.
         cache_idle_seconds: memory the cache kept and no get used for this
             long goes back to the system (``float("inf")``: never).
-        relay: tcp: pass on broadcast tickets (``Sender.put(fanout=)``) to
-            the receivers the sender places below this one, while still
+        relay: tcp or nixl: pass on broadcast tickets (``Sender.put(fanout=)``)
+            to the receivers the sender places below this one, while still
             receiving them; listens on ``host``:``port`` (advertised as
             ``advertise_host``, as for a Sender; a non-loopback address
-            needs the ``token``, which children present).
+            needs the ``token``, which children present). tcp children on
+            other hosts take a stream; nixl children READ the ticket's
+            memory, which a relay registers with a NIXL agent of its own.
         stall_seconds: a relay this receiver pulls from that sends no chunk
             for this long is given up: the sender names another source and
             the get resumes from the bytes it has.
@@ -127,8 +129,8 @@ class Receiver:
             copy, no socket; where the kernel refuses, ptrace restricted,
             out of a read-only mapping of the relay's memfd, passed over a
             Unix socket; where neither works, another user, it logs why and
-            streams), ``"tcp"`` takes the stream as from a relay on another
-            host.
+            streams), ``"tcp"`` reads it as a relay on another host (a tcp
+            stream; NIXL READs for a nixl receiver).
     """
 
     def __init__(
@@ -184,9 +186,9 @@ class Receiver:
         from .transports._relay import RelayBook, RelayServer
         from .transports._tcp import is_loopback
 
-        if self.transport not in (None, "tcp"):
+        if self.transport not in (None, "tcp", "nixl"):
             self.close()
-            raise ConfigurationError(f"Receiver(relay=True) relays over tcp; this receiver speaks {self.transport}")
+            raise ConfigurationError(f"Receiver(relay=True) relays over tcp or nixl; this receiver speaks {self.transport}")
         if not is_loopback(host) and not self.token:
             self.close()
             raise ConfigurationError(
@@ -408,8 +410,8 @@ class Receiver:
 
     def _through_relays(self, ch: Any, blocks: list, source: str) -> bool:
         """A broadcast get: the sender named a relay, or this receiver
-        relays (what it receives over tcp, its children may ask for)."""
-        return bool(source) or (self._book is not None and ch.transport == "tcp" and len(blocks) == 1)
+        relays (what it receives over tcp or nixl, its children may ask for)."""
+        return bool(source) or (self._book is not None and ch.transport in ("tcp", "nixl") and len(blocks) == 1)
 
     def _receive_broadcast(self, ch: Any, ticket: Ticket, blocks: list, source: str, deadline: float) -> torch.Tensor:
         """The one block of a ticket, chunk by chunk, from ``source`` (a
@@ -417,8 +419,6 @@ class Receiver:
         this receiver's children as it arrives if it relays. A relay that
         fails or stalls is reported to the sender, which names another
         source; the receive resumes from the bytes it has."""
-        from .transports._relay import CHUNK_NBYTES, pull
-
         if len(blocks) != 1:
             raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
         total = blocks[0][1]
@@ -429,6 +429,7 @@ class Receiver:
         else:
             stream, fd = self._destination([total])[0][0], -1
         buf = memoryview(stream.numpy())
+        nixl = ch.endpoint if ch.transport == "nixl" else None
         held = self._book.add(ticket.id, ticket.digest, buf, fd) if self._book is not None else None
         got = [0]
 
@@ -439,26 +440,36 @@ class Receiver:
 
         ok = False
         try:
-            while got[0] < total:
-                try:
-                    if not source:
-                        ch.receive_range(ticket.id, 0, blocks, buf, got[0], progress, deadline=deadline, chunk_nbytes=CHUNK_NBYTES)
-                    else:
-                        pull(source, token=self.token, ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=got[0],
-                             progress=progress, stall_seconds=self.stall_seconds, deadline=deadline, reads=self._same_host_reads)
-                except (PeerGoneError, TransferTimeoutError, ProtocolError):
-                    if not source or time.monotonic() > deadline:
-                        raise
-                    # The relay died or stalled: the sender names another
-                    # source (or itself); resume from what has arrived.
-                    located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest,
-                                         relay=self.relay_address, failed_source=source)
-                    source = located.source
+            # nixl READs land in registered memory only.
+            with ch.registered(stream) if nixl is not None else contextlib.nullcontext():
+                self._pull_broadcast(ch, ticket, blocks, source, buf, got, progress, nixl, deadline)
             ok = True
         finally:
             if held is not None:
                 held.finish(ok)
         return stream
+
+    def _pull_broadcast(self, ch: Any, ticket: Ticket, blocks: list, source: str, buf: memoryview, got: list[int],
+                        progress: Any, nixl: Any, deadline: float) -> None:
+        """Fill ``buf`` from ``got[0]`` on: from the sender (``source``
+        ""), else from relays, as the sender names them."""
+        from .transports._relay import CHUNK_NBYTES, pull
+
+        while got[0] < len(buf):
+            try:
+                if not source:
+                    ch.receive_range(ticket.id, 0, blocks, buf, got[0], progress, deadline=deadline, chunk_nbytes=CHUNK_NBYTES)
+                else:
+                    pull(source, token=self.token, ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=got[0],
+                         progress=progress, stall_seconds=self.stall_seconds, deadline=deadline, reads=self._same_host_reads, nixl=nixl)
+            except (PeerGoneError, TransferTimeoutError, ProtocolError):
+                if not source or time.monotonic() > deadline:
+                    raise
+                # The relay died or stalled: the sender names another
+                # source (or itself); resume from what has arrived.
+                located = ch.acquire(ticket.id, 0, timeout=self._left(deadline), digest=ticket.digest,
+                                     relay=self.relay_address, failed_source=source)
+                source = located.source
 
     def _check_open(self) -> None:
         if self._closed:
@@ -628,17 +639,20 @@ class Receiver:
         ``relay_stream_nbytes``: bytes this receiver copied out of same-host
         relays' memory and took from relays as tcp streams;
         ``relay_file_read_nbytes``: of the memory reads, those out of a
-        mapping of the relay's memfd (where process_vm_readv was refused). A relaying
-        receiver adds ``relay_bytes_sent`` (passed on to its children, either
-        way), ``relay_bytes_lent`` (of which same-host children copied out of
-        its memory) and ``relay_held_nbytes`` (tickets kept for them).
+        mapping of the relay's memfd (where process_vm_readv was refused);
+        ``relay_nixl_read_nbytes``: bytes it READ out of nixl relays. A
+        relaying receiver adds ``relay_bytes_sent`` (passed on to its
+        children, any way), ``relay_bytes_lent`` (of which same-host children
+        copied out of its memory), ``relay_bytes_exposed`` (of which nixl
+        children READ) and ``relay_held_nbytes`` (tickets kept for them).
         """
         cache = self._cache.stats()
         reads = self._same_host_reads
         relay = {"relay_memory_read_nbytes": reads.memory_nbytes, "relay_file_read_nbytes": reads.file_nbytes,
-                 "relay_stream_nbytes": reads.stream_nbytes}
+                 "relay_stream_nbytes": reads.stream_nbytes, "relay_nixl_read_nbytes": reads.nixl_nbytes}
         if self._relay_server is not None:
-            relay.update(relay_bytes_sent=self._relay_server.bytes_sent, relay_bytes_lent=self._relay_server.bytes_lent,
+            server = self._relay_server
+            relay.update(relay_bytes_sent=server.bytes_sent, relay_bytes_lent=server.bytes_lent, relay_bytes_exposed=server.bytes_exposed,
                          relay_held_nbytes=self._book.held_nbytes())
         return {"gets": self.gets, "bytes_received": self.bytes_received, **relay, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
 

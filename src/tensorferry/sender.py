@@ -184,7 +184,7 @@ class Sender:
                 tcp sends from them; shm readers copy them straight out of
                 this process (``process_vm_readv``: same user, and where
                 Yama restricts ptrace, this process must allow it).
-            fanout: tcp: a broadcast. The sender serves at most this many
+            fanout: tcp or nixl: a broadcast. The sender serves at most this many
                 receivers itself; the others pull from receivers made with
                 ``relay=True`` (each serving at most ``fanout``): a chain
                 for 1, a tree for more. The object must fit in one block of
@@ -210,10 +210,10 @@ class Sender:
         if fanout is not None:
             if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
                 raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
-            if "tcp" not in self.servers or not snapshot:
+            if not {"tcp", "nixl"} & set(self.servers) or not snapshot:
                 raise ConfigurationError(
-                    f"put(fanout=...) broadcasts through relaying receivers over tcp; this sender serves {', '.join(self.servers)}"
-                    + ("" if snapshot else " and snapshot=False serves the tensors themselves") + ": use a tcp Sender and snapshot=True"
+                    f"put(fanout=...) broadcasts through relaying receivers over tcp or nixl; this sender serves {', '.join(self.servers)}"
+                    + ("" if snapshot else " and snapshot=False serves the tensors themselves") + ": use a tcp or nixl Sender and snapshot=True"
                 )
             if planned is None:
                 planned = self.plan(obj)  # one block: a relay passes on one stream

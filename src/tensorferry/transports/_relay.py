@@ -1,4 +1,4 @@
-"""Relays: a receiver that passes on what it has received (tcp).
+"""Relays: a receiver that passes on what it has received (tcp, nixl).
 
 A broadcast ticket (``Sender.put(..., fanout=k)``) is pulled by most
 receivers from another receiver rather than from the sender (see
@@ -21,6 +21,13 @@ default on Ubuntu, between sibling processes; a non-dumpable relay) it
 maps the relay's memfd read-only and copies out of the mapping, which
 needs no ptrace permission, only the same user. Only where neither works
 does the child say why once and take the stream.
+
+A nixl child on another host does not take a stream either: the relay
+registers the ticket's receive memory with a NIXL agent of its own (the
+exposer, which serves READs) and answers its Pull with
+:class:`~tensorferry._protocol.Exposed` (the agent's metadata and the
+address), then Arrived frames as for a lend; the child READs each new range
+one-sided, as it READs the sender's pool.
 
 :func:`pull` is the child's side. A relay that dies or stalls shows up in
 the child as a broken or silent connection; the child then asks the sender
@@ -47,7 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _protocol as P
-from ..errors import AuthenticationError, PeerGoneError, ProtocolError, TransferError, TransferTimeoutError
+from ..errors import AuthenticationError, ConfigurationError, PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
 from ._base import Connection
 from ._shm import vm_readv
 from ._tcp import TcpControlServer, connect
@@ -102,6 +109,7 @@ class SameHostReads:
         self.memory_nbytes = 0  # copied out of same-host relays' memory, either way
         self.file_nbytes = 0  # of which out of a mapping of the relay's memfd
         self.stream_nbytes = 0  # taken as tcp streams from relays
+        self.nixl_nbytes = 0  # READ with NIXL out of relays' exposed memory
         self.refused = ""  # why the last refused memory read was refused, if one was
         self._refused_at: set[str] = set()  # relays read as streams
         self._no_vm_at: set[str] = set()  # relays read through their file
@@ -127,11 +135,12 @@ class SameHostReads:
                 self.refused = reason
                 log.warning("reading the relay at %s over tcp: %s", address, reason)
 
-    def count(self, memory: int = 0, stream: int = 0, file: int = 0) -> None:
+    def count(self, memory: int = 0, stream: int = 0, file: int = 0, nixl: int = 0) -> None:
         with self._lock:
             self.memory_nbytes += memory
             self.file_nbytes += file
             self.stream_nbytes += stream
+            self.nixl_nbytes += nixl
 
 
 class _Held:
@@ -149,6 +158,10 @@ class _Held:
         self.state = "receiving"  # then "complete" or "failed"
         self.pulls = 0
         self.idle_since = time.monotonic()
+        self.dropped = False  # let go by the book: no new pull may start on it
+        # Its memory registered with the relay's NIXL exposer, while it is
+        # (a tensor over ``buf``; RelayServer._expose, let go on drop).
+        self.exposed: Any = None
 
     def progress(self, end: int) -> None:
         with self.book.cond:
@@ -183,9 +196,12 @@ class RelayBook:
     and children resuming after a fault find it, or until the next ticket
     starts; then its memory is let go."""
 
-    def __init__(self, linger_seconds: float) -> None:
+    def __init__(self, linger_seconds: float, on_drop: Callable[[_Held], None] | None = None) -> None:
         self.cond = threading.Condition()
         self.linger_seconds = linger_seconds
+        # Called (outside the lock, perhaps twice: it must not mind) with
+        # each ticket let go, once no child pulls it.
+        self.on_drop = on_drop
         self._held: dict[int, _Held] = {}
         self._timer: threading.Timer | None = None
         self._closed = False
@@ -198,12 +214,27 @@ class RelayBook:
         is sent elsewhere by the sender (its pull here fails)."""
         held = _Held(self, ticket_id, digest, buf, fd)
         with self.cond:
-            for tid, h in list(self._held.items()):
-                if h.state != "receiving" and not h.pulls:
-                    del self._held[tid]
+            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls]
+            self._drop(gone)
             self._held[ticket_id] = held
             self.cond.notify_all()
+        self._dropped(gone)
         return held
+
+    def _drop(self, gone: list[_Held]) -> None:
+        """Under the lock: forget these tickets (no pull starts on them)."""
+        for h in gone:
+            h.dropped = True
+            if self._held.get(h.ticket_id) is h:
+                del self._held[h.ticket_id]
+
+    def _dropped(self, gone: list[_Held]) -> None:
+        """After :meth:`_drop`: ``on_drop`` for each ticket no child pulls
+        (one that is pulled goes when its last pull ends)."""
+        if self.on_drop is not None:
+            for h in gone:
+                if not h.pulls:
+                    self.on_drop(h)
 
     def find(self, ticket_id: int, timeout: float) -> _Held | None:
         """The ticket's stream; waits up to ``timeout`` for the receive to
@@ -217,14 +248,21 @@ class RelayBook:
                 self.cond.wait(left)
             return self._held.get(ticket_id)
 
-    def begin_pull(self, held: _Held) -> None:
+    def begin_pull(self, held: _Held) -> bool:
+        """Count a child's pull; False if the ticket was let go meanwhile."""
         with self.cond:
+            if held.dropped:
+                return False
             held.pulls += 1
+            return True
 
     def end_pull(self, held: _Held) -> None:
         with self.cond:
             held.pulls -= 1
             held.idle_since = time.monotonic()
+            last = held.dropped and not held.pulls
+        if last and self.on_drop is not None:
+            self.on_drop(held)
         self.expire_later()
 
     def expire_later(self) -> None:
@@ -239,10 +277,10 @@ class RelayBook:
         now = time.monotonic()
         with self.cond:
             self._timer = None
-            for tid, h in list(self._held.items()):
-                if h.state != "receiving" and not h.pulls and now - h.idle_since >= self.linger_seconds:
-                    del self._held[tid]
+            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls and now - h.idle_since >= self.linger_seconds]
+            self._drop(gone)
             pending = any(h.state != "receiving" for h in self._held.values())
+        self._dropped(gone)
         if pending:
             self.expire_later()
 
@@ -253,11 +291,13 @@ class RelayBook:
     def close(self) -> None:
         with self.cond:
             self._closed = True
-            self._held.clear()
+            gone = list(self._held.values())
+            self._drop(gone)
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
             self.cond.notify_all()
+        self._dropped(gone)
 
     # What a control server asks of its "ledger": a relay keeps no slots.
     def acquire(self, conn: Any, msg: Any) -> P.Failure:
@@ -275,15 +315,26 @@ class RelayBook:
 
 class RelayServer(TcpControlServer):
     """A relaying receiver's server: children present the token, then
-    :class:`Pull` byte ranges of a ticket, streamed as they arrive here, or
-    lent (children on this host) and announced as they arrive."""
+    :class:`Pull` byte ranges of a ticket, streamed as they arrive here,
+    lent (children on this host) or exposed to NIXL READs (nixl children),
+    and announced as they arrive.
+
+    Its NIXL agent (the exposer) is made on the first nixl child; each
+    ticket's memory is registered with it for as long as the book keeps the
+    ticket (or a child still reads it)."""
 
     transport = "tcp"
 
     def __init__(self, book: RelayBook, *, token: bytes, host: str, port: int, advertise_host: str | None) -> None:
         self.book = book
-        self.bytes_sent = 0  # passed on to children, streamed or lent
+        book.on_drop = self._unexpose
+        self.bytes_sent = 0  # passed on to children, streamed, lent or exposed
         self.bytes_lent = 0  # of which children on this host copied out of our memory
+        self.bytes_exposed = 0  # of which nixl children READ out of our memory
+        self._exposer: Any = None  # NixlEndpoint, made on the first nixl child
+        self._exposures = 0  # tickets registered with it now
+        self._metadata = b""  # its metadata, taken after the last (de)registration
+        self._expose_lock = threading.Lock()
         self._lending: set[Connection] = set()
         # Lends going on, by the key a child presents at the file socket.
         self._files: dict[bytes, _Held] = {}
@@ -352,10 +403,15 @@ class RelayServer(TcpControlServer):
             P.send_msg(conn.sock, P.Failure(kind="bad-range", message=f"bytes {msg.start:,}+{msg.nbytes:,} of a {held.total:,}-byte ticket"))
             return True
         if msg.host and held.total and msg.host == host_identity():
-            self._lend(conn, held, msg.start, msg.start + msg.nbytes)
+            self._lend(conn, held, msg.start, msg.start + msg.nbytes, nixl=False)
+            return True
+        if msg.nixl and held.total:
+            self._lend(conn, held, msg.start, msg.start + msg.nbytes, nixl=True)
+            return True
+        if not self.book.begin_pull(held):
+            P.send_msg(conn.sock, P.Failure(kind="unknown", message=f"this relay let ticket {msg.ticket_id} go"))
             return True
         P.send_data_header(conn.sock, msg.nbytes)
-        self.book.begin_pull(held)
         try:
             pos, end = msg.start, msg.start + msg.nbytes
             while pos < end and not self._closed:
@@ -370,9 +426,50 @@ class RelayServer(TcpControlServer):
             self.book.end_pull(held)
         return True
 
-    def _lend(self, conn: Connection, held: _Held, pos: int, end: int) -> None:
-        """A child on this host copies ``[pos, end)`` out of ``held``'s
-        memory itself; this says where it is and how far it has arrived.
+    def _expose(self, held: _Held) -> bytes:
+        """Register ``held``'s memory with the exposer (made now if this is
+        the first nixl child) and return the exposer's metadata for the
+        child's add_remote. The caller holds a pull on ``held``, so it is
+        not let go meanwhile."""
+        import torch
+
+        from ._nixl import serving_endpoint
+
+        with self._expose_lock:
+            if self._closed:
+                raise PeerGoneError("this relay is closing")
+            if self._exposer is None:
+                self._exposer = serving_endpoint("relay")
+            if held.exposed is None:
+                tensor = torch.frombuffer(held.buf, dtype=torch.uint8)
+                self._exposer.register(tensor)
+                held.exposed = tensor
+                self._exposures += 1
+                self._metadata = self._exposer.metadata()
+            return self._metadata
+
+    def _unexpose(self, held: _Held) -> None:
+        """The book let ``held`` go and no child reads it: deregister its
+        memory (the exposer keeps it alive while registered). The last one
+        after :meth:`close` closes the exposer."""
+        with self._expose_lock:
+            tensor, held.exposed = held.exposed, None
+            if tensor is None:
+                return
+            self._exposures -= 1
+            try:
+                self._exposer.deregister(tensor)
+                self._metadata = self._exposer.metadata() if not self._closed else b""
+            except TransferError as exc:  # the endpoint is closed by its failure: nothing more to let go
+                log.warning("the relay's NIXL agent failed to let a ticket's memory go: %s", exc)
+            if self._closed and not self._exposures:
+                self._exposer.close()
+
+    def _lend(self, conn: Connection, held: _Held, pos: int, end: int, *, nixl: bool) -> None:
+        """A child copies ``[pos, end)`` out of ``held``'s memory itself
+        (on this host: ``nixl`` False; a nixl child: by READs of the memory
+        registered with our exposer); this says where it is and how far it
+        has arrived.
 
         The memory must stay where it is while the child may still read it:
         ``held`` (this frame) keeps it alive until the child says how far it
@@ -385,16 +482,25 @@ class RelayServer(TcpControlServer):
         connection is open, and unmaps when it closes.
         """
         sock, start = conn.sock, pos
-        key = secrets.token_bytes(16) if held.fd >= 0 else b""
-        self.book.begin_pull(held)
+        key = secrets.token_bytes(16) if held.fd >= 0 and not nixl else b""
+        if not self.book.begin_pull(held):
+            P.send_msg(sock, P.Failure(kind="unknown", message=f"this relay let ticket {held.ticket_id} go"))
+            return
         with self._lock:
             self._lending.add(conn)
             if key:
                 self._files[key] = held
         read = start
         try:
-            P.send_msg(sock, P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total,
-                                    file="@" + self._file_name if key else "", key=key))
+            if nixl:
+                try:
+                    first: Any = P.Exposed(metadata=self._expose(held), address=held.address, nbytes=held.total)
+                except TensorferryError as exc:
+                    P.send_msg(sock, P.Failure(kind="nixl", message=f"this relay could not expose its memory to NIXL ({exc})"))
+                    return
+            else:
+                first = P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total, file="@" + self._file_name if key else "", key=key)
+            P.send_msg(sock, first)
             try:
                 while pos < end and not self._closed:
                     stop = min(held.wait_beyond(pos, timeout=1.0), end)
@@ -418,7 +524,10 @@ class RelayServer(TcpControlServer):
                         # after it, with our counters up to date.
                         with self._lock:
                             self.bytes_sent += msg.end - read
-                            self.bytes_lent += msg.end - read
+                            if nixl:
+                                self.bytes_exposed += msg.end - read
+                            else:
+                                self.bytes_lent += msg.end - read
                         read = msg.end
                         if read == end:
                             P.send_msg(sock, P.Released(valid=True))
@@ -433,7 +542,8 @@ class RelayServer(TcpControlServer):
     def close(self) -> None:
         """Stop serving. A child copying out of our memory is told so (end
         of its stream) but not cut off: its connection, and so the memory
-        it reads, stays until it closes it."""
+        it reads, stays until it closes it (the exposer, until the last
+        ticket registered with it is let go)."""
         with self._lock:
             lending = set(self._lending)
             self._conns -= lending
@@ -448,6 +558,9 @@ class RelayServer(TcpControlServer):
             pass
         self._file_listener.close()
         super().close()
+        with self._expose_lock:
+            if self._exposer is not None and not self._exposures:
+                self._exposer.close()
 
 
 def pull(
@@ -463,14 +576,16 @@ def pull(
     deadline: float,
     chunk_nbytes: int = CHUNK_NBYTES,
     reads: SameHostReads | None = None,
+    nixl: Any = None,
 ) -> None:
     """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
     relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
 
     A relay on this host (``reads`` enabled) lends its memory and the child
     copies out of it (process_vm_readv); else, or where the kernel refuses
-    that copy (recorded in ``reads``, logged once per relay), the relay
-    streams the bytes over tcp.
+    that copy (recorded in ``reads``, logged once per relay), a nixl child
+    (``nixl``: its NixlEndpoint, with ``buf`` registered) READs the relay's
+    exposed memory, and any other child takes the relay's tcp stream.
 
     Raises:
         PeerGoneError: the relay is gone, or does not hold the ticket.
@@ -484,8 +599,8 @@ def pull(
         reached[0] = end
         progress(end)
 
-    session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf,
-                                progress=advance, stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads)
+    session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf, progress=advance,
+                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl)
     if reads is not None and reads.wanted(address):
         try:
             session(start, host_identity())
@@ -502,10 +617,11 @@ class _VmReadRefused(Exception):
 def _pull_session(
     address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
+    nixl: Any,
 ) -> None:
     """One connection to the relay: a Pull from ``start`` (naming this
-    ``host`` when not b""), then the bytes as a stream or by reads of its
-    memory, whichever it answers."""
+    ``host`` when not b"", asking for NIXL READs with ``nixl``), then the
+    bytes as a stream or by reads of its memory, whichever it answers."""
     total = len(buf)
     sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
     try:
@@ -516,12 +632,19 @@ def _pull_session(
             if welcome.kind == "auth":
                 raise AuthenticationError(f"relay at {address} refused us: {welcome.message}; pass the sender's token")
             raise PeerGoneError(f"relay at {address} refused us: {welcome.message}")
-        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host))
+        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None))
         reply = P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
         if isinstance(reply, P.Failure):
             raise PeerGoneError(f"relay at {address}: {reply.message}")
         if isinstance(reply, P.Lend) and host:
-            _read_lent(sock, address, reply, buf, start, progress, stall_seconds, deadline, reads)
+            if reply.nbytes != total:
+                raise ProtocolError(f"relay at {address} lends a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            _read_lent(sock, address, _LentReader(address, reply, buf, reads, min(stall_seconds, 2.0)), start, total, progress, stall_seconds, deadline, reads)
+            return
+        if isinstance(reply, P.Exposed) and nixl is not None:
+            if reply.nbytes != total:
+                raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            _read_lent(sock, address, _NixlReader(nixl, address, reply, buf, reads, stall_seconds), start, total, progress, stall_seconds, deadline, reads)
             return
         if not (isinstance(reply, tuple) and reply[0] == "DATA") or reply[1] != total - start:
             raise ProtocolError(f"relay at {address} answered a Pull of {total - start:,} bytes with {reply!r:.80}")
@@ -548,10 +671,11 @@ def _pull_session(
 
 
 def _read_lent(
-    sock: socket.socket, address: str, lend: P.Lend, buf: memoryview, pos: int,
+    sock: socket.socket, address: str, reader: Any, pos: int, total: int,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
 ) -> None:
-    """Copy ``buf[pos:]`` out of a same-host relay's memory as its Arrived
+    """Copy ``buf[pos:total]`` out of a relay's memory (``reader``: a
+    same-host lend's, or a nixl relay's exposed memory) as its Arrived
     frames say the bytes are there. Every range is read while our
     connection is open, so the relay still holds that memory.
 
@@ -559,10 +683,6 @@ def _read_lent(
         _VmReadRefused: neither process_vm_readv nor the relay's file
             could be had (the reason in the message): take the stream.
     """
-    total = len(buf)
-    if lend.nbytes != total:
-        raise ProtocolError(f"relay at {address} lends a {lend.nbytes:,}-byte stream, the ticket has {total:,}")
-    reader = _LentReader(address, lend, buf, reads, min(stall_seconds, 2.0))
     at, refused = [pos], False
     try:
         _copy_lent(sock, address, reader, at, total, progress, stall_seconds, deadline, reads)
@@ -581,6 +701,33 @@ def _read_lent(
                     P.recv_msg(sock, expect=(P.Released,), deadline=time.monotonic() + min(stall_seconds, 1.0))
             except TransferError:
                 pass
+
+
+class _NixlReader:
+    """Copies ranges of a nixl relay's exposed stream into ``buf`` (which
+    is registered with ``endpoint``) by NIXL READs. The relay's metadata is
+    loaded on construction and forgotten on close (a relay's next ticket
+    comes with new metadata); the ranges are checked against the regions
+    it names before NIXL is called."""
+
+    def __init__(self, endpoint: Any, address: str, exposed: P.Exposed, buf: memoryview, reads: SameHostReads | None, stall_seconds: float) -> None:
+        self.endpoint, self.exposed, self.reads, self.timeout = endpoint, exposed, reads, stall_seconds
+        self.here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+        try:
+            self.remote = endpoint.add_remote(exposed.metadata)
+        except TensorferryError as exc:
+            raise ProtocolError(f"relay at {address} exposed NIXL metadata we cannot load ({exc})") from exc
+
+    def copy(self, pos: int, k: int) -> None:
+        try:
+            self.endpoint.read(self.remote, [(self.exposed.address + pos, k)], [(self.here + pos, k)], timeout=self.timeout)
+        except ConfigurationError as exc:  # a range outside what the relay registered
+            raise ProtocolError(f"the relay's exposed stream does not hold bytes {pos:,}+{k:,}: {exc}") from exc
+        if self.reads is not None:
+            self.reads.count(nixl=k)
+
+    def close(self) -> None:
+        self.endpoint.remove_remote(self.remote)
 
 
 class _LentReader:
