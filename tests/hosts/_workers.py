@@ -16,22 +16,24 @@ Each prints one JSON line per fact on stdout and exits; times are
   release, prints ``{"released"}``, and closes when a line comes on stdin.
 * ``tf_recv TOKEN``: reads a ticket's hex from stdin, ``Receiver.get``, prints
   ``{"checksum", "nbytes"}``.
-* ``bc_sender HOST TOKEN CAPACITY``: a tcp ``Sender`` that takes JSON
+* ``bc_sender HOST TOKEN CAPACITY [TRANSPORT]``: a ``Sender`` (tcp, or
+  ``TRANSPORT``: nixl) that takes JSON
   commands on stdin, one a line, and answers each with one line: ``put``
   (``nbytes``, ``seed``, ``readers``, ``fanout``) answers ``{"ticket",
   "checksum", "total_nbytes", "t_put"}``; ``wait`` (``ticket``, ``timeout``)
   waits for the release and answers ``{"bytes_sent", "used_nbytes",
   "live_tickets"}`` (the sender's ``stats()``), as ``stats`` does at once;
   ``stop`` closes it.
-* ``bc_receiver HOST TOKEN RELAY STALL LINGER [READS [GUARDED]]``: a tcp
-  ``Receiver``, relaying (``RELAY`` 1) on ``HOST`` or a leaf (0), reading
+* ``bc_receiver HOST TOKEN RELAY STALL LINGER [READS [GUARDED [TRANSPORT]]]``:
+  a ``Receiver`` (tcp, or ``TRANSPORT``), relaying (``RELAY`` 1) on ``HOST`` or a leaf (0), reading
   same-host relays by ``READS`` (``memory``, the default, or ``tcp``);
   ``GUARDED`` 1 makes the process non-dumpable (``PR_SET_DUMPABLE`` 0: only
   a process with CAP_SYS_PTRACE may read its memory). Prints ``{"ready",
   "relay_address", "pid"}``, then answers commands: ``get`` (``ticket``)
   with ``{"checksum", "t_start", "t_done"}``; ``stats`` with
   ``{"relay_bytes_sent", "relay_bytes_lent", "memory_read_nbytes",
-  "file_read_nbytes", "stream_nbytes", "refused", "bytes_received"}``; ``stop`` closes it. It
+  "file_read_nbytes", "nixl_read_nbytes", "relay_bytes_exposed",
+  "stream_nbytes", "refused", "bytes_received"}``; ``stop`` closes it. It
   stays up after a get: its children may still pull from it.
 
 A failed command answers ``{"error": traceback}``.
@@ -186,11 +188,11 @@ def _commands() -> Any:
         yield cmd
 
 
-def bc_sender(host: str, token: str, capacity_nbytes: int) -> None:
+def bc_sender(host: str, token: str, capacity_nbytes: int, transport: str = "tcp") -> None:
     from tensorferry import Sender, Ticket
 
     objects: dict[tuple[int, int], tuple[Any, str]] = {}
-    with Sender("tcp", host=host, token=token, capacity_nbytes=capacity_nbytes) as sender:
+    with Sender(transport, host=host, token=token, capacity_nbytes=capacity_nbytes) as sender:
         say(ready=True, address=sender.address)
         for cmd in _commands():
             try:
@@ -213,7 +215,7 @@ def bc_sender(host: str, token: str, capacity_nbytes: int) -> None:
 
 
 def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger_seconds: float, reads: str = "memory",
-                guarded: bool = False) -> None:
+                guarded: bool = False, transport: str = "tcp") -> None:
     import ctypes
     import os
 
@@ -223,7 +225,7 @@ def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger
         PR_SET_DUMPABLE = 4
         if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
-    with Receiver("tcp", token=token, timeout=60.0, relay=relay, host=host, port=0,
+    with Receiver(transport, token=token, timeout=60.0, relay=relay, host=host, port=0,
                   stall_seconds=stall_seconds, relay_linger_seconds=linger_seconds, relay_reads=reads) as receiver:
         say(ready=True, relay_address=receiver.relay_address, pid=os.getpid())
         for cmd in _commands():
@@ -238,7 +240,8 @@ def bc_receiver(host: str, token: str, relay: bool, stall_seconds: float, linger
                     st = receiver.stats()
                     say(relay_bytes_sent=st.get("relay_bytes_sent", 0), relay_bytes_lent=st.get("relay_bytes_lent", 0),
                         memory_read_nbytes=st["relay_memory_read_nbytes"], stream_nbytes=st["relay_stream_nbytes"],
-                        file_read_nbytes=st["relay_file_read_nbytes"],
+                        file_read_nbytes=st["relay_file_read_nbytes"], nixl_read_nbytes=st["relay_nixl_read_nbytes"],
+                        relay_bytes_exposed=st.get("relay_bytes_exposed", 0),
                         # Why the kernel refused a vm read (also logged); not a public counter.
                         refused=receiver._same_host_reads.refused, bytes_received=receiver.bytes_received)
             except Exception:
@@ -258,9 +261,9 @@ def main(argv: list[str]) -> None:
     elif verb == "tf_recv":
         tf_recv(args[0])
     elif verb == "bc_sender":
-        bc_sender(args[0], args[1], int(args[2]))
+        bc_sender(args[0], args[1], int(args[2]), *args[3:4])
     elif verb == "bc_receiver":
-        bc_receiver(args[0], args[1], args[2] == "1", float(args[3]), float(args[4]), *args[5:6], *[a == "1" for a in args[6:7]])
+        bc_receiver(args[0], args[1], args[2] == "1", float(args[3]), float(args[4]), *args[5:6], *[a == "1" for a in args[6:7]], *args[7:8])
     else:
         raise SystemExit(f"_workers.py: unknown verb {verb!r}")
 

@@ -20,6 +20,7 @@ imports torch).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
@@ -56,9 +57,9 @@ NO_PTRACE = ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", 
 class Worker:
     """A worker process in a host, spoken to in JSON lines."""
 
-    def __init__(self, hosts: Hosts, i: int, *args: object, prefix: tuple[str, ...] = ()) -> None:
+    def __init__(self, hosts: Hosts, i: int, *args: object, prefix: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.host = i
-        self.proc = hosts.python(i, WORKERS, *map(str, args), prefix=prefix, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = hosts.python(i, WORKERS, *map(str, args), prefix=prefix, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
 
     def send(self, **cmd: object) -> None:
@@ -93,12 +94,16 @@ class Group:
     and ``more`` relays beside them, one in each host listed there.
     ``guarded``: every receiver non-dumpable and started without
     CAP_SYS_PTRACE, so none may process_vm_readv another (as under Yama's
-    ptrace_scope 1): same-host children map their relay's memory file."""
+    ptrace_scope 1): same-host children map their relay's memory file.
+    ``transport``: every worker's (nixl: UCX over each host's eth0 by TCP,
+    so that its bytes cross the shaped links; its shared-memory transports
+    would go around them, as the hosts share one kernel)."""
 
     def __init__(self, hosts: Hosts, relays: range, leaves: tuple[int, ...] = (), more: tuple[int, ...] = (), *,
-                 guarded: bool = False) -> None:
-        self.hosts, self.token, self.guarded = hosts, secrets.token_hex(16), guarded
-        self.sender = Worker(hosts, 0, "bc_sender", hosts.address(0), self.token, 3 * NBYTES)
+                 guarded: bool = False, transport: str = "tcp") -> None:
+        self.hosts, self.token, self.guarded, self.transport = hosts, secrets.token_hex(16), guarded, transport
+        self.env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0") if transport == "nixl" else None
+        self.sender = Worker(hosts, 0, "bc_sender", hosts.address(0), self.token, 3 * NBYTES, transport, env=self.env)
         self.relays = {i: self._receiver(i, relay=True) for i in relays}
         self.leaves = {i: self._receiver(i, relay=False) for i in leaves}
         self.more = [self._receiver(i, relay=True) for i in more]
@@ -106,10 +111,8 @@ class Group:
         self.relay_address = {w: w.fact(120)["relay_address"] for w in self.everyone}
 
     def _receiver(self, i: int, *, relay: bool) -> Worker:
-        if not self.guarded:
-            return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60)
-        return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60, "memory", 1,
-                      prefix=NO_PTRACE)
+        return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60, "memory",
+                      int(self.guarded), self.transport, prefix=NO_PTRACE if self.guarded else (), env=self.env)
 
     @property
     def everyone(self) -> list[Worker]:
@@ -294,6 +297,50 @@ def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts
         g.stop()
         made = {hosts.bridge, *hosts.names}
     assert not made & set(namespaces())
+
+
+def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_halfway(need_hosts):
+    """nixl over the shaped links (UCX by TCP): in a chain of 4 every child
+    READs its relay's exposed memory, so the sender's pool is READ once;
+    then the middle relay is SIGKILLed about 40% through its receive. Its
+    child's READ fails (UCX's peer error handling) or its relay's control
+    connection closes; it asks the sender again and resumes. The others end
+    with the exact bytes in at most 2.5x the fault-free time, the sender's
+    pool empties, the hosts leave nothing."""
+    require_nixl()
+    with Hosts(5, rate=RATE) as hosts:
+        g = Group(hosts, relays=range(1, 5), transport="nixl")
+        workers = [g.relays[i] for i in range(1, 5)]
+        victim = g.relays[2]
+        before = _reads(workers)
+        ref = g.broadcast(workers, fanout=1, stagger=STAGGER_SECONDS)
+        after = _reads(workers)
+        t = ref["total"]
+        # The first READ the sender's pool; each later one its parent relay's memory.
+        assert [_delta(after[w], before[w], "nixl_read_nbytes") for w in workers] == [0, t, t, t]
+        assert [_delta(after[w], before[w], "relay_bytes_exposed") for w in workers] == [t, t, t, 0]
+        star_bound = 4 * g.line_seconds
+        assert ref["seconds"] < 0.6 * star_bound + 3 * STAGGER_SECONDS, f"nixl chain of 4: {ref['seconds']:.2f} s"
+        victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
+
+        put = g.start(workers, fanout=1, stagger=STAGGER_SECONDS)
+        time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+        others = [w for w in workers if w is not victim]
+        gets = [w.fact() for w in others]
+        g.finish(put, gets)  # exact bytes everywhere; the dead relay's slot counts as released
+        seconds = max(x["t_done"] for x in gets) - put["t_put"]
+        assert seconds <= 2.5 * ref["seconds"], f"with a nixl relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
+        g.relays.pop(2)
+        g.stop()
+        made = {hosts.bridge, *hosts.names}
+    assert not made & set(namespaces())
+
+
+def require_nixl() -> None:
+    if importlib.util.find_spec("nixl") is None:
+        pytest.skip("the nixl package is not installed (pip install nixl==1.5.1 after torch)")
 
 
 def _reads(workers: list[Worker]) -> dict[Worker, dict]:
