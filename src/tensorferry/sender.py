@@ -237,11 +237,18 @@ class Sender:
                 layout, layout_bytes = packed.layout, packed.layout.to_bytes()
             else:
                 packed = self.pool.pack_with(layout, total, planned.fill_checked, num_tensors=count) if total else None
-        except PoolExhaustedError:
+        except PoolExhaustedError as exc:
             if planned is not None:
                 # No block, so fill_checked never ran: a stale plan says so
                 # (not that the pool is full), and streamed pieces are packed later.
                 planned.check(self)
+            if fanout is not None:
+                raise PoolExhaustedError(
+                    exc.requested_nbytes, exc.free_nbytes, exc.largest_free_nbytes, exc.capacity_nbytes,
+                    detail="put(fanout=...) sends the object as one block of the free pool (relays pass on one stream; "
+                    "it is not streamed in pieces): wait for older tickets' readers (wait_released, discard), make the Sender "
+                    f"with capacity_nbytes of at least {exc.requested_nbytes:,}, or put without fanout",
+                ) from exc
             if one_shot:
                 raise
             if planned is None:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from _transfer_helpers import assert_same, pool_empty, state_dict, wait_until
-from tensorferry import ConfigurationError, Receiver, Sender, TransferError
+from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError
 from tensorferry import _protocol as P
 from tensorferry.transports._tcp import connect
 
@@ -576,3 +576,11 @@ def test_a_relay_file_smaller_than_its_stream_is_a_protocol_error():
     finally:
         server.close()
         book.close()
+
+
+def test_a_broadcast_that_does_not_fit_one_block_says_so_and_holds_nothing():
+    with Sender("tcp", capacity_nbytes=1 * MiB) as sender:
+        with pytest.raises(PoolExhaustedError, match=r"fanout=\.\.\.\) sends the object as one block.*at least 2,097,152"):
+            sender.put(torch.ones(MiB // 2), readers=2, fanout=1)
+        assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
+        assert sender.put(torch.ones(MiB // 2), readers=1).streamed  # without fanout it streams in pieces
