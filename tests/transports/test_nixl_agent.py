@@ -503,3 +503,41 @@ def test_unclosed_endpoint_is_collected_and_its_thread_ends() -> None:
     gc.collect()
     thread.join(2)
     assert not thread.is_alive()
+
+
+def test_a_pipeline_of_posted_reads_completes_in_order(peer: Peer, reader: NixlEndpoint) -> None:
+    """Chunks READ two at a time (post_read / poll_read): each chunk's end
+    comes back in the order posted, once its bytes are in place."""
+    from tensorferry.transports._nixl_agent import ReadPipeline
+
+    name = reader.add_remote(peer.metadata)
+    dst = reader.dst  # type: ignore[attr-defined]
+    pipe = ReadPipeline(reader, name, depth=2)
+    chunk, total, ends = 3 * MIB + 5, 40 * MIB, []
+    pos = 0
+    while pos < total:
+        if pipe.full:
+            end = pipe.wait()
+            assert torch.equal(dst[:end], peer.expected[:end])  # everything up to a reported end is in place
+            ends.append(end)
+        k = min(chunk, total - pos)
+        pipe.post(peer.base + pos, dst.data_ptr() + pos, k, pos + k, timeout=30)
+        assert len(pipe.inflight) <= 2
+        pos += k
+    while pipe.inflight:
+        ends.append(pipe.wait())
+    assert ends == sorted(ends) and ends[-1] == total and len(ends) == -(-total // chunk)
+    assert torch.equal(dst[:total], peer.expected[:total])
+
+
+def test_a_posted_read_is_checked_first_and_a_cancelled_one_leaves_the_endpoint_usable(peer: Peer, reader: NixlEndpoint) -> None:
+    name = reader.add_remote(peer.metadata)
+    dst = reader.dst  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="outside|not inside|registered"):
+        reader.post_read(name, [(peer.base + peer.nbytes - 10, 20)], [(dst.data_ptr(), 20)], timeout=5)
+    pending = reader.post_read(name, [(peer.base, 32 * MIB)], [(dst.data_ptr(), 32 * MIB)], timeout=30)
+    reader.cancel_read(pending)
+    assert reader.poll_read(pending)  # released: nothing left in flight
+    dst.zero_()
+    reader.read(name, [(peer.base, 8 * MIB)], [(dst.data_ptr(), 8 * MIB)], timeout=30)
+    assert torch.equal(dst[: 8 * MIB], peer.expected[: 8 * MIB])

@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from _transfer_helpers import assert_same, pool_empty, require, state_dict, wait_until
-from tensorferry import Receiver, Sender, TransferError
+from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, require, wait_until
+from tensorferry import Receiver, Sender, TransferError, TransferTimeoutError
 from tensorferry import _protocol as P
 
 MiB = 1 << 20
@@ -28,31 +28,6 @@ MiB = 1 << 20
 @pytest.fixture(autouse=True)
 def _nixl():
     require("nixl")
-
-
-def obj(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(3_000_000, generator=g), "steps": torch.arange(999), **state_dict(seed)}
-
-
-def get_all(receivers, ticket, **kw):
-    out: list = [None] * len(receivers)
-    errors: list = []
-
-    def run(i):
-        try:
-            out[i] = receivers[i].get(ticket, **kw)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.fixture
@@ -161,44 +136,83 @@ def test_a_relay_lets_its_registrations_go_with_its_tickets_and_closes_its_agent
         assert exposer.closed
 
 
+class FakeRelay:
+    """A relay on loopback that answers one nixl Pull with what it is told
+    to say: its own NIXL agent's metadata, an address, and Arrived frames;
+    then it stays silent until the child closes."""
+
+    def __init__(self, nbytes: int) -> None:
+        from tensorferry.transports._nixl import serving_endpoint
+
+        self.endpoint = serving_endpoint("fake-relay")
+        self.memory = torch.arange(nbytes, dtype=torch.int64).to(torch.uint8)  # bytes 0, 1, 2, ...
+        self.region = self.endpoint.register(self.memory)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def serve(self, address: int, nbytes: int, arrived: list[int]) -> threading.Thread:
+        def run() -> None:
+            conn, _ = self.listener.accept()
+            with conn:
+                P.recv_msg(conn, expect=(P.Hello,))
+                P.send_msg(conn, P.Welcome(pool_nbytes=0, pool_generation=0))
+                assert P.recv_msg(conn, expect=(P.Pull,)).nixl
+                P.send_msg(conn, P.Exposed(metadata=self.endpoint.metadata(), address=address, nbytes=nbytes))
+                for end in arrived:
+                    P.send_msg(conn, P.Arrived(end=end))
+                try:
+                    P.recv_msg(conn, deadline=time.monotonic() + 10)
+                except TransferError:
+                    pass
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.listener.close()
+        self.endpoint.close()
+
+
+def _pull_from(relay: FakeRelay, child: Receiver, nbytes: int, stall_seconds: float = 5.0) -> torch.Tensor:
+    """A nixl pull of ``nbytes`` from ``relay`` into ``child``'s receive pool (registered)."""
+    from tensorferry.transports._nixl import _receiver_endpoint
+    from tensorferry.transports._relay import pull
+
+    endpoint = _receiver_endpoint(child._context)
+    buf = child._context.ensure_pool().buffer[:nbytes]
+    try:
+        pull(relay.address, token=b"", ticket_id=1, digest=b"d" * 16, buf=memoryview(buf.numpy()), start=0,
+             progress=lambda end: None, stall_seconds=stall_seconds, deadline=time.monotonic() + 20, nixl=endpoint)
+    finally:
+        assert endpoint.peers == []  # the relay's metadata was let go
+    return buf
+
+
 def test_a_relay_that_exposes_memory_outside_its_registration_is_refused():
     """A relay is not trusted: the address it exposes must lie in the
     regions its metadata names, or the child's READ is refused before NIXL
     moves a byte."""
-    from tensorferry.transports._nixl import _receiver_endpoint, serving_endpoint
-    from tensorferry.transports._relay import pull
-
-    relay_ep = serving_endpoint("fake-relay")
-    exposed = torch.zeros(1 * MiB, dtype=torch.uint8)
-    region = relay_ep.register(exposed)
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-
-    def fake_relay():
-        conn, _ = listener.accept()
-        with conn:
-            P.recv_msg(conn, expect=(P.Hello,))
-            P.send_msg(conn, P.Welcome(pool_nbytes=0, pool_generation=0))
-            pull_msg = P.recv_msg(conn, expect=(P.Pull,))
-            assert pull_msg.nixl
-            # Its own registration ends where this stream would begin.
-            P.send_msg(conn, P.Exposed(metadata=relay_ep.metadata(), address=region.addr + region.nbytes, nbytes=MiB))
-            P.send_msg(conn, P.Arrived(end=MiB))
-            try:
-                P.recv_msg(conn, deadline=time.monotonic() + 5)
-            except TransferError:
-                pass
-
-    thread = threading.Thread(target=fake_relay, daemon=True)
-    thread.start()
+    relay = FakeRelay(MiB)
+    # Its own registration ends where this stream would begin.
+    thread = relay.serve(relay.region.addr + relay.region.nbytes, MiB, [MiB])
     with Receiver("nixl", capacity_nbytes=4 * MiB) as child:
-        endpoint = _receiver_endpoint(child._context)  # the receive pool registered with it
-        buf = child._context.ensure_pool().buffer[:MiB]
         with pytest.raises(TransferError, match="does not hold"):
-            pull(address, token=b"", ticket_id=1, digest=b"d" * 16, buf=memoryview(buf.numpy()), start=0,
-                 progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10, nixl=endpoint)
-        assert int(buf.sum()) == 0  # nothing landed
-        assert endpoint.peers == []  # the relay's metadata was let go
+            _pull_from(relay, child, MiB)
+        assert int(child._context.ensure_pool().buffer[:MiB].sum()) == 0  # nothing landed
     thread.join(timeout=10)
-    listener.close()
-    relay_ep.close()
+    relay.close()
+
+
+def test_a_nixl_relay_that_stops_announcing_is_given_up_after_stall_seconds():
+    relay = FakeRelay(4 * MiB)
+    thread = relay.serve(relay.region.addr, 4 * MiB, [MiB])  # a quarter, then silence
+    with Receiver("nixl", capacity_nbytes=8 * MiB) as child:
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeoutError, match="stalled"):
+            _pull_from(relay, child, 4 * MiB, stall_seconds=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        got = child._context.ensure_pool().buffer[: 4 * MiB]
+        assert torch.equal(got[:MiB], relay.memory[:MiB])  # what was announced was READ
+    thread.join(timeout=10)
+    relay.close()

@@ -27,7 +27,7 @@ from .._copy import StagedCopy
 from ..errors import TransferError
 from ._base import Channel
 from ._connections import ReceiveContext
-from ._nixl_agent import NixlEndpoint
+from ._nixl_agent import NixlEndpoint, ReadPipeline
 from ._tcp import TcpControlServer, connect
 
 __all__ = ["NixlServer", "NixlChannel", "serving_endpoint"]
@@ -147,15 +147,22 @@ class NixlChannel(Channel):
             raise TransferError(f"the acquired blocks hold {total:,} bytes, the stream {len(buf):,}")
         here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
         chunk = max(chunk_nbytes, RELAY_CHUNK_NBYTES)
-        at = 0  # where the block starts in the stream
-        for off, n in blocks:
-            pos = max(start, at)
-            while pos < at + n:
-                k = min(chunk, at + n - pos)
-                self.endpoint.read(self.remote, [(self.base + off + pos - at, k)], [(here + pos, k)], timeout=_left(deadline))
-                pos += k
-                progress(pos)
-            at += n
+        pipe = ReadPipeline(self.endpoint, self.remote)  # two READs in flight: the link stays busy between chunks
+        try:
+            at = 0  # where the block starts in the stream
+            for off, n in blocks:
+                pos = max(start, at)
+                while pos < at + n:
+                    if pipe.full:
+                        progress(pipe.wait())
+                    k = min(chunk, at + n - pos)
+                    pipe.post(self.base + off + pos - at, here + pos, k, pos + k, timeout=_left(deadline))
+                    pos += k
+                at += n
+            while pipe.inflight:
+                progress(pipe.wait())
+        finally:
+            pipe.close()
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         pool = self.pool

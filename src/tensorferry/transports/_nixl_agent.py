@@ -49,6 +49,7 @@ Importing this module does not import NIXL; the first endpoint does.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -72,7 +73,7 @@ from ._nixl_wire import _MAX_NAME_NBYTES, Region, Regions, _import_nixl, _nixl_e
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NixlEndpoint", "Region"]
+__all__ = ["NixlEndpoint", "PendingRead", "ReadPipeline", "Region"]
 
 log = logging.getLogger("tensorferry.transports.nixl")
 
@@ -415,6 +416,95 @@ class NixlEndpoint:
         if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
             raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
         deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise TransferTimeoutError(f"read from {remote!r} waited {timeout} s for another read on this endpoint to finish")
+        try:
+            prepared = self._prepare(remote, remote_ranges, local_ranges)
+            if prepared is not None:
+                self._read_locked(remote, *prepared, deadline, timeout)
+        finally:
+            self._lock.release()
+
+    def post_read(self, remote: str, remote_ranges: Any, local_ranges: Any, *, timeout: float) -> "PendingRead":
+        """Start the READ that :meth:`read` would make and return at once;
+        :meth:`poll_read` it until done (or :meth:`cancel_read` it). Several
+        may be in flight on one endpoint: a stream of chunks read two at a
+        time keeps a TCP link busy between them (one at a time, each READ's
+        round trip leaves the link idle: 4 MiB chunks at 1 Gbit/s took 10%
+        longer than one READ of everything; two in flight, 3%).
+
+        The ranges are checked as by :meth:`read`; ``timeout`` bounds the
+        transfer (``poll_read`` raises after it). The reading side must keep
+        polling: on TCP, UCX moves the bytes only while we poll.
+        """
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+            raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            prepared = self._prepare(remote, remote_ranges, local_ranges)
+            if prepared is None:
+                return PendingRead(None, "an empty READ", deadline, timeout, remote)
+            local_descs, l_mem, remote_descs, r_mem = prepared
+            agent = self._agent
+            what = f"READ of {int(local_descs[:, 1].sum()):,} bytes in {len(local_descs):,} descriptors from {remote!r}"
+            try:
+                handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_descs, l_mem), agent.get_xfer_descs(remote_descs, r_mem), remote)
+            except Exception as exc:
+                if not _nixl_error(exc):
+                    raise
+                raise _translate(exc, what, remote) from exc
+            pending = PendingRead(handle, what, deadline, timeout, remote)
+            try:
+                pending.state = agent.transfer(handle)
+            except Exception as exc:
+                self._release(handle)
+                pending.handle = None
+                if not _nixl_error(exc):
+                    raise
+                raise _translate(exc, what, remote) from exc
+            return pending
+
+    def poll_read(self, pending: "PendingRead") -> bool:
+        """True once ``pending`` is done (then released); False while in flight.
+
+        Raises:
+            TransferTimeoutError: past its timeout (cancelled and released).
+            PeerGoneError, TransferError: it failed (released).
+        """
+        if pending.handle is None:
+            return True
+        with self._lock:
+            try:
+                if pending.state == "PROC":
+                    if time.monotonic() >= pending.deadline:
+                        raise TransferTimeoutError(f"{pending.what} did not finish within {pending.timeout} s; it was cancelled")
+                    try:
+                        pending.state = self._agent.check_xfer_state(pending.handle)
+                    except Exception as exc:
+                        if not _nixl_error(exc):
+                            raise
+                        raise _translate(exc, pending.what, pending.remote) from exc
+                if pending.state == "PROC":
+                    return False
+                if pending.state != "DONE":
+                    raise TransferError(f"{pending.what} failed: NIXL reports transfer state {pending.state!r}")
+            except BaseException:
+                self._release(pending.handle)
+                pending.handle = None
+                raise
+            self._release(pending.handle)
+            pending.handle = None
+            return True
+
+    def cancel_read(self, pending: "PendingRead") -> None:
+        """Give up a READ still in flight (its local range may hold part of its bytes)."""
+        if pending.handle is not None:
+            with self._lock:
+                self._release(pending.handle)
+                pending.handle = None
+
+    def _prepare(self, remote: str, remote_ranges: Any, local_ranges: Any) -> tuple[np.ndarray, str, np.ndarray, str] | None:
+        """Under the lock: the checked, merged descriptors of a READ (None: nothing to move)."""
         rr = as_ranges(remote_ranges, "remote")
         lr = as_ranges(local_ranges, "local")
         if len(rr) != len(lr):
@@ -427,23 +517,18 @@ class NixlEndpoint:
         if not keep.all():
             rr, lr = rr[keep], lr[keep]
         if len(rr) == 0:
-            return
-        if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            raise TransferTimeoutError(f"read from {remote!r} waited {timeout} s for another read on this endpoint to finish")
-        try:
-            self._check_open()
-            peer = self._peers.get(remote)
-            if peer is None:
-                raise ConfigurationError(f"unknown peer {remote!r}: call add_remote(metadata) first (known: {', '.join(self._peers) or 'none'})")
-            nbytes = rr[:, 1]
-            l_idx = self._local.locate(lr[:, 0], nbytes, side="local", owner=f"this endpoint ({self.name!r})")
-            r_idx = peer.locate(rr[:, 0], nbytes, side="remote", owner=f"peer {remote!r}")
-            l_mem = self._one_mem(self._local, l_idx, "local")
-            r_mem = self._one_mem(peer, r_idx, "remote")
-            local_descs, remote_descs = merged_descs(lr[:, 0], rr[:, 0], nbytes, l_idx, r_idx, self._local, peer)
-            self._read_locked(remote, local_descs, l_mem, remote_descs, r_mem, deadline, timeout)
-        finally:
-            self._lock.release()
+            return None
+        self._check_open()
+        peer = self._peers.get(remote)
+        if peer is None:
+            raise ConfigurationError(f"unknown peer {remote!r}: call add_remote(metadata) first (known: {', '.join(self._peers) or 'none'})")
+        nbytes = rr[:, 1]
+        l_idx = self._local.locate(lr[:, 0], nbytes, side="local", owner=f"this endpoint ({self.name!r})")
+        r_idx = peer.locate(rr[:, 0], nbytes, side="remote", owner=f"peer {remote!r}")
+        l_mem = self._one_mem(self._local, l_idx, "local")
+        r_mem = self._one_mem(peer, r_idx, "remote")
+        local_descs, remote_descs = merged_descs(lr[:, 0], rr[:, 0], nbytes, l_idx, r_idx, self._local, peer)
+        return local_descs, l_mem, remote_descs, r_mem
 
     @staticmethod
     def _one_mem(regions: Regions, idx: np.ndarray, side: str) -> str:
@@ -580,6 +665,63 @@ class NixlEndpoint:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._registrations)} regions, {len(self._peers)} peers"
         return f"NixlEndpoint({self.name!r}, {self.backend}, {state})"
+
+
+class PendingRead:
+    """A READ in flight (:meth:`NixlEndpoint.post_read`)."""
+
+    __slots__ = ("handle", "what", "deadline", "timeout", "remote", "state")
+
+    def __init__(self, handle: Any, what: str, deadline: float, timeout: float, remote: str) -> None:
+        self.handle, self.what, self.deadline, self.timeout, self.remote = handle, what, deadline, timeout, remote
+        self.state = "PROC" if handle is not None else "DONE"
+
+
+class ReadPipeline:
+    """The READs of a stream's chunks from one peer, at most ``depth`` in
+    flight, completed in the order posted (:meth:`NixlEndpoint.post_read`).
+
+    Each post names the stream position its bytes complete (``end``);
+    :meth:`poll` and :meth:`wait` return the oldest one's once it is done,
+    so a caller publishes only bytes that are in place.
+    """
+
+    def __init__(self, endpoint: NixlEndpoint, remote: str, *, depth: int = 2) -> None:
+        self.endpoint, self.remote, self.depth = endpoint, remote, depth
+        self.inflight: collections.deque[tuple[PendingRead, int]] = collections.deque()
+
+    @property
+    def full(self) -> bool:
+        return len(self.inflight) >= self.depth
+
+    def post(self, remote_addr: int, local_addr: int, nbytes: int, end: int, *, timeout: float) -> None:
+        pending = self.endpoint.post_read(self.remote, [(remote_addr, nbytes)], [(local_addr, nbytes)], timeout=timeout)
+        self.inflight.append((pending, end))
+
+    def poll(self) -> int | None:
+        """The oldest READ's ``end`` if it is done now, else None."""
+        pending, end = self.inflight[0]
+        if not self.endpoint.poll_read(pending):
+            return None
+        self.inflight.popleft()
+        return end
+
+    def wait(self) -> int:
+        """Poll the oldest READ until it is done (spinning briefly, then
+        sleeping up to 1 ms between polls); its ``end``. Raises as
+        :meth:`NixlEndpoint.poll_read` (past its own timeout too)."""
+        spin_until = time.monotonic() + _SPIN_SECONDS
+        pause = _FIRST_PAUSE_SECONDS
+        while (end := self.poll()) is None:
+            if time.monotonic() >= spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, _MAX_PAUSE_SECONDS)
+        return end
+
+    def close(self) -> None:
+        """Cancel what is still in flight."""
+        while self.inflight:
+            self.endpoint.cancel_read(self.inflight.popleft()[0])
 
 
 def _progress_loop(ref: "weakref.ref[NixlEndpoint]", stop: threading.Event, interval_seconds: float) -> None:

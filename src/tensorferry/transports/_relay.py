@@ -684,8 +684,9 @@ def _read_lent(
             could be had (the reason in the message): take the stream.
     """
     at, refused = [pos], False
+    follow = _copy_exposed if isinstance(reader, _NixlReader) else _copy_lent
     try:
-        _copy_lent(sock, address, reader, at, total, progress, stall_seconds, deadline, reads)
+        follow(sock, address, reader, at, total, progress, stall_seconds, deadline, reads)
     except _VmReadRefused:
         refused = True
         raise
@@ -704,27 +705,18 @@ def _read_lent(
 
 
 class _NixlReader:
-    """Copies ranges of a nixl relay's exposed stream into ``buf`` (which
-    is registered with ``endpoint``) by NIXL READs. The relay's metadata is
-    loaded on construction and forgotten on close (a relay's next ticket
-    comes with new metadata); the ranges are checked against the regions
-    it names before NIXL is called."""
+    """Where a nixl relay's exposed stream is (its agent, loaded here, and
+    the address) and where it goes (``buf``, registered with ``endpoint``).
+    The relay's metadata is loaded on construction and forgotten on close
+    (a relay's next ticket comes with new metadata)."""
 
     def __init__(self, endpoint: Any, address: str, exposed: P.Exposed, buf: memoryview, reads: SameHostReads | None, stall_seconds: float) -> None:
-        self.endpoint, self.exposed, self.reads, self.timeout = endpoint, exposed, reads, stall_seconds
+        self.endpoint, self.exposed = endpoint, exposed
         self.here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
         try:
             self.remote = endpoint.add_remote(exposed.metadata)
         except TensorferryError as exc:
             raise ProtocolError(f"relay at {address} exposed NIXL metadata we cannot load ({exc})") from exc
-
-    def copy(self, pos: int, k: int) -> None:
-        try:
-            self.endpoint.read(self.remote, [(self.exposed.address + pos, k)], [(self.here + pos, k)], timeout=self.timeout)
-        except ConfigurationError as exc:  # a range outside what the relay registered
-            raise ProtocolError(f"the relay's exposed stream does not hold bytes {pos:,}+{k:,}: {exc}") from exc
-        if self.reads is not None:
-            self.reads.count(nixl=k)
 
     def close(self) -> None:
         self.endpoint.remove_remote(self.remote)
@@ -809,6 +801,67 @@ class _LentReader:
         if self.mapping is not None:
             self.mapping.close()
             self.mapping = None
+
+
+# A nixl child READs a relay's announced bytes this much at a time, two
+# READs in flight (see NixlEndpoint.post_read).
+EXPOSED_READ_NBYTES = 4 << 20
+
+
+def _copy_exposed(
+    sock: socket.socket, address: str, reader: _NixlReader, at: list[int], total: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """As :func:`_copy_lent`, for a nixl relay: READs of the announced
+    ranges, two in flight, each published (``progress``) once in place. The
+    ranges are checked against the regions the relay's metadata names
+    before NIXL moves a byte. ``at[0]``: how far it has read."""
+    from ._nixl_agent import ReadPipeline
+
+    pipe = ReadPipeline(reader.endpoint, reader.remote)
+    known = posted = at[0]  # announced by the relay; READ or being READ
+    last_news = time.monotonic()  # the last Arrived, or READ done
+    pause = 50e-6
+    try:
+        while at[0] < total:
+            if pipe.inflight and (end := pipe.poll()) is not None:
+                if reads is not None:
+                    reads.count(nixl=end - at[0])
+                at[0] = end
+                progress(end)
+                pause, last_news = 50e-6, time.monotonic()  # progress: the stall clock starts again
+                continue
+            while posted < known and not pipe.full:
+                k = min(EXPOSED_READ_NBYTES, known - posted)
+                try:
+                    pipe.post(reader.exposed.address + posted, reader.here + posted, k, posted + k, timeout=stall_seconds)
+                except ConfigurationError as exc:  # a range outside what the relay registered
+                    raise ProtocolError(f"the relay at {address}'s exposed stream does not hold bytes {posted:,}+{k:,}: {exc}") from exc
+                posted += k
+            # Wait for news from the relay: while a READ is in flight only a
+            # moment (then poll it again), else until the stall limit.
+            idle = not pipe.inflight
+            limit = min(deadline, last_news + stall_seconds)
+            if not select.select([sock], [], [], max(limit - time.monotonic(), 0.0) if idle else pause)[0]:
+                if not idle:
+                    pause = min(pause * 2, 1e-3)
+                    continue
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(f"the get ran out of time after {at[0]:,} of {total:,} bytes from the relay at {address}")
+                raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s")
+            try:
+                msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=limit)
+            except TransferTimeoutError as exc:
+                if time.monotonic() > deadline:
+                    raise TransferTimeoutError(f"the get ran out of time after {at[0]:,} of {total:,} bytes from the relay at {address}") from exc
+                raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s") from exc
+            if isinstance(msg, P.Failure):
+                raise PeerGoneError(f"relay at {address}: {msg.message}")
+            if not known < msg.end <= total:
+                raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; it announced {known:,} of {total:,}")
+            known, last_news = msg.end, time.monotonic()
+    finally:
+        pipe.close()
 
 
 def _copy_lent(
