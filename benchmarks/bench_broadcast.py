@@ -192,7 +192,7 @@ def sender_worker(args: argparse.Namespace) -> None:
     flat, obj = _source(args.nbytes)
     nbytes = flat.numel()
     payload = memoryview(flat.numpy())
-    with Sender("tcp", host=args.host, token=args.token, capacity_nbytes=nbytes + MIB, prefault=True) as sender:
+    with Sender(args.transport, host=args.host, token=args.token, capacity_nbytes=nbytes + MIB, prefault=True) as sender:
         _say(ready=os.getpid(), nbytes=nbytes, digest=_digest(obj), address=sender.address)
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -201,7 +201,7 @@ def sender_worker(args: argparse.Namespace) -> None:
                     t0 = time.monotonic()
                     ticket = sender.put(obj, readers=cmd["readers"], one_shot=True, fanout=cmd["fanout"])
                     _say(ticket=ticket.to_bytes().hex(), t_put=t0, put_seconds=time.monotonic() - t0,
-                         total_nbytes=ticket.total_nbytes, bytes_sent=sender.stats()["bytes_sent"])
+                         total_nbytes=ticket.total_nbytes, bytes_sent=sender.stats()["bytes_sent"], transport=args.transport)
                 elif cmd["cmd"] == "wait":
                     sender.wait_released(Ticket.from_bytes(bytes.fromhex(cmd["ticket"])), timeout=cmd["timeout"])
                     stats = sender.stats()
@@ -248,10 +248,11 @@ def receiver_worker(args: argparse.Namespace) -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     # Each receive cache keeps at most one object's memory between rounds.
     cache = args.nbytes + MIB
-    with Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
-            Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache, relay=True, host=args.host,
+    tr = args.transport
+    with Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
+            Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache, relay=True, host=args.host,
                      stall_seconds=STALL_SECONDS, relay_linger_seconds=args.linger) as relay, \
-            Receiver("tcp", token=args.token, timeout=args.timeout, cache_nbytes=cache, relay_reads="tcp") as by_tcp:
+            Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache, relay_reads="tcp") as by_tcp:
         # Leaves below a relay of their host: ``plain`` copies out of its
         # memory (relay_reads="memory", the default), ``by_tcp`` streams.
         by_reads = {"memory": plain, "tcp": by_tcp}
@@ -272,7 +273,8 @@ def receiver_worker(args: argparse.Namespace) -> None:
                     _say(t_start=t0, t_done=t1, digest=digest,
                          memory_read_nbytes=after["relay_memory_read_nbytes"] - before["relay_memory_read_nbytes"],
                          stream_nbytes=after["relay_stream_nbytes"] - before["relay_stream_nbytes"],
-                         file_read_nbytes=after["relay_file_read_nbytes"] - before["relay_file_read_nbytes"])
+                         file_read_nbytes=after["relay_file_read_nbytes"] - before["relay_file_read_nbytes"],
+                         nixl_read_nbytes=after["relay_nixl_read_nbytes"] - before["relay_nixl_read_nbytes"])
                 elif cmd["cmd"] == "memcpy":
                     # The same bytes copied by libc between two buffers
                     # faulted in beforehand (as the receive cache's are).
@@ -316,12 +318,16 @@ class Worker:
     def __init__(self, hosts: Any, i: int, role: str, args: argparse.Namespace, timeout: float) -> None:
         self.name = f"{role}@host{i}"
         argv = [str(Path(__file__).resolve()), "--worker", role, "--host", hosts.address(i), "--token", args.token,
-                "--nbytes", str(args.nbytes), "--timeout", str(timeout), "--linger", str(args.linger)]
+                "--nbytes", str(args.nbytes), "--timeout", str(timeout), "--linger", str(args.linger), "--transport", args.transport]
         prefix: tuple[str, ...] = ()
         if args.no_ptrace and role == "receiver":
             # Root reads any process's memory with CAP_SYS_PTRACE; without it, not a non-dumpable one's.
             prefix, argv = ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--"), [*argv, "--no-ptrace"]
-        self.proc = hosts.python(i, *argv, prefix=prefix, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # nixl: UCX by TCP over the host's eth0, so that its bytes cross the
+        # shaped links (its shared-memory transports would go around them:
+        # the hosts share one kernel).
+        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0") if args.transport == "nixl" else None
+        self.proc = hosts.python(i, *argv, prefix=prefix, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def send(self, **cmd: Any) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -374,12 +380,20 @@ def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, v
     got = [r.recv(timeout) for r in receivers if r is not victim]
     released = sender.call(timeout, cmd="wait", ticket=put["ticket"], timeout=timeout)
     done = [g["t_done"] for g in got]
+    total = put["total_nbytes"]
+    if put["transport"] == "nixl":
+        # nixl: readers READ the sender's pool one-sided (it counts no bytes
+        # sent); what did not come from a relay came from it.
+        relayed = sum(g["nixl_read_nbytes"] + g["memory_read_nbytes"] + g["stream_nbytes"] for g in got)
+        sender_copies = (len(got) * total - relayed) / total
+    else:
+        sender_copies = (released["bytes_sent"] - put["bytes_sent"]) / total
     return {
         "seconds": max(done) - put["t_put"],
         "put_seconds": put["put_seconds"],
         "gets_seconds": max(done) - min(g["t_start"] for g in got),
         "first_done_seconds": min(done) - put["t_put"],
-        "sender_copies": (released["bytes_sent"] - put["bytes_sent"]) / put["total_nbytes"],
+        "sender_copies": sender_copies,
         "pool_empty": released["used_nbytes"] == 0,
         "digests": [g["digest"] for g in got] if verify else None,
     }
@@ -411,6 +425,8 @@ def main() -> int:
     ap.add_argument("--same-host", type=int, nargs="+", default=None, metavar="K",
                     help="only the same-host section: K receivers beside a relay in its host (memory vs tcp reads vs memcpy)")
     ap.add_argument("--quick", action="store_true", help="100mbit, 16 MiB (smoke run)")
+    ap.add_argument("--transport", choices=["tcp", "nixl"], default="tcp",
+                    help="the sender's and receivers' transport (nixl: UCX by TCP over each host's link)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON", help="only redraw the table and plot")
     # internal: what the workers are started with
@@ -516,7 +532,7 @@ def main() -> int:
     summarize(doc)
     args.out.mkdir(parents=True, exist_ok=True)
     default = args.rate == "1gbit" and args.nbytes == 512 * MIB
-    suffix = "_quick" if args.quick else "" if default else f"_{args.rate}_{args.nbytes // MIB}MiB"
+    suffix = ("_quick" if args.quick else "" if default else f"_{args.rate}_{args.nbytes // MIB}MiB") + ("_nixl" if args.transport == "nixl" else "")
     path = args.out / f"bench_broadcast{suffix}.json"
     path.write_text(json.dumps(doc, indent=1))
     print_table(doc)
@@ -681,7 +697,7 @@ def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: in
         "fault_repeats": args.fault_repeats,
         "relay_linger_seconds": args.linger,
         "warmup": 1,
-        "transport": "tcp",
+        "transport": args.transport,
         "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "wall_seconds": round(time.monotonic() - started, 1),
     }
@@ -753,7 +769,7 @@ def print_table(doc: dict) -> None:
     env = doc["env"]
     con = Console(width=200)
     con.print(f"[bold]tensorferry broadcast benchmark[/] — {env['date']} — {env['machine']} — "
-              f"{env['nbytes'] / MIB:,.0f} MiB over tcp, every link {env['rate']} ({env['rate_bits'] / 1e6:,.0f} Mbit/s) "
+              f"{env['nbytes'] / MIB:,.0f} MiB over {env.get('transport', 'tcp')}, every link {env['rate']} ({env['rate_bits'] / 1e6:,.0f} Mbit/s) "
               f"both ways; medians of {repeats_text(env)} after {env['warmup']} warm-up; load {env['loadavg_1min_start_end']}")
     t = Table(title="time from put to the last receiver holding the bytes (s); vs 1: the same strategy's 1 receiver")
     strategies = list(doc["rows"])
@@ -838,7 +854,7 @@ def plot_strategies(strategies: dict[str, dict[int, float]], references: dict[st
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8.5, loc="upper left")
-    ax.set_title(f"broadcast of {env['nbytes'] / MIB:,.0f} MiB from one sender, every link {env['rate']} both ways\n"
+    ax.set_title(f"broadcast of {env['nbytes'] / MIB:,.0f} MiB over {env.get('transport', 'tcp')} from one sender, every link {env['rate']} both ways\n"
                  f"{env['date']}, {env['machine']}, medians of {repeats_text(env)}, "
                  f"load {env['loadavg_1min_start_end'][0]}-{env['loadavg_1min_start_end'][1]}", fontsize=9.5)
     fig.tight_layout()

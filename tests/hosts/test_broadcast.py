@@ -276,18 +276,9 @@ def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts
         ref = g.broadcast(workers, fanout=1, stagger=STAGGER_SECONDS)
         t = ref["total"]
         assert ref["relay_sent"][victim] == t, "relay 2 was not in the middle of the chain (acquire order)"
-        victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
-
         sender0, _ = g.sent()
-        put = g.start(workers, fanout=1, stagger=STAGGER_SECONDS)
-        time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
-        others = [w for w in workers if w is not victim]
-        gets = [w.fact() for w in others]
-        g.finish(put, gets)  # the dead relay's slot counts as released
+        seconds = _chain_with_a_relay_killed(g, workers, victim, ref)
         sender1, _ = g.sent()
-        seconds = max(x["t_done"] for x in gets) - put["t_put"]
         assert seconds <= 2.5 * ref["seconds"], f"with a relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
         # Relay 2's child resumed at the byte it reached, from relay 1 (the
         # dead relay's place there is freed) or the sender: less than two
@@ -297,6 +288,21 @@ def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts
         g.stop()
         made = {hosts.bridge, *hosts.names}
     assert not made & set(namespaces())
+
+
+def _chain_with_a_relay_killed(g: Group, workers: list[Worker], victim: Worker, ref: dict) -> float:
+    """The chain of ``ref`` again, ``victim`` SIGKILLed about 40% through
+    its receive (as long as it took in ``ref``). Every other get holds the
+    exact bytes, the dead relay's slot counts as released and the sender's
+    pool empties (Group.finish). Returns the time to the last other get."""
+    victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
+    put = g.start(workers, fanout=1, stagger=STAGGER_SECONDS)
+    time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+    gets = [w.fact() for w in workers if w is not victim]
+    g.finish(put, gets)
+    return max(x["t_done"] for x in gets) - put["t_put"]
 
 
 def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_halfway(need_hosts):
@@ -321,16 +327,7 @@ def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_half
         assert [_delta(after[w], before[w], "relay_bytes_exposed") for w in workers] == [t, t, t, 0]
         star_bound = 4 * g.line_seconds
         assert ref["seconds"] < 0.6 * star_bound + 3 * STAGGER_SECONDS, f"nixl chain of 4: {ref['seconds']:.2f} s"
-        victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
-
-        put = g.start(workers, fanout=1, stagger=STAGGER_SECONDS)
-        time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
-        others = [w for w in workers if w is not victim]
-        gets = [w.fact() for w in others]
-        g.finish(put, gets)  # exact bytes everywhere; the dead relay's slot counts as released
-        seconds = max(x["t_done"] for x in gets) - put["t_put"]
+        seconds = _chain_with_a_relay_killed(g, workers, victim, ref)
         assert seconds <= 2.5 * ref["seconds"], f"with a nixl relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
         g.relays.pop(2)
         g.stop()

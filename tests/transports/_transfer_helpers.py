@@ -95,6 +95,37 @@ def big_object(seed: int, nbytes: int) -> list[torch.Tensor]:
     return out
 
 
+def broadcast_object(seed: int = 0) -> dict[str, Any]:
+    """What the relay tests broadcast: 12 MB of floats, a small int tensor
+    and a state dict (a few dtypes and shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3_000_000, generator=g), "steps": torch.arange(999), **state_dict(seed)}
+
+
+def get_all(receivers: list[Any], ticket: Any, **kw: Any) -> list[Any]:
+    """Every receiver gets ``ticket`` at once (a thread each); their results
+    in order. The first error any of them raised is raised."""
+    import threading
+
+    out: list = [None] * len(receivers)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = receivers[i].get(ticket, **kw)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return out
+
+
 def random_object(seed: int, *, max_tensors: int = 6, max_numel: int = 2048) -> Any:
     """A random nesting of small tensors of random dtypes (including 0-dim, 0-size)."""
     rng = random.Random(seed)

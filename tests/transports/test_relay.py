@@ -28,38 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from _transfer_helpers import assert_same, pool_empty, state_dict, wait_until
+from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, wait_until
 from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError
 from tensorferry import _protocol as P
 from tensorferry.transports._tcp import connect
 
 MiB = 1 << 20
-
-
-def obj(seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(3_000_000, generator=g), "steps": torch.arange(999), **state_dict(seed)}
-
-
-def get_all(receivers, ticket, **kw):
-    """Every receiver gets ``ticket`` at once (threads); their results in order."""
-    out: list = [None] * len(receivers)
-    errors: list = []
-
-    def run(i):
-        try:
-            out[i] = receivers[i].get(ticket, **kw)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.fixture
