@@ -34,6 +34,8 @@ MESSAGES = [
     P.Pull(ticket_id=9, digest=b"d" * 16, start=1 << 20, nbytes=1 << 30),
     P.Pull(ticket_id=9, digest=b"d" * 16, start=0, nbytes=64, host=b"boot/4026531836/4026531833"),
     P.Lend(pid=42, address=1 << 40, nbytes=1 << 30),
+    P.Pull(ticket_id=9, digest=b"d" * 16, start=0, nbytes=64, nixl=True),
+    P.Exposed(metadata=b"m" * 300, address=1 << 40, nbytes=1 << 30),
     P.Arrived(end=1 << 20),
     P.Located(blocks=[(0, 64)], sourced=True),
     P.Sources(ticket_id=3, piece=1),
@@ -100,6 +102,21 @@ def test_a_lend_names_a_live_process_and_an_address(pair):
         a.sendall(frame(P.MsgType.LEND, msgspec.msgpack.encode(bad)))
         with pytest.raises(ProtocolError, match="malformed Lend"):
             P.recv_msg(b)
+
+
+def test_an_exposed_stream_names_an_address_and_bounded_metadata(pair):
+    # A nixl child READs the address a relay exposes: it may not be 0, and
+    # the metadata is bounded before it is loaded.
+    a, b = pair
+    for bad in ({"metadata": b"m", "address": 0, "nbytes": 1}, {"metadata": b"m", "address": 4096, "nbytes": -1},
+                {"metadata": b"m" * ((8 << 20) + 1), "address": 4096, "nbytes": 1}):
+        # A thread sends: a frame larger than the socket pair's buffer
+        # waits for the reader.
+        sender = threading.Thread(target=a.sendall, args=(frame(P.MsgType.EXPOSED, msgspec.msgpack.encode(bad)),))
+        sender.start()
+        with pytest.raises(ProtocolError, match="malformed Exposed"):
+            P.recv_msg(b)
+        sender.join(timeout=10)
 
 
 def test_file_descriptors_travel_with_a_frame(pair):

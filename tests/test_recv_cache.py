@@ -283,7 +283,7 @@ def test_stats_keys():
             "gets", "bytes_received", "cache_capacity_nbytes", "cache_cached_nbytes", "cache_cached_buffers",
             "cache_live_nbytes", "cache_hits", "cache_misses", "cache_bypassed", "cache_taken_nbytes",
             "cache_trimmed_nbytes", "cache_evicted_nbytes",
-            "relay_memory_read_nbytes", "relay_file_read_nbytes", "relay_stream_nbytes",
+            "relay_memory_read_nbytes", "relay_file_read_nbytes", "relay_stream_nbytes", "relay_nixl_read_nbytes",
         }
         assert all(isinstance(v, int) for v in r.stats().values())
 
