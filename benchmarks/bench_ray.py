@@ -810,7 +810,13 @@ def print_plans_report(plans: dict) -> None:
         m = out["methods"].get("tf", {})
         first = ", ".join(f"{r['seconds']:.3f}" for r in m.get("warmup", []))
         state = "ok" if m.get("ok") else f"FAILED {m.get('error', 'workers differ')}"
-        print(f"  {int(count):>7,} tensors: {m.get('seconds', float('nan')):.3f} s (warm-ups incl. the planning sync: {first} s) {state}")
+        runs = m.get("runs", [])
+        # Where a sync goes: the trainer's put (the workers wait for it), then
+        # the workers' gets, which run at once on the same cores.
+        put = statistics.median(r["pack_seconds"] for r in runs) if runs else float("nan")
+        get = statistics.median(s for r in runs for s in r["worker_seconds"]) if runs else float("nan")
+        print(f"  {int(count):>7,} tensors: {m.get('seconds', float('nan')):.3f} s (trainer put {put:.3f} s, worker get {get:.3f} s; "
+              f"load {m.get('loadavg_1min', float('nan')):.1f}; warm-ups incl. the planning sync: {first} s) {state}")
     r = plans.get("ratio")
     print(f"  100k / 100 tensors: {r:.2f}x (target <= {plans['target']}x: {'met' if plans['met'] else 'NOT met'})" if r else "  ratio: n/a")
 
