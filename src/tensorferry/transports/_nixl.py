@@ -39,10 +39,12 @@ _SERVER_PROGRESS_SECONDS = 0.005
 
 # A relaying receiver READs a broadcast's stream from its source in chunks
 # of this much, two in flight, and publishes each to its children as it
-# lands. Measured over a 1 Gbit/s link (UCX by TCP), 128 MiB took 1.13 s as
-# one READ, 1.16 s in 4 MiB chunks and 1.35 s in 1 MiB chunks; each hop of a
-# chain adds about one chunk's time (4 MiB: 34 ms at 1 Gbit/s).
-RELAY_CHUNK_NBYTES = 4 << 20
+# lands. Smaller chunks shorten each hop of a chain and cost throughput:
+# over 1 Gbit/s links (UCX by TCP), 128 MiB took 1.13 s as one READ, 1.16 s
+# in 4 MiB chunks and 1.35 s in 1 MiB chunks; 256 MiB down a chain of 8
+# took 3.43 s with 4 MiB chunks (about 140 ms a hop) and 3.21 s with 2 MiB
+# (about 80 ms), one receiver 2.34 and 2.42 s.
+RELAY_CHUNK_NBYTES = 2 << 20
 
 
 def _agent_name(side: str) -> str:

@@ -804,8 +804,9 @@ class _LentReader:
 
 
 # A nixl child READs a relay's announced bytes this much at a time, two
-# READs in flight (see NixlEndpoint.post_read).
-EXPOSED_READ_NBYTES = 4 << 20
+# READs in flight (see NixlEndpoint.post_read), as the relay READs its own
+# source (transports._nixl.RELAY_CHUNK_NBYTES).
+EXPOSED_READ_NBYTES = 2 << 20
 
 
 def _copy_exposed(
