@@ -847,22 +847,31 @@ def _copy_exposed(
                 if not idle:
                     pause = min(pause * 2, 1e-3)
                     continue
-                if time.monotonic() > deadline:
-                    raise TransferTimeoutError(f"the get ran out of time after {at[0]:,} of {total:,} bytes from the relay at {address}")
-                raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s")
-            try:
-                msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=limit)
-            except TransferTimeoutError as exc:
-                if time.monotonic() > deadline:
-                    raise TransferTimeoutError(f"the get ran out of time after {at[0]:,} of {total:,} bytes from the relay at {address}") from exc
-                raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s") from exc
-            if isinstance(msg, P.Failure):
-                raise PeerGoneError(f"relay at {address}: {msg.message}")
-            if not known < msg.end <= total:
-                raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; it announced {known:,} of {total:,}")
-            known, last_news = msg.end, time.monotonic()
+                raise _stalled(address, at[0], total, deadline, stall_seconds)
+            known, last_news = _next_arrived(sock, address, known, at[0], total, limit, deadline, stall_seconds), time.monotonic()
     finally:
         pipe.close()
+
+
+def _stalled(address: str, pos: int, total: int, deadline: float, stall_seconds: float) -> TransferTimeoutError:
+    if time.monotonic() > deadline:
+        return TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}")
+    return TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s")
+
+
+def _next_arrived(sock: socket.socket, address: str, known: int, pos: int, total: int, limit: float, deadline: float, stall_seconds: float) -> int:
+    """Where the relay's next Arrived frame (waited for until ``limit``)
+    says its bytes end: past ``known`` (what it announced before), at most
+    ``total``. ``pos``: how far we have read, for the messages."""
+    try:
+        msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=limit)
+    except TransferTimeoutError as exc:
+        raise _stalled(address, pos, total, deadline, stall_seconds) from exc
+    if isinstance(msg, P.Failure):
+        raise PeerGoneError(f"relay at {address}: {msg.message}")
+    if not known < msg.end <= total:
+        raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; it announced {known:,}, we hold {pos:,} of {total:,}")
+    return msg.end
 
 
 def _copy_lent(
@@ -872,18 +881,9 @@ def _copy_lent(
     """The Arrived frames and the copies; ``at[0]``: how far it has read."""
     pos = at[0]
     while pos < total:
-        try:
-            msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=min(deadline, time.monotonic() + stall_seconds))
-        except TransferTimeoutError as exc:
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}") from exc
-            raise TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s") from exc
-        if isinstance(msg, P.Failure):
-            raise PeerGoneError(f"relay at {address}: {msg.message}")
-        if not pos < msg.end <= total:
-            raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; we hold {pos:,} of {total:,}")
-        while pos < msg.end:
-            k = min(LEND_READ_NBYTES, msg.end - pos)
+        end = _next_arrived(sock, address, pos, pos, total, min(deadline, time.monotonic() + stall_seconds), deadline, stall_seconds)
+        while pos < end:
+            k = min(LEND_READ_NBYTES, end - pos)
             reader.copy(pos, k)
             pos += k
             at[0] = pos
