@@ -83,6 +83,21 @@ static int check_lengths(const int64_t *lengths, Py_ssize_t count, const char *w
     return 0;
 }
 
+/* A batch of runs as Python passes it: three int64 arrays by address. */
+typedef struct {
+    const int64_t *dst, *src, *len;
+} Runs;
+
+/* ``r`` over the arrays at these addresses; -1 with ValueError set if the
+ * count or a length is negative (check_lengths), else 0. */
+static int runs_at(Runs *r, unsigned long long dst_at, unsigned long long src_at, unsigned long long len_at, Py_ssize_t count, const char *what)
+{
+    r->dst = (const int64_t *)(uintptr_t)dst_at;
+    r->src = (const int64_t *)(uintptr_t)src_at;
+    r->len = (const int64_t *)(uintptr_t)len_at;
+    return check_lengths(r->len, count, what);
+}
+
 /* copy_runs(dst, src, nbytes, count, stream, dst_base=0, src_base=0):
  * memmove(dst_base + dst[i], src_base + src[i], nbytes[i]) for i < count,
  * in order, without the GIL. dst, src and nbytes are the addresses of int64
@@ -96,16 +111,14 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
     long long dst_base = 0, src_base = 0;
     if (!PyArg_ParseTuple(args, "KKKnp|LL", &dst_at, &src_at, &nbytes_at, &count, &stream, &dst_base, &src_base))
         return NULL;
-    const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
-    const int64_t *src = (const int64_t *)(uintptr_t)src_at;
-    const int64_t *nbytes = (const int64_t *)(uintptr_t)nbytes_at;
-    if (check_lengths(nbytes, count, "copy_runs: nbytes") < 0)
+    Runs r;
+    if (runs_at(&r, dst_at, src_at, nbytes_at, count, "copy_runs: nbytes") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        char *d = (char *)(uintptr_t)(dst[i] + dst_base);
-        const char *s = (const char *)(uintptr_t)(src[i] + src_base);
-        size_t n = (size_t)nbytes[i];
+        char *d = (char *)(uintptr_t)(r.dst[i] + dst_base);
+        const char *s = (const char *)(uintptr_t)(r.src[i] + src_base);
+        size_t n = (size_t)r.len[i];
 #if TF_STREAMING
         /* Streaming needs the two ranges apart; memmove handles overlap. */
         if (stream && n >= STREAM_MIN_RUN && (d + n <= s || s + n <= d)) {
@@ -352,14 +365,12 @@ static PyObject *convert_runs(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "convert_runs: nan=%ld is not 16 bits", nan);
         return NULL;
     }
-    const int64_t *dst = (const int64_t *)(uintptr_t)dst_at;
-    const int64_t *src = (const int64_t *)(uintptr_t)src_at;
-    const int64_t *nelems = (const int64_t *)(uintptr_t)nelems_at;
-    if (check_lengths(nelems, count, "convert_runs: nelems") < 0)
+    Runs r;
+    if (runs_at(&r, dst_at, src_at, nelems_at, count, "convert_runs: nelems") < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++)
-        convert_run((char *)(uintptr_t)(dst[i] + dst_base), (const char *)(uintptr_t)(src[i] + src_base), (size_t)nelems[i], kind, stream, (uint16_t)nan);
+        convert_run((char *)(uintptr_t)(r.dst[i] + dst_base), (const char *)(uintptr_t)(r.src[i] + src_base), (size_t)r.len[i], kind, stream, (uint16_t)nan);
 #if TF_STREAMING
     if (stream)
         _mm_sfence();

@@ -322,6 +322,18 @@ def _no_ptrace_prefix() -> tuple[str, ...]:
     return ("setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--")
 
 
+def _relay_then_child_twice(sender, relay, child, want) -> int:
+    """Two broadcasts of ``want`` (fanout 1): the relay process gets each,
+    then the child below it; both hold the sender's bytes and every reader
+    released. The ticket's size."""
+    for _ in range(2):
+        ticket = sender.put(want, readers=2, fanout=1)
+        for p in (relay, child):
+            assert p.call(cmd="get", ticket=ticket.to_bytes().hex())["checksum"] == workers.checksum(want)
+        sender.wait_released(ticket, timeout=10.0)
+    return ticket.total_nbytes
+
+
 def test_a_child_the_kernel_refuses_maps_the_relays_memory_file(procs):
     """The relay is non-dumpable and the child lacks CAP_SYS_PTRACE: its
     process_vm_readv gets EPERM (as under Yama's ptrace_scope 1 between
@@ -334,12 +346,7 @@ def test_a_child_the_kernel_refuses_maps_the_relays_memory_file(procs):
     with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
         relay = procs(token, relay=True, guarded=True)
         child = procs(token, relay=False, prefix=_no_ptrace_prefix())
-        for _ in range(2):  # the second round: the relay's memory of the first, mapped again
-            ticket = sender.put(want, readers=2, fanout=1)
-            for p in (relay, child):
-                assert p.call(cmd="get", ticket=ticket.to_bytes().hex())["checksum"] == workers.checksum(want)
-            sender.wait_released(ticket, timeout=10.0)
-        t = ticket.total_nbytes
+        t = _relay_then_child_twice(sender, relay, child, want)  # the second round: the relay's memory of the first again
         got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
         assert got["memory_read_nbytes"] == got["file_read_nbytes"] == 2 * t and got["stream_nbytes"] == 0
         assert "not permitted" in got["refused"] and str(relay.ready["pid"]) in got["refused"]
@@ -366,12 +373,7 @@ def test_a_child_of_another_user_takes_the_stream_and_says_why(procs):
     with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
         relay = procs(token, relay=True)
         child = procs(token, relay=False, prefix=_other_user_prefix())
-        for _ in range(2):
-            ticket = sender.put(want, readers=2, fanout=1)
-            for p in (relay, child):
-                assert p.call(cmd="get", ticket=ticket.to_bytes().hex())["checksum"] == workers.checksum(want)
-            sender.wait_released(ticket, timeout=10.0)
-        t = ticket.total_nbytes
+        t = _relay_then_child_twice(sender, relay, child, want)
         got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
         assert got["memory_read_nbytes"] == 0 and got["stream_nbytes"] == 2 * t
         assert "not permitted" in got["refused"] and "user 65534 may not map" in got["refused"]
@@ -381,16 +383,20 @@ def test_a_child_of_another_user_takes_the_stream_and_says_why(procs):
         assert log.count("over tcp: process_vm_readv of relay process") == 1, log
 
 
-def _lending_relay():
+@pytest.fixture
+def lending():
     """A relay's book and server with one ticket part-way in: a real
-    server on loopback, its stream moved on by hand (``held.progress``)."""
+    server on loopback, its stream moved on by hand (``held.progress``);
+    closed after the test."""
     from tensorferry.transports._relay import RelayBook, RelayServer
 
     book = RelayBook(linger_seconds=60.0)
     server = RelayServer(book, token=b"", host="127.0.0.1", port=0, advertise_host=None)
     stream = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
     held = book.add(7, b"d" * 16, memoryview(stream.numpy()))
-    return book, server, stream, held
+    yield server, stream, held
+    server.close()
+    book.close()
 
 
 def _pull_lent(server, stream, reached, stall_seconds):
@@ -403,71 +409,59 @@ def _pull_lent(server, stream, reached, stall_seconds):
     return buf, reads
 
 
-def test_a_lent_stream_that_stops_growing_is_given_up_after_stall_seconds():
-    book, server, stream, held = _lending_relay()
-    try:
-        held.progress(3 * MiB)
-        reached: list[int] = []
-        t0 = time.monotonic()
-        with pytest.raises(TransferError, match="stalled"):
-            _pull_lent(server, stream, reached, stall_seconds=0.5)
-        assert 0.5 <= time.monotonic() - t0 < 10
-        assert reached[-1] == 3 * MiB  # what had arrived, read out of the relay's memory
-        assert wait_until(lambda: server.bytes_lent == 3 * MiB, 5.0)  # the child said how far it read
-    finally:
-        server.close()
-        book.close()
+def test_a_lent_stream_that_stops_growing_is_given_up_after_stall_seconds(lending):
+    server, stream, held = lending
+    held.progress(3 * MiB)
+    reached: list[int] = []
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="stalled"):
+        _pull_lent(server, stream, reached, stall_seconds=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 10
+    assert reached[-1] == 3 * MiB  # what had arrived, read out of the relay's memory
+    assert wait_until(lambda: server.bytes_lent == 3 * MiB, 5.0)  # the child said how far it read
 
 
-def test_a_closing_relay_ends_its_lent_streams_and_keeps_the_memory_until_the_child_closes():
-    book, server, stream, held = _lending_relay()
-    try:
-        held.progress(2 * MiB)
-        reached: list[int] = []
-        failed: list[BaseException] = []
-        buf_box: list = []
+def test_a_closing_relay_ends_its_lent_streams_and_keeps_the_memory_until_the_child_closes(lending):
+    server, stream, held = lending
+    held.progress(2 * MiB)
+    reached: list[int] = []
+    failed: list[BaseException] = []
+    buf_box: list = []
 
-        def child():
-            try:
-                buf_box.append(_pull_lent(server, stream, reached, stall_seconds=20.0))
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                failed.append(exc)
+    def child():
+        try:
+            buf_box.append(_pull_lent(server, stream, reached, stall_seconds=20.0))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            failed.append(exc)
 
-        t = threading.Thread(target=child)
-        t.start()
-        assert wait_until(lambda: reached and reached[-1] == 2 * MiB, 10.0)
-        assert server._lending  # the child's connection is open: the memory stays
-        t0 = time.monotonic()
-        server.close()
-        t.join(timeout=10)
-        assert not t.is_alive() and time.monotonic() - t0 < 5  # told at once, not after stall_seconds
-        assert len(failed) == 1 and isinstance(failed[0], TransferError), failed
-        assert wait_until(lambda: not server._lending, 5.0)  # let go once the child closed
-        assert reached[-1] == 2 * MiB
-    finally:
-        server.close()
-        book.close()
+    t = threading.Thread(target=child)
+    t.start()
+    assert wait_until(lambda: reached and reached[-1] == 2 * MiB, 10.0)
+    assert server._lending  # the child's connection is open: the memory stays
+    t0 = time.monotonic()
+    server.close()
+    t.join(timeout=10)
+    assert not t.is_alive() and time.monotonic() - t0 < 5  # told at once, not after stall_seconds
+    assert len(failed) == 1 and isinstance(failed[0], TransferError), failed
+    assert wait_until(lambda: not server._lending, 5.0)  # let go once the child closed
+    assert reached[-1] == 2 * MiB
 
 
-def test_what_a_child_copies_out_of_a_relay_is_the_relays_bytes():
-    book, server, stream, held = _lending_relay()
-    try:
-        held.progress(5 * MiB)
-        reached: list[int] = []
-        out: list = []
-        t = threading.Thread(target=lambda: out.append(_pull_lent(server, stream, reached, stall_seconds=10.0)))
-        t.start()
-        assert wait_until(lambda: reached and reached[-1] == 5 * MiB, 10.0)
-        held.progress(stream.numel())  # the rest arrives: the child reads it too
-        held.finish(True)
-        t.join(timeout=10)
-        buf, reads = out[0]
-        assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8), stream)
-        assert reads.memory_nbytes == stream.numel() and reads.stream_nbytes == 0
-        assert server.bytes_lent == server.bytes_sent == stream.numel()
-    finally:
-        server.close()
-        book.close()
+def test_what_a_child_copies_out_of_a_relay_is_the_relays_bytes(lending):
+    server, stream, held = lending
+    held.progress(5 * MiB)
+    reached: list[int] = []
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(_pull_lent(server, stream, reached, stall_seconds=10.0)))
+    t.start()
+    assert wait_until(lambda: reached and reached[-1] == 5 * MiB, 10.0)
+    held.progress(stream.numel())  # the rest arrives: the child reads it too
+    held.finish(True)
+    t.join(timeout=10)
+    buf, reads = out[0]
+    assert torch.equal(torch.frombuffer(buf, dtype=torch.uint8), stream)
+    assert reads.memory_nbytes == stream.numel() and reads.stream_nbytes == 0
+    assert server.bytes_lent == server.bytes_sent == stream.numel()
 
 
 def _relay_with_file(nbytes: int, file_nbytes: int, *, sealed: bool):

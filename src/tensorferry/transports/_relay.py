@@ -122,18 +122,20 @@ class SameHostReads:
         return address not in self._no_vm_at
 
     def refuse_vm(self, address: str, reason: str) -> None:
-        with self._lock:
-            if address not in self._no_vm_at:
-                self._no_vm_at.add(address)
-                self.refused = reason
-                log.info("reading the relay at %s through its shared memory file: %s", address, reason)
+        """process_vm_readv of this relay was refused: read it through its file."""
+        self._note(self._no_vm_at, address, reason, logging.INFO, "through its shared memory file")
 
     def refuse(self, address: str, reason: str) -> None:
+        """Neither memory read of this relay works: take its stream."""
+        self._note(self._refused_at, address, reason, logging.WARNING, "over tcp")
+
+    def _note(self, where: set[str], address: str, reason: str, level: int, how: str) -> None:
+        """Record (and log, once per relay) why ``address`` is read ``how``."""
         with self._lock:
-            if address not in self._refused_at:
-                self._refused_at.add(address)
+            if address not in where:
+                where.add(address)
                 self.refused = reason
-                log.warning("reading the relay at %s over tcp: %s", address, reason)
+                log.log(level, "reading the relay at %s %s: %s", address, how, reason)
 
     def count(self, memory: int = 0, stream: int = 0, file: int = 0, nixl: int = 0) -> None:
         with self._lock:
