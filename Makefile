@@ -16,10 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q nixl==1.5.1
 	touch $(STAMP)
 
-# The C copy loop is compiled by the install; a checkout whose _memcpy.c
-# changed since (git pull) rebuilds it here, without reinstalling the rest.
+# The C copy loop and the C++ check loops are compiled by the install; a
+# checkout whose _memcpy.c or _ptrs.cpp changed since (git pull) rebuilds
+# them here, without reinstalling the rest.
 EXT := $(VENV)/.memcpy-built
-$(EXT): $(STAMP) src/tensorferry/_memcpy.c
+$(EXT): $(STAMP) src/tensorferry/_memcpy.c src/tensorferry/_ptrs.cpp
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(EXT)
 

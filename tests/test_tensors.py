@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tensorferry import LayoutMismatchError, UnsupportedTensorError
-from tensorferry._tensors import dtype_code, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
+from tensorferry import _tensors
+from tensorferry._tensors import data_ptrs, dtype_code, first_replaced, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from tensorferry.layout import DTYPES, TreeOp
 
 pytestmark = [
@@ -303,3 +304,63 @@ def test_gc_paused_restores_the_collector_as_it_was():
         with gc_paused():
             raise KeyError
     assert gc.isenabled()
+
+
+# -- data_ptrs / first_replaced: the kept plans' per-use checks ------------------------
+
+
+def test_the_check_loops_are_native_here():
+    # This install has a C++ compiler and this torch exports its reader: the
+    # plans' checks run as C++ loops (the Python fallback is 3 to 5x slower).
+    assert _tensors._native is not None and _tensors._READER != 0
+
+
+def _every_kind_of_dense_tensor() -> list[torch.Tensor]:
+    flat = torch.arange(1000, dtype=torch.float32)
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    return [
+        flat, flat[10:20], flat[999:], flat[5:5], torch.empty(0), base.t(), base[:, ::2],
+        torch.zeros(3, dtype=torch.complex64).conj(), torch.ones(3)._neg_view(),
+        torch.from_numpy(np.arange(7, dtype=np.int16)), torch.nn.Parameter(torch.ones(2, 2)),
+        torch.empty(3, device="meta"), torch.tensor(True), torch.ones(4, dtype=torch.bfloat16)[1:],
+    ]
+
+
+def test_data_ptrs_are_what_data_ptr_says_for_every_kind_of_tensor():
+    ts = _every_kind_of_dense_tensor()
+    want = [t.data_ptr() for t in ts]
+    assert data_ptrs(ts).tolist() == want
+    assert data_ptrs(tuple(ts)).tolist() == want  # any sequence
+    assert data_ptrs([]).dtype == np.int64 and data_ptrs([]).size == 0
+    many = list(torch.arange(100_000, dtype=torch.float32).split(1))
+    assert np.array_equal(data_ptrs(many), np.array([t.data_ptr() for t in many], dtype=np.int64))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_data_ptrs_raise_what_data_ptr_raises(monkeypatch, native):
+    # torch's reader throws a C++ exception for a sparse tensor and for
+    # what is not a tensor: caught in the loop, the Python pass raises the
+    # usual error (never a crash), wherever the bad one sits.
+    if not native:
+        monkeypatch.setattr(_tensors, "_READER", 0)
+    ok = [torch.ones(3)] * 5
+    with pytest.raises(RuntimeError, match="storage"):
+        data_ptrs(ok + [torch.ones(3).to_sparse()] + ok)
+    with pytest.raises(TypeError):
+        data_ptrs(ok + [object()])
+    assert data_ptrs(ok).tolist() == [ok[0].data_ptr()] * 5
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_first_replaced_finds_the_first_slot_that_changed(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(_tensors, "_native", None)
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    d1, d2 = {"w": a, "b": b}, {"w": c}
+    dicts, names, objs = [d1, d1, d2], ["w", "b", "w"], [a, b, c]
+    assert first_replaced(dicts, names, objs) == -1
+    d2["w"] = torch.ones(3)  # replaced by an equal tensor: another object
+    assert first_replaced(dicts, names, objs) == 2
+    del d1["b"]  # gone (None is not the tensor)
+    assert first_replaced(dicts, names, objs) == 1
+    assert first_replaced([], [], []) == -1

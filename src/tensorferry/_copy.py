@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import packing
-from ._tensors import torch_dtype
+from ._tensors import data_ptrs, torch_dtype
 from .errors import ConfigurationError, TransferError
 
 try:
@@ -611,7 +611,7 @@ def _addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndarray:
     """int64 address of each target where ``ok`` (written by address), 0 elsewhere."""
     dst = np.zeros(len(targets), dtype=np.int64)
     if ok.any():
-        dst[ok] = np.fromiter(map(torch.Tensor.data_ptr, targets), dtype=np.int64, count=len(targets))[ok]
+        dst[ok] = data_ptrs(targets)[ok]
     return dst
 
 

@@ -265,6 +265,29 @@ def test_module_plans_refuse_moved_or_replaced_parameters(sender):
         assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
 
 
+def test_a_tensor_swapped_for_one_without_memory_makes_the_plan_stale(sender, receiver):
+    # torch.utils.swap_tensors keeps the Parameter object but gives it a
+    # sparse tensor's insides: no data pointer to read. Both sides say the
+    # plan is stale (never a bare RuntimeError, never a crash), nothing moved.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    plan = sender.plan(model)
+    torch.utils.swap_tensors(model[1].weight, torch.nn.Parameter(torch.ones(2, 8).to_sparse()))
+    with pytest.raises(PlanStaleError, match="'1.weight' has no memory of its own any more.*nothing was sent"):
+        sender.put(plan)
+    assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
+
+    obj = [torch.ones(3), torch.ones(5)]
+    targets = [torch.zeros(3), torch.zeros(5)]
+    rplan = first_sync(sender, receiver, sender.plan(obj), into=targets)
+    torch.utils.swap_tensors(targets[1], torch.zeros(5).to_sparse())
+    obj[0].fill_(7.0)
+    ticket = sender.put(obj)
+    with pytest.raises(PlanStaleError, match="#1 has no memory of its own any more.*nothing was written"):
+        receiver.get(ticket, into=rplan)
+    assert targets[0].eq(1).all()
+    sender.discard(ticket)
+
+
 def test_plain_plans_refuse_moved_and_regrown_tensors(sender):
     a, b, c = torch.zeros(10), torch.zeros(10), torch.zeros(10)
     plan = sender.plan({"a": a, "b": b, "c": c})
