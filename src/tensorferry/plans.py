@@ -659,9 +659,13 @@ class RecvPlan:
             self._watch = _Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
         self._targets = targets
         # Views share their base's version counter: bumping the bases (and
-        # the tensors that are no view) marks every target written.
+        # the tensors that are no view) marks every target written. Tensors
+        # made under torch.inference_mode() have no counter: torch skips
+        # them, but only after ~140 ns each of its own loop, so they are
+        # left out here, once (a worker's weights made that way cost no
+        # marking at all).
         bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
-        self._versioned = list(bases.values())
+        self._versioned = [b for b in bases.values() if not b.is_inference()]
         ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
         self._dst = np.zeros(len(targets), dtype=np.int64)
         if ok.any():

@@ -319,6 +319,25 @@ def test_many_separate_targets_are_marked_written_while_the_bytes_land(sender, r
         saved.sum().backward()
 
 
+def test_inference_targets_are_written_and_left_out_of_the_marking(sender, receiver):
+    # Targets made under inference_mode have no version counter: the plan
+    # marks only the others (views through their base), and the bytes land
+    # in all of them.
+    obj = [torch.full((4,), float(i)) for i in range(6000)]
+    with torch.inference_mode():
+        inf = [torch.zeros(4) for _ in range(3000)]
+    flat = torch.zeros(3000 * 4)
+    targets = inf + list(flat.split(4))
+    plan = sender.plan(obj)
+    rplan = first_sync(sender, receiver, plan, into=targets)
+    assert len(rplan._versioned) == 1 and rplan._versioned[0] is flat
+    before = flat._version
+    bump(obj)
+    receiver.get(sender.put(plan), into=rplan)
+    assert_same(targets, obj)
+    assert flat._version > before
+
+
 def test_views_of_flat_buffers_are_checked_while_their_bytes_move(sender, receiver):
     # 64 views of two flat buffers: the plan holds the two storages and
     # checks the views on a copy thread during the copy into the pool. A
