@@ -667,16 +667,23 @@ def fill_aliases(layout: Any, targets: Sequence[torch.Tensor]) -> None:
         a, b = targets[dup], targets[orig]
         if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
             continue
-        with torch.no_grad():
+        with _writable(a):
             a.copy_(b)
 
 
 def copy_staged(fixups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``target.copy_(staged bytes)`` for each (1-D uint8 staged, target) pair;
     targets may be parameters that require grad."""
-    with torch.no_grad():
-        for staged, t in fixups:
+    for staged, t in fixups:
+        with _writable(t):
             t.copy_(staged.view(t.dtype).view(t.shape))
+
+
+def _writable(target: torch.Tensor) -> Any:
+    """The mode an in-place copy into ``target`` runs in: no_grad, or for a
+    tensor made under torch.inference_mode() (which refuses in-place writes
+    outside it) inference_mode."""
+    return torch.inference_mode() if target.is_inference() else torch.no_grad()
 
 
 def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
@@ -705,11 +712,11 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
     rest = plan.elementwise
     if rest.size:
         block_of = np.searchsorted(bounds, rest, side="right") - 1
-        with torch.no_grad():
-            for i, b in zip(rest.tolist(), block_of.tolist()):
-                t = targets[i]
-                off = int(offsets[i])
-                view = blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape)
+        for i, b in zip(rest.tolist(), block_of.tolist()):
+            t = targets[i]
+            off = int(offsets[i])
+            view = blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape)
+            with _writable(t):
                 t.copy_(view)
 
 

@@ -338,6 +338,24 @@ def test_inference_targets_are_written_and_left_out_of_the_marking(sender, recei
     assert flat._version > before
 
 
+def test_strided_and_untied_inference_targets_are_written(sender, receiver):
+    # Inference tensors refuse in-place writes outside inference_mode: the
+    # targets not written by address (strided; the second of a tied pair
+    # untied on this side) get theirs inside it, fresh and planned.
+    w = torch.arange(24.0).view(6, 4)
+    obj = {"a": w, "b": w, "c": torch.ones(3)}  # a and b tied
+    with torch.inference_mode():
+        ta, tb, tc = torch.zeros(4, 6), torch.zeros(6, 4), torch.zeros(3)
+    into = {"a": ta.t(), "b": tb, "c": tc}
+    receiver.get(sender.put(obj), into=into)
+    assert_same(into, obj)
+    plan = sender.plan(obj)
+    rplan = first_sync(sender, receiver, plan, into=into)
+    bump(obj)
+    receiver.get(sender.put(plan), into=rplan)
+    assert_same(into, obj)
+
+
 def test_views_of_flat_buffers_are_checked_while_their_bytes_move(sender, receiver):
     # 64 views of two flat buffers: the plan holds the two storages and
     # checks the views on a copy thread during the copy into the pool. A
