@@ -306,6 +306,24 @@ def test_gc_paused_restores_the_collector_as_it_was():
     assert gc.isenabled()
 
 
+def test_match_into_pauses_the_collector_and_restores_it_when_it_refuses(monkeypatch):
+    # It reads 100k shapes with the collector paused (each shape a tuple:
+    # otherwise collections over everything alive); a refusal turns it back on.
+    lay = layout_of({"a": torch.zeros(2, 3)})
+    seen = []
+    real = _tensors._type_problems
+
+    def spy(*args):
+        seen.append(gc.isenabled())
+        return real(*args)
+
+    monkeypatch.setattr(_tensors, "_type_problems", spy)
+    match_into(lay, {"a": torch.zeros(2, 3)})
+    with pytest.raises(LayoutMismatchError):
+        match_into(lay, {"a": torch.zeros(3, 2)})
+    assert seen == [False, False] and gc.isenabled()
+
+
 # -- data_ptrs / first_replaced: the kept plans' per-use checks ------------------------
 
 

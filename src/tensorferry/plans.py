@@ -115,13 +115,19 @@ class SendPlan:
     """
 
     def __init__(self, sender: "Sender", obj: Any, *, dtype: torch.dtype | None = None) -> None:
+        # Planning makes Python objects per tensor (shapes, storages): with
+        # the collector paused, 100k of them set off no collections over
+        # everything alive.
+        with gc_paused():
+            self._make(sender, obj, dtype)
+
+    def _make(self, sender: "Sender", obj: Any, dtype: torch.dtype | None) -> None:
         self._sender = sender
         self.source = obj  # what was planned (a module, or the object itself)
         module = obj if isinstance(obj, torch.nn.Module) else None
         src = module.state_dict(keep_vars=True) if module is not None else obj
-        with gc_paused():
-            leaves, ops, counts, keys, staged = flatten(src)
-            info = inspect_leaves(src, leaves, ops, counts, keys)
+        leaves, ops, counts, keys, staged = flatten(src)
+        info = inspect_leaves(src, leaves, ops, counts, keys)
         if staged:
             raise UnsupportedTensorError(
                 f"{staged} numpy arrays are read-only or have negative strides, so torch cannot share their memory; "
@@ -633,6 +639,10 @@ class RecvPlan:
     """
 
     def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
+        with gc_paused():  # as SendPlan's
+            self._make(receiver, ticket, into, allocate)
+
+    def _make(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
         self._receiver = receiver
         layout = ticket.layout
         self.layout = layout
@@ -646,15 +656,13 @@ class RecvPlan:
             # layout, so a planned sender's stream lands in it as it is.
             self._own = allocate(max(self.total_nbytes, 1))
             blocks = [self._own[: self.total_nbytes]] if self.total_nbytes else []
-            with gc_paused():
-                targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
+            targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
             self.result = unflatten(layout, targets)
         else:
             src = into.state_dict(keep_vars=True) if isinstance(into, torch.nn.Module) else into
             targets = match_into(layout, src)
             self.result = into
-            with gc_paused():
-                leaves, ops, counts, keys, _ = flatten(src)
+            leaves, ops, counts, keys, _ = flatten(src)
             names = list(src.keys()) if isinstance(src, dict) else None
             self._watch = _Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
         self._targets = targets
