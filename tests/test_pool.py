@@ -915,6 +915,45 @@ def test_unpack_runs_of_equal_and_mixed_shapes_round_trip():
         packed.release()
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unpack_of_interleaved_dtypes_is_the_same_cut_by_dtype_or_run_by_run(monkeypatch, seed):
+    """A state dict whose dtypes change every tensor or two (weight, bias, a
+    bf16 norm, an int64 step: a run each) is cut by dtype; the views must be
+    exactly what the run-by-run cut makes: dtypes, shapes, values, and the
+    same addresses. Zero-size tensors, 0-d tensors and one tensor under two
+    names sit among them."""
+    from tensorferry import _views
+
+    import random
+
+    rng = random.Random(seed)
+    kinds = [((7, 5), torch.float32), ((5,), torch.float32), ((3,), torch.bfloat16), ((), torch.int64),
+             ((2, 3), torch.float64), ((9,), torch.bool), ((4,), torch.int8), ((2,), torch.complex64), ((0, 3), torch.float32)]
+    obj = {}
+    for i in range(400):
+        shape, dtype = rng.choice(kinds)
+        obj[f"t{i}"] = (torch.randn(shape) * 50).to(dtype) if dtype != torch.bool else torch.rand(shape) > 0.5
+    obj["tied"] = obj["t3"]
+    calls = []
+    real = _views._views_by_dtype
+    monkeypatch.setattr(_views, "_views_by_dtype", lambda *a: calls.append(1) or real(*a))
+    with MemoryPool(1 << 20) as pool:
+        packed = pool.pack(obj)
+        by_dtype = pool.unpack(packed)
+        assert calls  # the block was cut by dtype
+        monkeypatch.setattr(_views, "_MANY_RUNS", 1 << 62)  # never: run by run
+        by_run = pool.unpack(packed)
+        assert list(by_dtype) == list(obj) == list(by_run)
+        for k, want in obj.items():
+            a, b = by_dtype[k], by_run[k]
+            assert a.dtype == b.dtype == want.dtype and a.shape == b.shape == want.shape, k
+            assert torch.equal(a, want) and torch.equal(b, want), k
+            assert a.numel() == 0 or a.data_ptr() == b.data_ptr(), k
+        assert by_dtype["tied"] is by_dtype["t3"]
+        del by_dtype, by_run
+        packed.release()
+
+
 def test_reserve_leases_raw_bytes_counted_in_stats_and_released_once(pool):
     """The pool's raw-memory API: a lease is counted while alive, its
     release is idempotent, an owned view releases it with its storage,

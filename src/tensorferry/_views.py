@@ -103,13 +103,55 @@ def _same_shape_as_previous(layout: Layout, shapes: list[tuple[int, ...]]) -> np
     return same
 
 
+# A block with more runs than this, averaging under 4 tensors a run, is cut
+# by dtype (_views_by_dtype) rather than run by run.
+_MANY_RUNS = 64
+
+
+def _typed(blk: torch.Tensor, typed: dict[int, torch.Tensor], code: int, size: int) -> torch.Tensor:
+    """The block as one tensor of dtype ``code`` (made once per block and dtype)."""
+    tv = typed.get(code)
+    if tv is None:
+        usable = blk.numel() - blk.numel() % size
+        tv = typed[code] = blk[:usable].view(torch_dtype(code))
+    return tv
+
+
+def _views_by_dtype(blk: torch.Tensor, typed: dict[int, torch.Tensor], idx: np.ndarray, off: np.ndarray, n: np.ndarray,
+                    c: np.ndarray, es: np.ndarray, ndims: np.ndarray, shapes: list[tuple[int, ...]], leaves: list) -> None:
+    """The views of one block's tensors ``idx`` (at byte offsets ``off``, of
+    ``n`` bytes, dtype codes ``c``), one ``split_with_sizes`` per dtype: its
+    tensors and the gaps between them (other dtypes' bytes, a whole number
+    of this dtype's elements, since every tensor starts on a multiple of
+    its element size) as alternate parts; then a ``view`` per tensor that
+    is not 1-D."""
+    for code in np.unique(c).tolist():
+        sel = np.flatnonzero(c == code)
+        size = int(es[idx[sel[0]]])
+        start = off[sel] // size
+        numel = n[sel] // size
+        end = start + numel
+        sizes = np.empty(2 * sel.size, dtype=np.int64)
+        sizes[0] = 0
+        sizes[2::2] = start[1:] - end[:-1]
+        sizes[1::2] = numel
+        parts = _typed(blk, typed, code, size).narrow(0, int(start[0]), int(end[-1] - start[0])).split_with_sizes(sizes.tolist())
+        at = idx[sel].tolist()
+        flat = (ndims[idx[sel]] == 1).tolist()
+        for j, (i, one_d) in enumerate(zip(at, flat)):
+            part = parts[2 * j + 1]
+            leaves[i] = part if one_d else part.view(shapes[i])
+
+
 def build_views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.BlockGroups) -> list[torch.Tensor]:
     """One view per tensor, made in bulk by C++ loops.
 
     Runs of same-dtype tensors that touch are cut at once: all-1-D runs with
     one ``split_with_sizes``; otherwise each stretch of equal shapes (a
     model's layers) with one ``view(k, *shape).unbind(0)``, ~0.7 us a tensor
-    against ~2.5 us for a view per tensor.
+    against ~2.5 us for a view per tensor. A block of many short runs
+    (dtypes interleaved layer by layer) is cut by dtype instead: 100k
+    tensors of four dtypes in 0.2 s rather than 0.8 s run by run.
     """
     count = layout.num_tensors
     leaves: list[torch.Tensor] = [None] * count  # type: ignore[list-item]
@@ -138,21 +180,23 @@ def build_views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.
         brk = np.zeros(idx.size, dtype=bool)
         brk[run_starts] = True
         run_stops = np.append(run_starts[1:], idx.size)
+        blk = blocks[b]
+        typed: dict[int, torch.Tensor] = {}
+        if run_starts.size > _MANY_RUNS and run_starts.size * 4 > idx.size:
+            # Many short runs (a state dict of small layers interleaving
+            # dtypes: weight, bias, a bf16 norm, an int64 step): the loop
+            # below would pay ~10 us of Python a run. Cut by dtype instead.
+            _views_by_dtype(blk, typed, idx, off, n, c, es, ndims, shapes, leaves)
+            continue
         one_d = ndims[idx] == 1
         # Where a new shape starts inside a run (or a run starts).
         shape_brk = brk | ~same_shape[idx]
-        blk = blocks[b]
-        typed: dict[int, torch.Tensor] = {}
         numels = (n // es[idx]).tolist()
         idx_l = idx.tolist()
         for rs, re_ in zip(run_starts.tolist(), run_stops.tolist()):
             code = int(c[rs])
-            tv = typed.get(code)
             size = int(es[idx_l[rs]])
-            if tv is None:
-                usable = blk.numel() - blk.numel() % size
-                tv = blk[:usable].view(torch_dtype(code))
-                typed[code] = tv
+            tv = _typed(blk, typed, code, size)
             first = int(off[rs]) // size
             if one_d[rs:re_].all():
                 total = sum(numels[rs:re_])
