@@ -56,7 +56,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -413,15 +413,17 @@ class NixlEndpoint:
             PeerGoneError: the peer died or disconnected.
             TransferError: NIXL rejected or failed the transfer; the endpoint is closed.
         """
-        if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-            raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
-        deadline = time.monotonic() + timeout
+        deadline = _deadline(timeout)
         if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             raise TransferTimeoutError(f"read from {remote!r} waited {timeout} s for another read on this endpoint to finish")
         try:
             prepared = self._prepare(remote, remote_ranges, local_ranges)
             if prepared is not None:
-                self._read_locked(remote, *prepared, deadline, timeout)
+                pending = self._start(remote, *prepared, deadline, timeout)
+                try:
+                    _wait(lambda: True if self._poll(pending) else None)
+                finally:
+                    self._drop(pending)
         finally:
             self._lock.release()
 
@@ -437,32 +439,12 @@ class NixlEndpoint:
         transfer (``poll_read`` raises after it). The reading side must keep
         polling: on TCP, UCX moves the bytes only while we poll.
         """
-        if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-            raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
-        deadline = time.monotonic() + timeout
+        deadline = _deadline(timeout)
         with self._lock:
             prepared = self._prepare(remote, remote_ranges, local_ranges)
             if prepared is None:
                 return PendingRead(None, "an empty READ", deadline, timeout, remote)
-            local_descs, l_mem, remote_descs, r_mem = prepared
-            agent = self._agent
-            what = f"READ of {int(local_descs[:, 1].sum()):,} bytes in {len(local_descs):,} descriptors from {remote!r}"
-            try:
-                handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_descs, l_mem), agent.get_xfer_descs(remote_descs, r_mem), remote)
-            except Exception as exc:
-                if not _nixl_error(exc):
-                    raise
-                raise _translate(exc, what, remote) from exc
-            pending = PendingRead(handle, what, deadline, timeout, remote)
-            try:
-                pending.state = agent.transfer(handle)
-            except Exception as exc:
-                self._release(handle)
-                pending.handle = None
-                if not _nixl_error(exc):
-                    raise
-                raise _translate(exc, what, remote) from exc
-            return pending
+            return self._start(remote, *prepared, deadline, timeout)
 
     def poll_read(self, pending: "PendingRead") -> bool:
         """True once ``pending`` is done (then released); False while in flight.
@@ -474,34 +456,13 @@ class NixlEndpoint:
         if pending.handle is None:
             return True
         with self._lock:
-            try:
-                if pending.state == "PROC":
-                    if time.monotonic() >= pending.deadline:
-                        raise TransferTimeoutError(f"{pending.what} did not finish within {pending.timeout} s; it was cancelled")
-                    try:
-                        pending.state = self._agent.check_xfer_state(pending.handle)
-                    except Exception as exc:
-                        if not _nixl_error(exc):
-                            raise
-                        raise _translate(exc, pending.what, pending.remote) from exc
-                if pending.state == "PROC":
-                    return False
-                if pending.state != "DONE":
-                    raise TransferError(f"{pending.what} failed: NIXL reports transfer state {pending.state!r}")
-            except BaseException:
-                self._release(pending.handle)
-                pending.handle = None
-                raise
-            self._release(pending.handle)
-            pending.handle = None
-            return True
+            return self._poll(pending)
 
     def cancel_read(self, pending: "PendingRead") -> None:
         """Give up a READ still in flight (its local range may hold part of its bytes)."""
         if pending.handle is not None:
             with self._lock:
-                self._release(pending.handle)
-                pending.handle = None
+                self._drop(pending)
 
     def _prepare(self, remote: str, remote_ranges: Any, local_ranges: Any) -> tuple[np.ndarray, str, np.ndarray, str] | None:
         """Under the lock: the checked, merged descriptors of a READ (None: nothing to move)."""
@@ -539,48 +500,62 @@ class NixlEndpoint:
             raise ConfigurationError(f"{side} ranges span {' and '.join(sorted(kinds))} memory; one read moves one memory kind per side: split it")
         return kinds.pop()
 
-    def _read_locked(
-        self, remote: str, local_descs: np.ndarray, l_mem: str, remote_descs: np.ndarray, r_mem: str, deadline: float, timeout: float
-    ) -> None:
+    def _start(self, remote: str, local_descs: np.ndarray, l_mem: str, remote_descs: np.ndarray, r_mem: str,
+               deadline: float, timeout: float) -> "PendingRead":
+        """Under the lock: make and post the READ of these descriptors."""
         agent = self._agent
-        total = int(local_descs[:, 1].sum())
-        what = f"READ of {total:,} bytes in {len(local_descs):,} descriptors from {remote!r}"
-        handle = None
+        what = f"READ of {int(local_descs[:, 1].sum()):,} bytes in {len(local_descs):,} descriptors from {remote!r}"
         try:
-            try:
-                # initialize_xfer over prep_xfer_dlist + make_prepped_xfer:
-                # ranges change every read, so nothing is reused, and for
-                # 100k descriptors it is ~20% cheaper (16 vs 20 ms); prepped
-                # lists would merge adjacent ranges, which we already did.
-                handle = agent.initialize_xfer(
-                    "READ", agent.get_xfer_descs(local_descs, l_mem), agent.get_xfer_descs(remote_descs, r_mem), remote
-                )
-                state = agent.transfer(handle)
-                spin_until = time.monotonic() + _SPIN_SECONDS
-                pause = _FIRST_PAUSE_SECONDS
-                while state == "PROC":
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise TransferTimeoutError(
-                            f"{what} did not finish within {timeout} s; it was cancelled. "
-                            "The peer may be stopped or not progressing (a serving endpoint must call progress() "
-                            "when UCX reads over TCP), or the timeout is too short for the size"
-                        )
-                    if now >= spin_until:
-                        time.sleep(min(pause, deadline - now))
-                        pause = min(pause * 2, _MAX_PAUSE_SECONDS)
-                    state = agent.check_xfer_state(handle)
-            except TransferTimeoutError:
+            # initialize_xfer over prep_xfer_dlist + make_prepped_xfer:
+            # ranges change every read, so nothing is reused, and for
+            # 100k descriptors it is ~20% cheaper (16 vs 20 ms); prepped
+            # lists would merge adjacent ranges, which we already did.
+            handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_descs, l_mem), agent.get_xfer_descs(remote_descs, r_mem), remote)
+        except Exception as exc:
+            if not _nixl_error(exc):
                 raise
-            except Exception as exc:
-                if not _nixl_error(exc):
-                    raise
-                raise _translate(exc, what, remote) from exc
-            if state != "DONE":
-                raise TransferError(f"{what} failed: NIXL reports transfer state {state!r}")
-        finally:
-            if handle is not None:
-                self._release(handle)
+            raise _translate(exc, what, remote) from exc
+        pending = PendingRead(handle, what, deadline, timeout, remote)
+        try:
+            pending.state = agent.transfer(handle)
+        except Exception as exc:
+            self._drop(pending)
+            if not _nixl_error(exc):
+                raise
+            raise _translate(exc, what, remote) from exc
+        return pending
+
+    def _poll(self, pending: "PendingRead") -> bool:
+        """Under the lock: :meth:`poll_read` of a READ still held."""
+        try:
+            if pending.state == "PROC":
+                if time.monotonic() >= pending.deadline:
+                    raise TransferTimeoutError(
+                        f"{pending.what} did not finish within {pending.timeout} s; it was cancelled. "
+                        "The peer may be stopped or not progressing (a serving endpoint must call progress() "
+                        "when UCX reads over TCP), or the timeout is too short for the size"
+                    )
+                try:
+                    pending.state = self._agent.check_xfer_state(pending.handle)
+                except Exception as exc:
+                    if not _nixl_error(exc):
+                        raise
+                    raise _translate(exc, pending.what, pending.remote) from exc
+            if pending.state == "PROC":
+                return False
+            if pending.state != "DONE":
+                raise TransferError(f"{pending.what} failed: NIXL reports transfer state {pending.state!r}")
+        except BaseException:
+            self._drop(pending)
+            raise
+        self._drop(pending)
+        return True
+
+    def _drop(self, pending: "PendingRead") -> None:
+        """Release ``pending``'s request, once."""
+        if pending.handle is not None:
+            self._release(pending.handle)
+            pending.handle = None
 
     def _release(self, handle: Any) -> None:
         try:
@@ -710,18 +685,35 @@ class ReadPipeline:
         """Poll the oldest READ until it is done (spinning briefly, then
         sleeping up to 1 ms between polls); its ``end``. Raises as
         :meth:`NixlEndpoint.poll_read` (past its own timeout too)."""
-        spin_until = time.monotonic() + _SPIN_SECONDS
-        pause = _FIRST_PAUSE_SECONDS
-        while (end := self.poll()) is None:
-            if time.monotonic() >= spin_until:
-                time.sleep(pause)
-                pause = min(pause * 2, _MAX_PAUSE_SECONDS)
-        return end
+        return _wait(self.poll)
 
     def close(self) -> None:
         """Cancel what is still in flight."""
         while self.inflight:
             self.endpoint.cancel_read(self.inflight.popleft()[0])
+
+
+_T = TypeVar("_T")
+
+
+def _deadline(timeout: Any) -> float:
+    """When a wait of ``timeout`` seconds from now ends."""
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ConfigurationError(f"timeout must be a positive, finite number of seconds; got {timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _wait(poll: Callable[[], _T | None]) -> _T:
+    """``poll()`` until it returns something: spinning for _SPIN_SECONDS,
+    then sleeping a doubling pause between polls (``poll`` raises on its
+    own deadline)."""
+    spin_until = time.monotonic() + _SPIN_SECONDS
+    pause = _FIRST_PAUSE_SECONDS
+    while (out := poll()) is None:
+        if time.monotonic() >= spin_until:
+            time.sleep(pause)
+            pause = min(pause * 2, _MAX_PAUSE_SECONDS)
+    return out
 
 
 def _progress_loop(ref: "weakref.ref[NixlEndpoint]", stop: threading.Event, interval_seconds: float) -> None:
