@@ -58,6 +58,7 @@ __all__ = [
     "copy_from_blocks",
     "copy_staged",
     "copy_values",
+    "target_addresses",
     "copy_threads",
     "dense_host_mask",
     "fill_aliases",
@@ -607,7 +608,7 @@ def dense_host_mask(targets: Sequence[torch.Tensor]) -> np.ndarray:
     return ok
 
 
-def _addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndarray:
+def target_addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndarray:
     """int64 address of each target where ``ok`` (written by address), 0 elsewhere."""
     dst = np.zeros(len(targets), dtype=np.int64)
     if ok.any():
@@ -636,7 +637,7 @@ class StagedCopy:
         start = block_start[block_of] + np.asarray(offsets, dtype=np.int64)
         n = np.asarray(nbytes, dtype=np.int64)
         ok = dense_host_mask(targets)
-        dst = _addresses(targets, ok)
+        dst = target_addresses(targets, ok)
         self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in np.flatnonzero(~ok & (n > 0)).tolist():
             staged = torch.empty(int(n[i]), dtype=torch.uint8)
@@ -707,7 +708,7 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
         ok = dense_host_mask(targets)
     else:
         ok = np.zeros(count, dtype=bool)
-    plan = CopyPlan.build(_addresses(targets, ok), src, nbytes, raw=ok)
+    plan = CopyPlan.build(target_addresses(targets, ok), src, nbytes, raw=ok)
     plan.execute()
     rest = plan.elementwise
     if rest.size:

@@ -127,7 +127,8 @@ def _views_by_dtype(blk: torch.Tensor, typed: dict[int, torch.Tensor], idx: np.n
     is not 1-D."""
     for code in np.unique(c).tolist():
         sel = np.flatnonzero(c == code)
-        size = int(es[idx[sel[0]]])
+        at = idx[sel]
+        size = int(es[at[0]])
         start = off[sel] // size
         numel = n[sel] // size
         end = start + numel
@@ -136,9 +137,7 @@ def _views_by_dtype(blk: torch.Tensor, typed: dict[int, torch.Tensor], idx: np.n
         sizes[2::2] = start[1:] - end[:-1]
         sizes[1::2] = numel
         parts = _typed(blk, typed, code, size).narrow(0, int(start[0]), int(end[-1] - start[0])).split_with_sizes(sizes.tolist())
-        at = idx[sel].tolist()
-        flat = (ndims[idx[sel]] == 1).tolist()
-        for j, (i, one_d) in enumerate(zip(at, flat)):
+        for j, (i, one_d) in enumerate(zip(at.tolist(), (ndims[at] == 1).tolist())):
             part = parts[2 * j + 1]
             leaves[i] = part if one_d else part.view(shapes[i])
 
@@ -177,9 +176,6 @@ def build_views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.
         cut = np.zeros(idx.size, dtype=bool)
         cut[1:] = (c[1:] != c[:-1]) | (idx[1:] != idx[:-1] + 1)
         run_starts = packing.merge_runs(off, off, n, cut).heads
-        brk = np.zeros(idx.size, dtype=bool)
-        brk[run_starts] = True
-        run_stops = np.append(run_starts[1:], idx.size)
         blk = blocks[b]
         typed: dict[int, torch.Tensor] = {}
         if run_starts.size > _MANY_RUNS and run_starts.size * 4 > idx.size:
@@ -188,6 +184,9 @@ def build_views(blocks: Sequence[torch.Tensor], layout: Layout, groups: packing.
             # below would pay ~10 us of Python a run. Cut by dtype instead.
             _views_by_dtype(blk, typed, idx, off, n, c, es, ndims, shapes, leaves)
             continue
+        brk = np.zeros(idx.size, dtype=bool)
+        brk[run_starts] = True
+        run_stops = np.append(run_starts[1:], idx.size)
         one_d = ndims[idx] == 1
         # Where a new shape starts inside a run (or a run starts).
         shape_brk = brk | ~same_shape[idx]

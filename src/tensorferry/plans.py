@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from . import packing
-from ._copy import _PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, executor, finish, run_parts, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, pack_leaves
+from ._copy import _PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, executor, finish, run_parts, copy_staged, copy_values, fill_aliases, dense_host_mask, many_small_runs, pack_leaves, target_addresses
 from ._tensors import LeafInfo, data_ptrs, dtype_code, first_replaced, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from ._views import build_views
 from .errors import ConfigurationError, LayoutMismatchError, PlanStaleError, UnsupportedTensorError
@@ -675,9 +675,7 @@ class RecvPlan:
         bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
         self._versioned = [b for b in bases.values() if not b.is_inference()]
         ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
-        self._dst = np.zeros(len(targets), dtype=np.int64)
-        if ok.any():
-            self._dst[ok] = data_ptrs(targets)[ok]
+        self._dst = target_addresses(targets, ok)
         n = layout.nbytes
         # Targets that cannot be written by address get a buffer each, kept.
         self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
