@@ -699,6 +699,20 @@ def run_transport(ray: Any, tr: Transport, Producer: Any, Consumer: Any, repeats
     return out
 
 
+def _timed_sync(sync: Any) -> dict:
+    """One ``WeightSync.sync()``, timed here, with what its report says."""
+    t0 = time.monotonic()
+    rep = sync.sync()
+    return {"seconds": time.monotonic() - t0, "report_seconds": rep.seconds, "pack_seconds": rep.pack_seconds,
+            "worker_seconds": list(rep.worker_seconds), "version": rep.version}
+
+
+def _digests_equal(ray: Any, trainer: Any, workers: list) -> list[bool]:
+    """Per worker: its weights hash as the trainer's do."""
+    want = ray.get(trainer.digest.remote(), timeout=CALL_TIMEOUT_SECONDS)
+    return [g == want for g in ray.get([w.digest.remote() for w in workers], timeout=CALL_TIMEOUT_SECONDS)]
+
+
 def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch, *,
                     spec: dict | None = None, methods: tuple = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"),
                                                               ("nixl_pool", "Ray nixl + pool")),
@@ -745,14 +759,10 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
                     res["pool_setup_seconds"] = time.monotonic() - t_c
                 for i in range(warmups + repeats):
                     ray.get(trainer.step.remote(), timeout=CALL_TIMEOUT_SECONDS)
-                    t0 = time.monotonic()
                     if sync is not None:
-                        rep = sync.sync()
-                        t1 = time.monotonic()
-                        runs.append({"seconds": t1 - t0, "report_seconds": rep.seconds,
-                                     "pack_seconds": rep.pack_seconds, "worker_seconds": list(rep.worker_seconds),
-                                     "version": rep.version})
+                        runs.append(_timed_sync(sync))
                     else:
+                        t0 = time.monotonic()
                         ref = (trainer.weights_plain if key == "objstore" else trainer.weights_nixl).remote()
                         copy_s = ray.get([w.load.remote(ref) for w in workers], timeout=CALL_TIMEOUT_SECONDS)
                         t1 = time.monotonic()
@@ -760,13 +770,11 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
                         runs.append({"seconds": t1 - t0, "worker_copy_seconds": copy_s})
                         gc.collect()
                         runs[-1]["held_after"] = ray.get(trainer.settle.remote(30.0), timeout=CALL_TIMEOUT_SECONDS)
-                want = ray.get(trainer.digest.remote(), timeout=CALL_TIMEOUT_SECONDS)
-                got = ray.get([w.digest.remote() for w in workers], timeout=CALL_TIMEOUT_SECONDS)
+                equal = _digests_equal(ray, trainer, workers)
                 timed = runs[warmups:]
                 res.update(warmup=runs[:warmups], runs=timed, repeats=len(timed),
                            seconds=statistics.median(r["seconds"] for r in timed),
-                           ok=all(g == want for g in got), digests_equal=[g == want for g in got],
-                           min_mem_available_nbytes=mem.mark())
+                           ok=all(equal), digests_equal=equal, min_mem_available_nbytes=mem.mark())
                 warm_s = ", ".join(f"{r['seconds']:.2f}" for r in runs[:warmups])
                 log(f"  weight sync {spec['kind']:9s} {label:26s} {res['seconds']:7.3f} s  (warm-ups {warm_s} s,"
                     f" {len(timed)} runs){'' if res['ok'] else '  WORKERS DIFFER FROM TRAINER'}")
@@ -804,6 +812,7 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
 
     opts = {"runtime_env": {"env_vars": dict(LO_ENV)}}
     cases: dict = {}
+    mins: dict = {}  # the least MemAvailable seen, per pass
     for inference in (False, True):
         suffix = "-inference" if inference else ""
         log(f"plans: {' and '.join(f'{c:,}' for c in PLANS_TENSOR_COUNTS)} tensors, interleaved"
@@ -823,19 +832,14 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
             for r in range(SYNC_WARMUPS + repeats):
                 for st in setups if r % 2 == 0 else setups[::-1]:
                     ray.get(st["trainer"].step.remote(), timeout=CALL_TIMEOUT_SECONDS)
-                    t0 = time.monotonic()
-                    rep = st["sync"].sync()
-                    st["runs"].append({"seconds": time.monotonic() - t0, "report_seconds": rep.seconds,
-                                       "pack_seconds": rep.pack_seconds, "worker_seconds": list(rep.worker_seconds),
-                                       "version": rep.version, "loadavg_1min": os.getloadavg()[0]})
+                    st["runs"].append({**_timed_sync(st["sync"]), "loadavg_1min": os.getloadavg()[0]})
             for st in setups:
-                want = ray.get(st["trainer"].digest.remote(), timeout=CALL_TIMEOUT_SECONDS)
-                got = ray.get([w.digest.remote() for w in st["workers"]], timeout=CALL_TIMEOUT_SECONDS)
+                equal = _digests_equal(ray, st["trainer"], st["workers"])
                 timed = st["runs"][SYNC_WARMUPS:]
                 res = {"label": "tensorferry WeightSync", "warmup": st["runs"][:SYNC_WARMUPS], "runs": timed,
                        "repeats": len(timed), "seconds": statistics.median(r["seconds"] for r in timed),
                        "loadavg_1min": statistics.median(r["loadavg_1min"] for r in timed),
-                       "ok": all(g == want for g in got), "digests_equal": [g == want for g in got]}
+                       "ok": all(equal), "digests_equal": equal}
                 cases[st["key"]] = {"spec": st["spec"], "num_workers": SYNC_WORKERS, "state_dict": st["state_dict"],
                                     "interleaved": True, "methods": {"tf": res}}
                 log(f"  {st['key']:>16}: {res['seconds']:.3f} s{'' if res['ok'] else '  WORKERS DIFFER FROM TRAINER'}")
@@ -846,8 +850,7 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
             log(f"  plans{suffix}: FAILED: {_err(exc)}")
         finally:
             _kill(ray, [a for st in setups for a in [st["trainer"], *st["workers"]]])
-        cases.setdefault("min_mem_available_nbytes", {})[suffix or "plain"] = mem.mark()
-    mins = cases.pop("min_mem_available_nbytes")
+        mins[suffix or "plain"] = mem.mark()
 
     def ratio_of(suffix: str) -> float | None:
         few, many = (cases.get(f"{c}{suffix}", {}).get("methods", {}).get("tf", {}) for c in PLANS_TENSOR_COUNTS)
