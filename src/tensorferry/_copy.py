@@ -668,23 +668,24 @@ def fill_aliases(layout: Any, targets: Sequence[torch.Tensor]) -> None:
         a, b = targets[dup], targets[orig]
         if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
             continue
-        with _writable(a):
+        with _writable([a]):
             a.copy_(b)
 
 
 def copy_staged(fixups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``target.copy_(staged bytes)`` for each (1-D uint8 staged, target) pair;
     targets may be parameters that require grad."""
-    for staged, t in fixups:
-        with _writable(t):
+    with _writable([t for _, t in fixups]):
+        for staged, t in fixups:
             t.copy_(staged.view(t.dtype).view(t.shape))
 
 
-def _writable(target: torch.Tensor) -> Any:
-    """The mode an in-place copy into ``target`` runs in: no_grad, or for a
-    tensor made under torch.inference_mode() (which refuses in-place writes
-    outside it) inference_mode."""
-    return torch.inference_mode() if target.is_inference() else torch.no_grad()
+def _writable(targets: Sequence[torch.Tensor]) -> Any:
+    """The mode in-place copies into ``targets`` run in: no_grad, or where
+    one was made under torch.inference_mode() (which refuses in-place writes
+    outside it) inference_mode, in which writes into the others still bump
+    their version counters."""
+    return torch.inference_mode() if any(t.is_inference() for t in targets) else torch.no_grad()
 
 
 def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
@@ -713,12 +714,11 @@ def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets
     rest = plan.elementwise
     if rest.size:
         block_of = np.searchsorted(bounds, rest, side="right") - 1
-        for i, b in zip(rest.tolist(), block_of.tolist()):
-            t = targets[i]
-            off = int(offsets[i])
-            view = blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape)
-            with _writable(t):
-                t.copy_(view)
+        with _writable([targets[i] for i in rest.tolist()]):
+            for i, b in zip(rest.tolist(), block_of.tolist()):
+                t = targets[i]
+                off = int(offsets[i])
+                t.copy_(blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape))
 
 
 def pack_leaves(leaves: Sequence[torch.Tensor], info: Any, dst: np.ndarray, out: torch.Tensor, lo: int = 0, hi: int | None = None) -> tuple[int, int]:

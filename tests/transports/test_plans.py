@@ -343,12 +343,17 @@ def test_strided_and_untied_inference_targets_are_written(sender, receiver):
     # targets not written by address (strided; the second of a tied pair
     # untied on this side) get theirs inside it, fresh and planned.
     w = torch.arange(24.0).view(6, 4)
-    obj = {"a": w, "b": w, "c": torch.ones(3)}  # a and b tied
+    obj = {"a": w, "b": w, "c": torch.ones(3), "d": w * 2}  # a and b tied
     with torch.inference_mode():
         ta, tb, tc = torch.zeros(4, 6), torch.zeros(6, 4), torch.zeros(3)
-    into = {"a": ta.t(), "b": tb, "c": tc}
+    # A plain strided target beside them (copied in the same mode) is
+    # still marked written for autograd.
+    td = torch.zeros(4, 6, requires_grad=True)
+    into = {"a": ta.t(), "b": tb, "c": tc, "d": td.t()}
+    before = td._version
     receiver.get(sender.put(obj), into=into)
     assert_same(into, obj)
+    assert td._version > before
     plan = sender.plan(obj)
     rplan = first_sync(sender, receiver, plan, into=into)
     bump(obj)
