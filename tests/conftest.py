@@ -18,23 +18,23 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def c_loop():
-    """tensorferry's C copy loop (``_copy._native``). The install builds it
+    """tensorferry's C copy loop (``_copy._native.loop``). The install builds it
     (a C compiler is on every machine CI runs on): missing, the tests that
     need it fail rather than skip."""
-    from tensorferry import _copy
+    from tensorferry._copy import _native
 
-    assert _copy._native is not None, "tensorferry._memcpy was not built: install with a C compiler (pip install -e .)"
-    return _copy._native
+    assert _native.loop is not None, "tensorferry._memcpy was not built: install with a C compiler (pip install -e .)"
+    return _native.loop
 
 
 @pytest.fixture(params=["c-loop", "python"])
 def copies(request, monkeypatch):
     """Which copy loop moves many small runs: the C extension's, or the
     fallback without it (Python loops of memmove, vectored I/O, torch.cat)."""
-    from tensorferry import _copy
+    from tensorferry._copy import _native
 
     if request.param == "c-loop":
         request.getfixturevalue("c_loop")
     else:
-        monkeypatch.setattr(_copy, "_native", None)
+        monkeypatch.setattr(_native, "loop", None)
     return request.param

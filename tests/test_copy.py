@@ -10,6 +10,7 @@ import torch
 
 from tensorferry import ConfigurationError, TransferError
 from tensorferry import _copy
+from tensorferry._copy import _convert, _memmove, _threads
 
 
 def _runs(rng: np.random.Generator, count: int, mean: int):
@@ -32,7 +33,7 @@ def test_memmove_runs_copies_every_byte_to_its_place(monkeypatch, threads):
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", threads)
     rng = np.random.default_rng(int(threads))
     src, dst, offs, dst_of, lengths = _runs(rng, 150, 200_001)  # ~30 MB: above the parallel threshold
-    assert int(lengths.sum()) >= _copy._PARALLEL_MIN_NBYTES
+    assert int(lengths.sum()) >= _threads.PARALLEL_MIN_NBYTES
     _copy.memmove_runs(dst_of + dst.data_ptr(), offs + src.data_ptr(), lengths)
     s, d = src.numpy(), dst.numpy()
     for o, do, n in zip(offs.tolist(), dst_of.tolist(), lengths.tolist()):
@@ -50,7 +51,7 @@ def test_many_small_runs_at_odd_addresses_land_exactly(monkeypatch, copies, thre
     gaps = rng.integers(0, 9, size=lengths.size)
     dst_of = dst_of + np.cumsum(gaps)[np.argsort(np.argsort(dst_of))]  # a gap before each run, in destination order
     dst = torch.full((int((dst_of + lengths).max()) + 16,), 0xAB, dtype=torch.uint8)
-    assert int(lengths.sum()) >= _copy._STREAM_MIN_NBYTES
+    assert int(lengths.sum()) >= _memmove._STREAM_MIN_NBYTES
     _copy.memmove_runs(dst_of + dst.data_ptr() + 3, offs + src.data_ptr() + 0, lengths)
     want = np.full(dst.numel(), 0xAB, dtype=np.uint8)
     s = src.numpy()
@@ -80,7 +81,7 @@ def test_parts_cover_each_byte_once_in_balanced_page_aligned_parts():
     dst = src + 10**10
     total = int(lengths.sum())
     for k in (2, 3, 4, 7):
-        parts = _copy._parts(dst, src, lengths, k)
+        parts = _memmove._parts(dst, src, lengths, k)
         assert len(parts) == k
         covered = []
         for d, s, n in parts:
@@ -95,10 +96,10 @@ def test_parts_cover_each_byte_once_in_balanced_page_aligned_parts():
             pos += n
         assert pos == 10**9 + total
         sizes = [sum(n) for _, _, n in parts]
-        assert max(sizes) - min(sizes) <= _copy._PART_ALIGNMENT * k
+        assert max(sizes) - min(sizes) <= _memmove._PART_ALIGNMENT * k
         # Each part after the first starts on a page of the concatenation.
         starts = np.cumsum(sizes)[:-1]
-        assert all(int(x) % _copy._PART_ALIGNMENT == 0 for x in starts)
+        assert all(int(x) % _memmove._PART_ALIGNMENT == 0 for x in starts)
 
 
 def _packed(specs, seed=3):
@@ -133,7 +134,7 @@ def test_copy_from_blocks_fills_dense_strided_conjugated_and_empty_targets(monke
         (torch.float32, (2_000_000,)), (torch.bfloat16, (7, 11)),
     ]
     blocks, bounds, offsets, nbytes, views = _packed(specs)
-    assert int(nbytes.sum()) >= _copy._PARALLEL_MIN_NBYTES
+    assert int(nbytes.sum()) >= _threads.PARALLEL_MIN_NBYTES
     targets = [
         torch.nn.Parameter(torch.zeros(1000, 2000)),
         torch.zeros(3_000_000),
@@ -205,9 +206,9 @@ def test_nested_parallel_copies_never_wait_for_a_free_thread(monkeypatch):
     """Every copy thread busy with a copy that itself splits in parts: the
     waits run the parts nobody started, so it finishes instead of hanging."""
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "4")
-    monkeypatch.setattr(_copy, "_PARALLEL_MIN_NBYTES", 1 << 16)
-    monkeypatch.setattr(_copy, "_PARALLEL_MIN_MEAN_RUN", 1 << 10)
-    srcs = [torch.randint(0, 255, (1 << 18,), dtype=torch.uint8) for _ in range(3 * _copy._POOL_THREADS)]
+    monkeypatch.setattr(_threads, "PARALLEL_MIN_NBYTES", 1 << 16)
+    monkeypatch.setattr(_memmove, "_PARALLEL_MIN_MEAN_RUN", 1 << 10)
+    srcs = [torch.randint(0, 255, (1 << 18,), dtype=torch.uint8) for _ in range(3 * _threads._POOL_THREADS)]
     dsts = [torch.zeros_like(s) for s in srcs]
 
     def one(i: int) -> None:
@@ -245,7 +246,7 @@ def test_a_forked_child_copies_in_parallel_after_the_parent_did(monkeypatch):
     src = np.ones(40 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     _copy.copy_bytes(torch.from_numpy(dst), torch.from_numpy(src))
-    assert _copy._pool is not None  # the parent's pool now has a live thread
+    assert _threads._pool is not None  # the parent's pool now has a live thread
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child_copies, args=(q,))
@@ -332,7 +333,7 @@ def test_conversions_match_torch_bit_for_bit(monkeypatch, copies, threads, dtype
     # threads. A float64 pair goes to torch either way.
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", threads)
     rng = np.random.default_rng(21)
-    special = np.array(_copy._PROBE_BITS, dtype=np.uint32)
+    special = np.array(_convert._PROBE_BITS, dtype=np.uint32)
     bits = rng.integers(0, 1 << 32, size=9_000_100, dtype=np.uint32)
     bits[rng.integers(0, bits.size, size=50_000)] = rng.choice(special, size=50_000)
     bits[: special.size] = special
@@ -349,8 +350,8 @@ def test_conversions_match_torch_bit_for_bit(monkeypatch, copies, threads, dtype
     f64 = torch.from_numpy(rng.standard_normal(1000))
     pairs.append((torch.empty(1000, dtype=dtype), f64))
     to_torch = []
-    convert_torch = _copy._convert_torch
-    monkeypatch.setattr(_copy, "_convert_torch", lambda p: (to_torch.extend(p), convert_torch(p)))
+    convert_torch = _convert._convert_torch
+    monkeypatch.setattr(_convert, "_convert_torch", lambda p: (to_torch.extend(p), convert_torch(p)))
     _copy.copy_converting(pairs)
     expect = torch.full_like(out, 0x5A5A)  # the gaps between pairs untouched
     for p, w in want:
@@ -358,7 +359,7 @@ def test_conversions_match_torch_bit_for_bit(monkeypatch, copies, threads, dtype
     assert torch.equal(out, expect)
     assert torch.equal(pairs[-1][0].view(torch.int16), f64.to(dtype).view(torch.int16))
     native = copies == "c-loop" and (dtype == torch.bfloat16 or _f16c())
-    assert dtype in _copy._native_conversions() if native else dtype not in _copy._native_conversions()
+    assert dtype in _convert._native_conversions() if native else dtype not in _convert._native_conversions()
     assert len(to_torch) == (1 if native else len(pairs))
 
 
@@ -368,27 +369,28 @@ def test_convert_runs_at_odd_addresses_and_bases(c_loop):
     rng = np.random.default_rng(4)
     src = _f32_bits(rng.integers(0, 1 << 32, size=300_001, dtype=np.uint32))
     raw = torch.zeros(2 * src.numel() + 64, dtype=torch.uint8)
-    nan = _copy._native_conversions()[torch.bfloat16][1]
+    nan = _convert._native_conversions()[torch.bfloat16][1]
     d = np.array([1, 2 * 200_000 + 9], dtype=np.int64)
     s = np.array([0, 4 * 200_000], dtype=np.int64)
     n = np.array([200_000, 100_001], dtype=np.int64)
-    _copy._native.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 2, _copy._native.BFLOAT16, True, raw.data_ptr(), src.data_ptr(), nan)
+    _copy._native.loop.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 2, _copy._native.loop.BFLOAT16, True, raw.data_ptr(), src.data_ptr(), nan)
     want = src.to(torch.bfloat16).view(torch.uint8).numpy()
     got = raw.numpy()
     assert np.array_equal(got[1 : 1 + 400_000], want[:400_000])
     assert np.array_equal(got[400_009 : 400_009 + 200_002], want[400_000:])
     assert got[0] == 0 and not got[400_001:400_009].any() and not got[600_011:].any()
     with pytest.raises(ValueError, match="kind 7"):
-        _copy._native.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 0, 7, False)
+        _copy._native.loop.convert_runs(d.ctypes.data, s.ctypes.data, n.ctypes.data, 0, 7, False)
 
 
 _SCALAR_TORCH = """
 import numpy as np, torch
 from tensorferry import _copy
+from tensorferry._copy import _convert
 src = torch.from_numpy(np.array([0x7fa5a5a5, 0xffc00000, 0x3f808000, 0x7f7f8000] * 40000, dtype=np.uint32).view(np.float32))
 dst = torch.empty(src.numel(), dtype=torch.bfloat16)
 _copy.copy_converting([(dst, src)])
-kinds = _copy._native_conversions()
+kinds = _convert._native_conversions()
 print(hex(kinds[torch.bfloat16][1]), torch.equal(dst.view(torch.int16), src.to(torch.bfloat16).view(torch.int16)))
 """
 
@@ -429,7 +431,7 @@ def test_a_copy_plan_reuses_its_windows_batches_at_other_base_addresses(monkeypa
 
 def test_the_c_loops_refuse_negative_lengths_and_a_nan_that_is_not_16_bits(c_loop):
     # Lengths a size_t would read as huge, refused before any byte moves.
-    m = _copy._native
+    m = _copy._native.loop
     buf = torch.arange(16, dtype=torch.float32)
     keep = buf.clone()
     at = np.array([buf.data_ptr()], dtype=np.int64)

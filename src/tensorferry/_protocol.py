@@ -359,8 +359,9 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -
         got += k
 
 
-# Linux's IOV_MAX: the most buffers one recvmsg_into / sendmsg takes.
-_IOV_MAX = 1024
+# Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
+# preadv, pwritev or process_vm_readv takes. The one definition.
+IOV_MAX = 1024
 
 
 def _advance(pending: collections.deque, nbytes: int) -> None:
@@ -387,7 +388,7 @@ def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline:
         if left <= 0:
             raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes")
         sock.settimeout(left)
-        batch = [pending[i] for i in range(min(_IOV_MAX, len(pending)))]
+        batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
         try:
             k = sock.recvmsg_into(batch)[0]
         except socket.timeout as exc:
@@ -407,7 +408,7 @@ def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
     pending = collections.deque(v for v in views if len(v))
     try:
         while pending:
-            batch = [pending[i] for i in range(min(_IOV_MAX, len(pending)))]
+            batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
             _advance(pending, sock.sendmsg(batch))
     except socket.timeout as exc:
         raise TransferTimeoutError("timed out sending block bytes to the receiver") from exc

@@ -647,7 +647,7 @@ def test_matches_tells_whether_a_fresh_state_dict_is_the_planned_memory(sender, 
     cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
 )
 def test_a_buffer_list_window_is_exactly_the_stream_range(runs, tail, cut):
-    from tensorferry.plans import _BufferList
+    from tensorferry.plans._buffers import BufferList as _BufferList
 
     memory = np.arange(1000, dtype=np.uint8)
     pos, addr, n, at, mem_at = [], [], [], 0, 0
@@ -732,7 +732,7 @@ def test_a_large_gather_of_mixed_dtypes_splits_over_the_copy_threads(monkeypatch
     k=st.integers(1, 5),
 )
 def test_gather_stretches_split_for_threads_cover_every_byte_once(shape, k):
-    from tensorferry import plans
+    from tensorferry.plans import _send as plans
 
     stretches, at, fill = [], 0, 0
     for gap, sizes in shape:

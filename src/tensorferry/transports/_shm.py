@@ -93,7 +93,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _process_vm_readv = _libc.process_vm_readv
 _process_vm_readv.restype = ctypes.c_ssize_t
 _process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-_IOV_MAX = 1024
 
 
 def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray, *, peer: str = "sender", fix: str = "use tcp or snapshot=True") -> None:
@@ -113,8 +112,8 @@ def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
     riov = np.empty((count, 2), dtype=np.uint64)
     liov[:, 0], liov[:, 1] = local, nbytes
     riov[:, 0], riov[:, 1] = remote, nbytes
-    for i in range(0, count, _IOV_MAX):
-        k = min(_IOV_MAX, count - i)
+    for i in range(0, count, P.IOV_MAX):
+        k = min(P.IOV_MAX, count - i)
         want = int(nbytes[i : i + k].sum())
         got = _process_vm_readv(pid, liov.ctypes.data + 16 * i, k, riov.ctypes.data + 16 * i, k, 0)
         if got != want:

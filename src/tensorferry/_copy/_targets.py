@@ -1,0 +1,183 @@
+"""Receiver side: received bytes into the caller's tensors (``into=``).
+
+Dense host targets are written by address through a :class:`CopyPlan`;
+the rest (strided, conjugated, negated, on a device) get a staged buffer
+or a typed view and torch's ``copy_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import packing
+from .._tensors import data_ptrs
+from ._plan import CopyPlan
+
+__all__ = ["StagedCopy", "copy_from_blocks", "copy_staged", "dense_host_mask", "fill_aliases", "scatter_segments", "target_addresses"]
+
+_get_is_cpu = attrgetter("is_cpu")
+
+
+def dense_host_mask(targets: Sequence[torch.Tensor]) -> np.ndarray:
+    """Which targets can be written by address: contiguous host tensors
+    that are neither conjugated nor negated views (one pass per attribute)."""
+    count = len(targets)
+    ok = np.fromiter(map(torch.Tensor.is_contiguous, targets), dtype=bool, count=count)
+    ok &= ~np.fromiter(map(torch.Tensor.is_neg, targets), dtype=bool, count=count)
+    if any(map(torch.Tensor.is_complex, targets)):
+        ok &= ~np.fromiter(map(torch.Tensor.is_conj, targets), dtype=bool, count=count)
+    ok &= np.fromiter(map(_get_is_cpu, targets), dtype=bool, count=count)
+    return ok
+
+
+def target_addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndarray:
+    """int64 address of each target where ``ok`` (written by address), 0 elsewhere."""
+    dst = np.zeros(len(targets), dtype=np.int64)
+    if ok.any():
+        dst[ok] = data_ptrs(targets)[ok]
+    return dst
+
+
+class StagedCopy:
+    """Copies a byte stream that arrives a chunk at a time into its targets.
+
+    The stream is the concatenation of an object's blocks (``block_nbytes``,
+    tensor ``i`` at byte ``offsets[i]`` of block ``b`` for ``bounds[b] <= i
+    < bounds[b + 1]``). Each call ``(pos, k, base)`` says that the ``k``
+    bytes at host address ``base`` are stream bytes ``[pos, pos + k)``; the
+    parts of every tensor in that range are copied by address, neighbours
+    merged, as one (parallel) copy. Targets that cannot be written by
+    address get a host buffer each, copied into them by :meth:`finish`.
+    No view of any chunk is made, and no tensor object per call.
+    """
+
+    def __init__(self, block_nbytes: Sequence[int], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
+        block_start = np.zeros(len(block_nbytes), dtype=np.int64)
+        if len(block_nbytes) > 1:
+            block_start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+        block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(np.asarray(bounds, dtype=np.int64)))
+        start = block_start[block_of] + np.asarray(offsets, dtype=np.int64)
+        n = np.asarray(nbytes, dtype=np.int64)
+        ok = dense_host_mask(targets)
+        dst = target_addresses(targets, ok)
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in np.flatnonzero(~ok & (n > 0)).tolist():
+            staged = torch.empty(int(n[i]), dtype=torch.uint8)
+            dst[i] = staged.data_ptr()
+            self._fixups.append((staged, targets[i]))
+        # In stream coordinates: sources ascend (tensors never overlap).
+        self.plan = CopyPlan.build(dst, start, n)
+
+    @classmethod
+    def into_blocks(cls, dests: Sequence[torch.Tensor]) -> "StagedCopy":
+        """A stream of whole blocks into ``dests`` (1-D uint8, one per block, in order)."""
+        sizes = np.array([d.numel() for d in dests], dtype=np.int64)
+        return cls(sizes.tolist(), np.arange(sizes.size + 1), np.zeros(sizes.size, dtype=np.int64), sizes, dests)
+
+    def __call__(self, pos: int, k: int, base: int) -> None:
+        self.plan.execute_window(pos, pos + k, 0, base - pos)
+
+    def finish(self) -> None:
+        """Copy the staged bytes of targets that could not be written by address."""
+        copy_staged(self._fixups)
+
+
+def fill_aliases(layout: Any, targets: Sequence[torch.Tensor]) -> None:
+    """into= targets of tensors sent once under two names (tied weights):
+    the bytes landed in the first target; a second one that is not the
+    same view (untied on this side) gets a copy of it."""
+    for dup, orig in layout.aliases.tolist():
+        a, b = targets[dup], targets[orig]
+        if a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device):
+            continue
+        with _writable([a]):
+            a.copy_(b)
+
+
+def copy_staged(fixups: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``target.copy_(staged bytes)`` for each (1-D uint8 staged, target) pair;
+    targets may be parameters that require grad."""
+    with _writable([t for _, t in fixups]):
+        for staged, t in fixups:
+            t.copy_(staged.view(t.dtype).view(t.shape))
+
+
+def _writable(targets: Sequence[torch.Tensor]) -> Any:
+    """The mode in-place copies into ``targets`` run in: no_grad, or where
+    one was made under torch.inference_mode() (which refuses in-place writes
+    outside it) inference_mode, in which writes into the others still bump
+    their version counters."""
+    return torch.inference_mode() if any(t.is_inference() for t in targets) else torch.no_grad()
+
+
+def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
+    """Copy packed tensors out of their blocks into ``targets``, making no views of the blocks.
+
+    Tensor ``i`` lies in block ``b`` (``bounds[b] <= i < bounds[b + 1]``) at
+    byte ``offsets[i]``, ``nbytes[i]`` long; ``targets[i]`` has its dtype and
+    shape (the caller checked). Dense host targets are written by address,
+    neighbours merged, as one (parallel) copy; any other target (strided,
+    conjugated or negated, on a device) gets a typed view of its bytes and
+    torch's ``copy_``.
+    """
+    count = len(targets)
+    if count == 0:
+        return
+    src = np.empty(count, dtype=np.int64)
+    for b, blk in enumerate(blocks):
+        lo, hi = int(bounds[b]), int(bounds[b + 1])
+        src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
+    if all(blk.device.type == "cpu" for blk in blocks):
+        ok = dense_host_mask(targets)
+    else:
+        ok = np.zeros(count, dtype=bool)
+    plan = CopyPlan.build(target_addresses(targets, ok), src, nbytes, raw=ok)
+    plan.execute()
+    rest = plan.elementwise
+    if rest.size:
+        block_of = np.searchsorted(bounds, rest, side="right") - 1
+        with _writable([targets[i] for i in rest.tolist()]):
+            for i, b in zip(rest.tolist(), block_of.tolist()):
+                t = targets[i]
+                off = int(offsets[i])
+                t.copy_(blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape))
+
+
+def scatter_segments(layout: Any, block_nbytes: list[int], targets: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The byte stream of the blocks as a list of destination segments:
+    each target tensor's own memory where it is dense, a scratch buffer for
+    alignment gaps and for targets that are not (copied after by
+    :func:`copy_staged`): tcp's into= straight off the socket."""
+    groups = packing.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
+    nbytes = layout.nbytes.tolist()
+    offsets = groups.offsets.tolist()
+    bounds = groups.bounds.tolist()
+    # Alignment gaps are < 16 bytes each: one small scratch covers them all.
+    scratch = torch.empty(16 * (layout.num_tensors + len(block_nbytes)) + 16, dtype=torch.uint8)
+    spos = 0
+    segments: list[torch.Tensor] = []
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for b in range(len(block_nbytes)):
+        cursor = 0
+        for i in range(bounds[b], bounds[b + 1]):
+            n = nbytes[i]
+            if not n:
+                continue
+            gap = offsets[i] - cursor
+            if gap:
+                segments.append(scratch[spos : spos + gap])
+                spos += gap
+            t = targets[i]
+            if t.is_contiguous() and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
+                segments.append(t.detach().reshape(-1).view(torch.uint8))
+            else:
+                staged = torch.empty(n, dtype=torch.uint8)
+                segments.append(staged)
+                fixups.append((staged, t))
+            cursor = offsets[i] + n
+    return segments, fixups

@@ -1,0 +1,229 @@
+"""``RecvPlan``: a receiver's kept (or one-shot) plan for one layout."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .. import packing
+from .._copy import CopyPlan, copy_staged, dense_host_mask, executor, fill_aliases, finish, many_small_runs, target_addresses
+from .._tensors import flatten, gc_paused, match_into, unflatten
+from .._views import build_views
+from ..errors import ConfigurationError, LayoutMismatchError
+from ..layout import Layout
+from ._buffers import BufferList
+from ._watch import Watch
+
+if TYPE_CHECKING:
+    from ..receiver import Receiver
+    from ..ticket import Ticket
+
+__all__ = ["RecvPlan"]
+
+# A receive plan with this many separately versioned targets bumps their
+# counters on a copy thread while the bytes land.
+_MARK_ON_THREAD_MIN = 4096
+
+
+class RecvPlan:
+    """A receiver's kept plan for one layout (``Receiver.plan``); receiver side.
+
+    ``Receiver.get(ticket, into=plan)`` writes every ticket of that layout
+    into the same destinations and returns :attr:`result`: the caller's
+    ``into=`` object, or the tensors the plan allocated. Not for concurrent
+    gets (they would write the same tensors): gets of one plan take turns.
+
+    Attributes:
+        layout: the planned layout.
+        layout_bytes: its encoding; a ticket must carry exactly these bytes.
+        result: what every get returns (the same objects each time).
+        total_nbytes: bytes one get moves (packed, one block).
+    """
+
+    def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
+        with gc_paused():  # as SendPlan's
+            self._make(receiver, ticket, into, allocate)
+
+    def _make(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
+        self._receiver = receiver
+        layout = ticket.layout
+        self.layout = layout
+        self.layout_bytes = ticket.layout_bytes
+        self.offsets, self.total_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)
+        self.lock = threading.Lock()
+        self._own: torch.Tensor | None = None
+        self._watch: Watch | None = None
+        if into is None:
+            # Destination tensors of our own: one buffer in the one-block
+            # layout, so a planned sender's stream lands in it as it is.
+            self._own = allocate(max(self.total_nbytes, 1))
+            blocks = [self._own[: self.total_nbytes]] if self.total_nbytes else []
+            targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
+            self.result = unflatten(layout, targets)
+        else:
+            src = into.state_dict(keep_vars=True) if isinstance(into, torch.nn.Module) else into
+            targets = match_into(layout, src)
+            self.result = into
+            leaves, ops, counts, keys, _ = flatten(src)
+            names = list(src.keys()) if isinstance(src, dict) else None
+            self._watch = Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
+        self._targets = targets
+        # Views share their base's version counter: bumping the bases (and
+        # the tensors that are no view) marks every target written. Tensors
+        # made under torch.inference_mode() have no counter: torch skips
+        # them, but only after ~140 ns each of its own loop, so they are
+        # left out here, once (a worker's weights made that way cost no
+        # marking at all).
+        bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
+        self._versioned = [b for b in bases.values() if not b.is_inference()]
+        ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
+        self._dst = target_addresses(targets, ok)
+        n = layout.nbytes
+        # Targets that cannot be written by address get a buffer each, kept.
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in np.flatnonzero(~ok & (n > 0)).tolist():
+            staged = torch.empty(int(n[i]), dtype=torch.uint8)
+            self._dst[i] = staged.data_ptr()
+            self._fixups.append((staged, targets[i]))
+        self._coords: dict[tuple[int, ...], _Coords] = {}
+        self._aliased = bool(layout.aliases.size)
+
+    def __repr__(self) -> str:
+        kind = "own tensors" if self._own is not None else "into="
+        return f"RecvPlan(num_tensors={self.layout.num_tensors:,}, total_nbytes={self.total_nbytes:,}, {kind})"
+
+    def matches(self, into: Any) -> bool:
+        """Whether ``into`` is made of this plan's targets' memory, nested
+        the same way (a fresh ``state_dict()`` of the same model is), so
+        this plan writes where ``get(into=into)`` would."""
+        return self._watch is not None and self._watch.matches(into)
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        """The destination tensor of each sent tensor, in layout order."""
+        return self._targets
+
+    def mark_written(self) -> None:
+        """Bump the targets' autograd version counters (the bytes land by
+        address, which autograd cannot see): a backward that saved one of
+        them raises instead of using the new values."""
+        torch.autograd.graph.increment_version(self._versioned)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """:meth:`mark_written` around a get's bytes landing: done when the
+        block exits (even by an error: a failed get may have written).
+        Many separate targets are marked on a copy thread while the bytes
+        move (100k counters: about 20 ms of C++ that need not wait)."""
+        if len(self._versioned) < _MARK_ON_THREAD_MIN:
+            self.mark_written()
+            yield
+            return
+        future = executor().submit(self.mark_written)
+        try:
+            yield
+        finally:
+            finish(future, self.mark_written)
+
+    def coords(self, block_nbytes: tuple[int, ...]) -> "_Coords":
+        """The copy runs from a stream of blocks of these sizes (cached)."""
+        c = self._coords.get(block_nbytes)
+        if c is None:
+            if len(block_nbytes) <= 1:
+                pos = self.offsets
+            else:
+                layout = self.layout
+                groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
+                start = np.zeros(len(block_nbytes), dtype=np.int64)
+                start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+                block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
+                pos = start[block_of] + groups.offsets
+            c = _Coords(CopyPlan.build(self._dst, pos, self.layout.nbytes), sum(block_nbytes))
+            self._coords[block_nbytes] = c
+        return c
+
+    def own_window(self, lo: int, hi: int) -> torch.Tensor | None:
+        """Our own buffer's bytes ``[lo, hi)`` of the one-block stream, if
+        the plan owns its destination (the stream lands there as it is)."""
+        return None if self._own is None else self._own[lo:hi]
+
+    def finish(self) -> None:
+        """After the bytes landed: targets that are not dense host memory
+        get their staged bytes; untied aliases get a copy."""
+        if self._fixups:
+            copy_staged(self._fixups)
+        if self._aliased:
+            fill_aliases(self.layout, self._targets)
+
+    def check(self, receiver: "Receiver", ticket: "Ticket") -> None:
+        """Raise unless ``ticket`` carries this plan's layout (bytes compared,
+        nothing decoded) and the plan belongs to ``receiver``.
+
+        Raises:
+            ConfigurationError: another receiver's plan.
+            LayoutMismatchError: another layout; names what differs.
+        """
+        if receiver is not self._receiver:
+            raise ConfigurationError("get(into=plan): this plan was made by another Receiver; make one with this receiver's plan()")
+        if self._watch is not None:
+            self._watch.check("get(into=plan)", "receiver.plan(ticket, into=...)")
+        if ticket.layout_bytes != self.layout_bytes or ticket.total_nbytes != self.total_nbytes:
+            raise LayoutMismatchError(
+                f"get(into=plan): the ticket's layout is not the plan's: {_difference(self.layout, ticket)}; "
+                "nothing was written: make a new plan for this layout (receiver.plan(ticket, into=...))"
+            )
+
+
+class _Coords:
+    """A plan's runs from one stream geometry, and (lazily) the same runs
+    as a list of buffers covering the whole stream (tcp's scatter list)."""
+
+    def __init__(self, copy: CopyPlan, total: int) -> None:
+        self.copy = copy
+        self.total = total
+        self.small = many_small_runs(copy.nbytes)  # moved faster by preadv than memmove
+        self._segments: BufferList | None = None
+
+    def execute_window(self, lo: int, hi: int, src_base: int) -> None:
+        """Copy stream bytes ``[lo, hi)``, found at address ``src_base + lo``, to their targets."""
+        self.copy.execute_window(lo, hi, 0, src_base)
+
+    def segments(self, lo: int, hi: int) -> list[memoryview]:
+        """Buffers that receive stream bytes ``[lo, hi)`` in order: the
+        targets' memory, and a scratch for the gaps between them."""
+        if self._segments is None:
+            c = self.copy
+            order = np.argsort(c.src, kind="stable")
+            self._segments = BufferList(c.src[order], c.dst[order], c.nbytes[order], self.total)
+        return self._segments.window(lo, hi)
+
+
+
+def _difference(layout: Layout, ticket: "Ticket") -> str:
+    """What differs between the planned layout and a ticket's (decoded
+    here, on the error path only)."""
+    try:
+        other = ticket.layout
+    except Exception as exc:  # a ticket's layout that does not decode
+        return f"its layout does not decode ({exc})"
+    if other.num_tensors != layout.num_tensors:
+        return f"{other.num_tensors:,} tensors sent, {layout.num_tensors:,} planned"
+    if other.keys != layout.keys:
+        for i, (a, b) in enumerate(zip(other.keys, layout.keys)):
+            if a != b:
+                return f"key #{i} is {a!r}, planned {b!r}"
+        return f"{len(other.keys)} keys sent, {len(layout.keys)} planned"
+    codes = np.flatnonzero(other.dtype_codes != layout.dtype_codes)
+    if codes.size:
+        i = int(codes[0])
+        return f"tensor #{i} is {other.dtype_names()[i]}, planned {layout.dtype_names()[i]} ({codes.size:,} dtypes differ)"
+    a, b = other.shapes(), layout.shapes()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"tensor #{i} has shape {tuple(x)}, planned {tuple(y)}"
+    return "the nesting or the tied tensors differ"

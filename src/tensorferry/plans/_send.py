@@ -1,0 +1,384 @@
+"""``SendPlan``: a sender's kept (or one-shot) plan of one object."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .. import packing
+from .._copy import PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, copy_values, many_small_runs, pack_leaves, run_parts
+from .._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, torch_dtype
+from ..errors import ConfigurationError, UnsupportedTensorError
+from ..layout import DTYPES, Layout
+from ._buffers import BufferList, buffer_at
+from ._watch import PUT, Watch
+
+if TYPE_CHECKING:
+    from ..sender import Sender
+
+__all__ = ["SendPlan", "SourcedPiece"]
+
+
+# A gap between two runs of a gather up to this size is filled with zeros
+# in the same torch.cat (cheaper than starting another cat); larger gaps
+# (a big tensor converted or copied by value) start a new stretch.
+_BRIDGE_NBYTES = 64 << 10
+
+
+def _cat_into(out: torch.Tensor, stretches: list[tuple[int, int, list[torch.Tensor]]]) -> None:
+    for start, end, parts in stretches:
+        torch.cat(parts, out=out[start:end])
+
+
+def _split_stretches(stretches: list[tuple[int, int, list[torch.Tensor]]], k: int, min_nbytes: int = _PARALLEL_GATHER_NBYTES) -> list[list[tuple[int, int, list[torch.Tensor]]]]:
+    """Stretches cut into ``k`` lists of about equal bytes (a part's tensor
+    cut in two where a seam falls in it), for ``k`` threads; one list if
+    they hold less than ``min_nbytes``."""
+    total = sum(end - start for start, end, _ in stretches)
+    if k <= 1 or total < min_nbytes:
+        return [stretches]
+    step = -(-total // k)
+    out: list[list[tuple[int, int, list[torch.Tensor]]]] = [[]]
+    room = step  # bytes the current list still takes
+    for start, _, parts in stretches:
+        at, cur = start, []
+        for part in parts:
+            while len(out) < k and part.numel() >= room:
+                if room:
+                    cur.append(part[:room])
+                    part = part[room:]
+                if cur:
+                    out[-1].append((start, at + room, cur))
+                at += room
+                start, cur, room = at, [], step
+                out.append([])
+            if part.numel():
+                cur.append(part)
+                at += part.numel()
+                room -= part.numel()
+        if cur:
+            out[-1].append((start, at, cur))
+    return [o for o in out if o]
+
+
+
+class SendPlan:
+    """A sender's kept plan of one object (``Sender.plan``); sender side.
+
+    Holds the planned tensors (they stay alive as long as the plan does)
+    and replays their copy into the pool on every ``Sender.put(plan)``.
+    Where they are views of a few storages, it holds those storages too:
+    memory a tensor leaves (``.data =``, ``module.to()``) stays allocated
+    until the plan is dropped or a put finds it stale.
+
+    Attributes:
+        source: the object planned (an ``nn.Module``, or the tensors' nesting).
+        layout: what receivers get: the tensors' dtypes (after ``dtype=``),
+            shapes and nesting.
+        layout_bytes: the encoded layout, reused by every ticket.
+        total_nbytes: the packed size of one put.
+        num_tensors: planned tensors (tied names counted once each).
+    """
+
+    def __init__(self, sender: "Sender", obj: Any, *, dtype: torch.dtype | None = None) -> None:
+        # Planning makes Python objects per tensor (shapes, storages): with
+        # the collector paused, 100k of them set off no collections over
+        # everything alive.
+        with gc_paused():
+            self._make(sender, obj, dtype)
+
+    def _make(self, sender: "Sender", obj: Any, dtype: torch.dtype | None) -> None:
+        self._sender = sender
+        self.source = obj  # what was planned (a module, or the object itself)
+        module = obj if isinstance(obj, torch.nn.Module) else None
+        src = module.state_dict(keep_vars=True) if module is not None else obj
+        leaves, ops, counts, keys, staged = flatten(src)
+        info = inspect_leaves(src, leaves, ops, counts, keys)
+        if staged:
+            raise UnsupportedTensorError(
+                f"{staged} numpy arrays are read-only or have negative strides, so torch cannot share their memory; "
+                "a plan would send the copy made now on every put: pass writable, C-ordered arrays (np.ascontiguousarray(a).copy())"
+            )
+        sent, convert = _converted(info.layout, dtype)
+        self.layout: Layout = sent
+        self.layout_bytes: bytes = sent.to_bytes()
+        self.offsets, self.total_nbytes = packing.packed_offsets(sent.nbytes, sent.alignments)
+        self.num_tensors = len(leaves)
+        self.dtype = dtype
+        self._converting = bool(convert.any())
+        self._leaves = leaves
+        self._keys = list(src.keys()) if isinstance(src, dict) else None
+        # The copy sees converted leaves as values (not raw bytes) and the
+        # layout's dtype as their destination type.
+        self._info = info._replace(layout=sent, raw=info.raw & ~convert)
+        self._host = info.all_cpu and sender.pool.device.type == "cpu"
+        self._watch = Watch(leaves, self._keys, module, ops, counts, keys, hold=self._host)
+        self._sources: BufferList | None = None
+        self._gather: list[list[tuple[int, int, list[torch.Tensor]]]] | None = None
+        self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
+        self.lock = threading.Lock()
+        if self._host:
+            self._copy = CopyPlan.build(self.offsets, info.data_ptrs, sent.nbytes, raw=self._info.raw)
+            self._conversions, converted = _conversion_runs(leaves, info, sent, self.offsets, convert)
+            self._values = np.setdiff1d(self._copy.elementwise, converted)
+            self._vectored = many_small_runs(self._copy.nbytes)
+
+    def __repr__(self) -> str:
+        return (
+            f"SendPlan(num_tensors={self.num_tensors:,}, total_nbytes={self.total_nbytes:,}, "
+            f"dtype={self.dtype}, copy_runs={self.copy_runs if self._host else 'device'})"
+        )
+
+    @property
+    def copy_runs(self) -> int:
+        """Copies one snapshot put issues (merged runs, conversion runs, value copies)."""
+        if not self._host:
+            return self.num_tensors
+        return self._copy.num_runs + len(self._conversions) + int(self._values.size)
+
+    # -- what put() calls ------------------------------------------------------------------
+
+    def check(self, sender: "Sender", *, tensors: bool = True) -> None:
+        """Raise unless this plan belongs to ``sender`` and (``tensors``)
+        its tensors are still where it found them: the same objects in the
+        module (if one was planned), at the same addresses, of the same
+        sizes. A few C-level passes over the tensors, no Python per tensor
+        but for a module's slots. A snapshot put leaves the tensors to
+        :meth:`fill_checked`, which checks them while the bytes move.
+
+        Raises:
+            ConfigurationError: another sender's plan.
+            PlanStaleError: a tensor moved, was replaced or resized.
+        """
+        if sender is not self._sender:
+            raise ConfigurationError("put(plan): this plan was made by another Sender; make one with this sender's plan()")
+        if tensors:
+            self._watch.check(*PUT)
+
+    def fill_checked(self, out: torch.Tensor) -> tuple[int, int]:
+        """:meth:`fill` of the whole object into ``out``, with the check of
+        :meth:`check`: before the copy, or, when the tensors live in a few
+        storages (views of flat buffers), while it runs. Those storages are
+        checked first (the plan holds them, so every byte the copy reads by
+        the planned addresses is theirs, whatever the tensors show; tensors
+        copied value by value are read through the tensors as they are),
+        then the tensors one by one on
+        another thread as the bytes move: the pass over 100k tensors (10 to
+        25 ms, most of it cache misses after a training step touched GiBs)
+        takes no time of its own where a core is free for it (on 2 cores,
+        both copying, it gains nothing measurable). A stale tensor raises
+        after the copy; the caller frees the block, nothing was sent.
+
+        Raises:
+            PlanStaleError: a tensor moved, was replaced or resized.
+        """
+        return self._watch.guarded(lambda: self.fill(out, 0, self.total_nbytes), *PUT, overlap=self._host)
+
+    def matches(self, obj: Any) -> bool:
+        """Whether ``obj`` is made of the planned tensors' memory, nested
+        the same way (a fresh ``state_dict()`` of the same model is): its
+        tensors may then be sent by this plan. One flatten of ``obj`` and a
+        few C-level passes."""
+        return self._watch.matches(obj)
+
+    def fill(self, out: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+        """Write bytes ``[lo, hi)`` of the packed object into ``out`` (a pool
+        block of ``hi - lo`` bytes): the kept runs by address, conversions
+        a run at a time, the rest value by value. Returns ``(copies, value copies)``."""
+        if not self._host:
+            return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi)
+        copy = self._copy
+        pool = self._sender.pool
+        if self._vectored and lo == 0 and hi >= self.total_nbytes:
+            # Many small runs, the whole object: torch.cat of the runs (a
+            # C++ loop of memcpy; 100k runs of 10 KiB: 102 ms here against
+            # 193 ms for a memmove a run and 143 ms for pwritev, and 78 ms
+            # for one memcpy), a part per copy thread (cat runs without the GIL).
+            run_parts(_cat_into, [(out, part) for part in self._gathers()])
+            runs = copy.num_runs
+        elif self._vectored and pool.fd is not None:
+            # A piece of a streamed put: the window of the runs by pwritev.
+            # Gaps (and the places of converted or value-copied tensors,
+            # written below) get zeros: every byte of [lo, hi) is written.
+            pool.write_buffers(out.data_ptr() - pool.data_ptr, self._run_buffers().window(lo, hi))
+            runs = copy.num_runs
+        elif lo == 0 and hi >= self.total_nbytes:
+            runs = copy.execute(dst_base=out.data_ptr())
+        else:
+            runs = copy.execute_window(lo, hi, out.data_ptr() - lo, 0, by_dst=True)
+        pairs = []
+        for start, nbytes, dt, src in self._conversions:
+            a, b = max(lo, start), min(hi, start + nbytes)
+            if a < b:
+                size = dt.itemsize
+                pairs.append((out[a - lo : b - lo].view(dt), src[(a - start) // size : (b - start) // size]))
+        if pairs:
+            with torch.no_grad():
+                copy_converting(pairs)
+        values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
+        return runs + len(self._conversions), values
+
+    def fill_piece(self, pool: Any) -> Any:
+        """``pack(voffset, nbytes) -> Packed``: one piece of a streamed put,
+        packed into ``pool`` from the kept runs."""
+        nbytes, offsets = self.layout.nbytes, self.offsets
+
+        def pack(voffset: int, size: int) -> Any:
+            count = int(((offsets < voffset + size) & (offsets + nbytes > voffset) & (nbytes > 0)).sum())
+            return pool.pack_with(self.layout, size, lambda out: self.fill(out, voffset, voffset + size), num_tensors=count)
+
+        return pack
+
+    def source_buffers(self, lo: int, hi: int) -> list[memoryview]:
+        """Bytes ``[lo, hi)`` of the packed object as buffers of the
+        tensors' own memory (and zeros for alignment gaps): what a
+        ``snapshot=False`` put serves. Built once per plan.
+
+        Raises:
+            ConfigurationError: the plan converts dtypes, or has tensors
+                that are not dense host memory (their bytes are not their values).
+        """
+        if not self._host or self._converting or self._values.size:
+            why = (
+                "it converts dtypes (dtype=)" if self._converting else
+                "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
+            )
+            raise ConfigurationError(
+                f"put(plan, snapshot=False) serves the tensors' own bytes, but {why}; "
+                "use snapshot=True (the bytes are converted into the pool)"
+            )
+        return self._run_buffers().window(lo, hi)
+
+    def source_runs(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The runs of bytes ``[lo, hi)`` of the packed object in the
+        tensors' own memory: (position, address, length) int64 arrays, in
+        order, alignment gaps left out (what a snapshot=False put tells shm
+        readers, which copy them with process_vm_readv)."""
+        self.source_buffers(0, 0)  # the same conditions as the buffers
+        d, s, n, _ = self._copy.window(lo, hi, by_dst=True)
+        return d, s, n
+
+    def _gathers(self) -> list[list[tuple[int, int, list[torch.Tensor]]]]:
+        """The raw runs as torch.cat jobs, made once per plan (a tensor per
+        run: ~5 us each, once): per copy thread, its stretches ``(start,
+        end, [uint8 tensors])`` of the packed object, each filled by one
+        cat. Gaps of up to ``_BRIDGE_NBYTES`` between runs (alignment, the
+        place of a tensor converted or copied by value, written after) are
+        bridged with zeros, so a state dict of mixed dtypes is a few cats,
+        not one per run (a cat costs ~10 us to start)."""
+        if self._gather is None:
+            c = self._copy
+            stretches: list[tuple[int, int, list[torch.Tensor]]] = []
+            zeros = torch.zeros(_BRIDGE_NBYTES, dtype=torch.uint8)
+            for d, s, n in zip(c.dst.tolist(), c.src.tolist(), c.nbytes.tolist()):
+                part = torch.frombuffer(buffer_at(s, n), dtype=torch.uint8)
+                gap = d - stretches[-1][1] if stretches else -1
+                if 0 <= gap <= _BRIDGE_NBYTES:
+                    start, _, parts = stretches[-1]
+                    if gap:
+                        parts.append(zeros[:gap])
+                    parts.append(part)
+                    stretches[-1] = (start, d + n, parts)
+                else:
+                    stretches.append((d, d + n, [part]))
+            self._gather = _split_stretches(stretches, copy_threads())
+        return self._gather
+
+    def _run_buffers(self) -> "BufferList":
+        """The packed object as buffers of the raw runs' memory, zeros between (made once)."""
+        if self._sources is None:
+            c = self._copy
+            self._sources = BufferList(c.dst, c.src, c.nbytes, self.total_nbytes)
+        return self._sources
+
+
+class SourcedPiece:
+    """A piece of a ``snapshot=False`` put: served from the tensors' own
+    memory, so it holds no pool block. Stands where a :class:`Packed` does
+    in the sender's ledger (``blocks``, ``buffers()``, ``release()``)."""
+
+    def __init__(self, plan: SendPlan, lo: int, hi: int) -> None:
+        from ..pool import Block
+
+        self.plan, self.lo, self.hi = plan, lo, hi
+        # Offsets relative to the piece: the receiver checks them against
+        # the sender's pool size, which a piece never exceeds.
+        self.blocks: tuple[Block, ...] = (Block(0, hi - lo),)
+
+    def buffers(self) -> list[memoryview]:
+        return self.plan.source_buffers(self.lo, self.hi)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(position in the piece, address, length) of the piece's runs."""
+        pos, addr, n = self.plan.source_runs(self.lo, self.hi)
+        return pos - self.lo, addr, n
+
+    def release(self) -> None:
+        """Nothing to free: the bytes are the caller's tensors."""
+
+
+def _converted(layout: Layout, dtype: torch.dtype | None) -> tuple[Layout, np.ndarray]:
+    """The layout with floating-point tensors as ``dtype``, and which changed."""
+    if dtype is None:
+        return layout, np.zeros(layout.num_tensors, dtype=bool)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigurationError(
+            f"plan(dtype={dtype!r}): expected a floating-point torch dtype (torch.bfloat16, torch.float16, ...); "
+            "integer and bool tensors are always sent as they are"
+        )
+    try:
+        target = dtype_code(dtype)
+    except KeyError as exc:
+        raise ConfigurationError(f"plan(dtype={dtype}): tensorferry cannot send {dtype}; use torch.bfloat16 or torch.float16") from exc
+    codes = layout.dtype_codes
+    convert = _FLOATING[codes] & (codes != target) if codes.size else np.zeros(0, dtype=bool)
+    if not convert.any():
+        return layout, convert
+    new_codes = codes.copy()
+    new_codes[convert] = target
+    return dataclasses.replace(layout, dtype_codes=new_codes), convert
+
+
+def _floating_codes() -> np.ndarray:
+    """bool per wire code: a floating-point dtype (what ``dtype=`` converts)."""
+    out = np.zeros(max(code for code, _ in DTYPES.values()) + 1, dtype=bool)
+    for code, _ in DTYPES.values():
+        out[code] = torch_dtype(code).is_floating_point
+    return out
+
+
+_FLOATING = _floating_codes()
+
+
+def _conversion_runs(leaves: Sequence[torch.Tensor], info: LeafInfo, sent: Layout, offsets: np.ndarray, convert: np.ndarray) -> tuple[list[tuple[int, int, torch.dtype, torch.Tensor]], np.ndarray]:
+    """Dense host tensors converted on the way, merged into runs of one
+    source dtype that touch on both sides (views of a flat buffer: one
+    run), each with a tensor over its source memory made once.
+
+    Returns ``(runs, converted)``: ``(destination offset, destination
+    bytes, destination dtype, source tensor)`` per run, and the indices of
+    the tensors the runs cover.
+    """
+    src_size = info.layout.alignments
+    idx = np.flatnonzero(convert & info.raw & (sent.nbytes > 0))
+    idx = idx[info.data_ptrs[idx] % src_size[idx] == 0]
+    if not idx.size:
+        return [], idx
+    codes = info.layout.dtype_codes[idx]
+    breaks = np.zeros(idx.size, dtype=bool)
+    breaks[1:] = codes[1:] != codes[:-1]
+    dst_size = sent.alignments[idx]
+    # In elements: a run is adjacent on both sides in its own element size.
+    runs = packing.merge_runs(offsets[idx] // dst_size, info.data_ptrs[idx] // src_size[idx], sent.numels[idx], breaks)
+    out = []
+    for de, se, n, h in zip(runs.dst.tolist(), runs.src.tolist(), runs.nbytes.tolist(), runs.heads.tolist()):
+        i = int(idx[h])
+        sdt, ddt = leaves[i].dtype, torch_dtype(int(sent.dtype_codes[i]))
+        src = torch.frombuffer(buffer_at(se * sdt.itemsize, n * sdt.itemsize), dtype=sdt)
+        out.append((de * ddt.itemsize, n * ddt.itemsize, ddt, src))
+    return out, idx

@@ -1,0 +1,226 @@
+"""What a kept plan checks before each use: its tensors are still where it
+found them (addresses, sizes, a module's own slots), and the storages it
+holds so that a copy by the planned addresses reads live memory."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._copy import executor, finish
+from .._tensors import data_ptrs, first_replaced, flatten
+from ..errors import PlanStaleError, UnsupportedTensorError
+
+__all__ = ["PUT", "Watch", "outcome"]
+
+
+class Watch:
+    """What a kept plan checks before each use: that its tensors are still
+    where it found them (same addresses and sizes) and, for a module, still
+    the module's own (a parameter or buffer replaced is another tensor)."""
+
+    def __init__(self, leaves: Sequence[torch.Tensor], names: list[Any] | None, module: torch.nn.Module | None, ops: Sequence[int], counts: Sequence[int], keys: Sequence[Any], *, hold: bool = False) -> None:
+        n = len(leaves)
+        self.leaves = leaves = leaves if type(leaves) is list else list(leaves)
+        self.names = names
+        self.ptrs = data_ptrs(leaves)
+        self.numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        self.dtypes = list(map(_get_dtype, leaves))
+        self.tree = (list(ops), list(counts), list(keys))
+        # Per tensor, the module dict it lives in and its name there.
+        self.slots = _module_slots(module, names or [], leaves) if module is not None else None
+        # Recorded with the addresses (never later: a copy trusts both).
+        self.storages = _Storages.of(leaves, self.numels) if hold else None
+
+    def check(self, what: str, fix: str) -> None:
+        """Raises PlanStaleError naming the first tensor that changed."""
+        leaves = self.leaves
+        if self.slots is not None:
+            i = first_replaced(*self.slots, leaves)
+            if i >= 0:
+                raise PlanStaleError(
+                    f"{what}: the module's {self.name(i)} is no longer the tensor the plan was made with "
+                    f"(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); {outcome(what)}: "
+                    f"make a new plan with {fix}"
+                )
+        # One pass, the addresses only (0.015 to 0.03 us a tensor): what can
+        # make the plan read or write memory that is no longer the tensor's
+        # (`.data =`, set_, module.to(), a resize_ that grows) moves it. A
+        # resize_ that shrinks keeps the address and the storage's bytes:
+        # the plan still moves the planned bytes, safely; it is caught by
+        # the size check below only when the address moved too.
+        try:
+            ptrs = data_ptrs(leaves)
+        except (RuntimeError, TypeError):  # one has no memory now (swap_tensors)
+            i = next(i for i, t in enumerate(leaves) if _no_address(t))
+            raise PlanStaleError(
+                f"{what}: {self.name(i)} has no memory of its own any more (a sparse or storage-less tensor was "
+                f"swapped in, e.g. by torch.utils.swap_tensors); {outcome(what)}: make a new plan with {fix}"
+            ) from None
+        bad = np.flatnonzero(ptrs != self.ptrs)
+        if bad.size:
+            i = int(bad[0])
+            numel = leaves[i].numel()
+            change = f"moved from address {self.ptrs[i]:#x} to {ptrs[i]:#x}" + (
+                f" and was resized from {self.numels[i]:,} to {numel:,} elements" if numel != self.numels[i] else "")
+            raise PlanStaleError(
+                f"{what}: {self.name(i)} {change} since the plan was made ({bad.size:,} tensors changed; e.g. "
+                f"`.data` reassigned, module.to(), resize_); {outcome(what)}: make a new plan with {fix}"
+            )
+
+    def guarded(self, move: Callable[[], Any], what: str, fix: str, *, overlap: bool) -> Any:
+        """``move()``, which reads or writes the planned tensors' memory by
+        address, and :meth:`check`: first; or, with ``overlap`` and the
+        tensors in few storages (held since the plan was made, checked
+        first), on a copy thread while ``move()`` runs, raising after it."""
+        storages = self.storages if overlap else None
+        try:
+            if storages is None:
+                self.check(what, fix)
+                return move()
+            storages.check(self, what, fix)
+            future = executor().submit(self.check, what, fix)
+            try:
+                result = move()
+            except BaseException as exc:
+                # A stale tensor explains what the move tripped on (a
+                # value-copied leaf replaced by one of another size): that
+                # error wins; else the move's own.
+                stale = future.exception() if not future.cancel() else _stale(self.check, what, fix)
+                if isinstance(stale, PlanStaleError):
+                    raise stale from exc
+                raise
+            finish(future, self.check, what, fix)
+            return result
+        except PlanStaleError:
+            # A stale plan raises on every use: it need not keep the memory
+            # its tensors left (no copy is running any more).
+            self.storages = None
+            raise
+
+    def matches(self, obj: Any) -> bool:
+        src = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else obj
+        try:
+            leaves, ops, counts, keys, staged = flatten(src)
+        except UnsupportedTensorError:
+            return False
+        n = len(leaves)
+        if staged or n != len(self.leaves) or (ops, counts, keys) != self.tree or list(map(_get_dtype, leaves)) != self.dtypes:
+            return False
+        try:
+            ptrs = data_ptrs(leaves)
+        except RuntimeError:  # a tensor without memory (meta, sparse)
+            return False
+        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
+        return bool((ptrs == self.ptrs).all() and (numels == self.numels).all())
+
+    def name(self, i: int) -> str:
+        if self.names is not None and i < len(self.names):
+            return f"tensor {self.names[i]!r}"
+        return f"tensor #{i}"
+
+
+def _no_address(t: Any) -> bool:
+    """Whether ``t.data_ptr()`` raises (a sparse tensor, not a tensor)."""
+    try:
+        t.data_ptr()
+    except (RuntimeError, TypeError, AttributeError):
+        return True
+    return False
+
+
+def _stale(check: Callable[[str, str], None], what: str, fix: str) -> BaseException | None:
+    """The error ``check(what, fix)`` raises, or None."""
+    try:
+        check(what, fix)
+    except BaseException as exc:  # returned, not raised: the caller chooses
+        return exc
+    return None
+
+
+class _Storages:
+    """The storages a plan's tensors live in, held, with where they were.
+
+    A tensor moved by ``.data =``, ``set_`` or ``module.to()`` leaves its
+    old storage, which is held here, so a copy by the planned addresses
+    still reads memory that is alive (the plan keeps that memory until a
+    use finds it stale). What frees a held storage's memory in place (a
+    ``resize_`` that grows it, ``untyped_storage().resize_(0)``) changes its
+    address or size, which :meth:`check` sees before any copy starts. Like
+    the check it replaces, this assumes nothing changes the tensors while a
+    put runs (another thread's ``resize_`` during the copy could still
+    free what it reads), and it cannot see memory freed behind torch's back
+    (numpy's ``resize(refcheck=False)`` under a ``from_numpy`` tensor)."""
+
+    def __init__(self, storages: list[Any], ptrs: np.ndarray, nbytes: np.ndarray) -> None:
+        self.storages, self.ptrs, self.nbytes = storages, ptrs, nbytes
+
+    @classmethod
+    def of(cls, leaves: Sequence[torch.Tensor], numels: np.ndarray) -> "_Storages | None":
+        """Those of ``leaves`` if they are few (at most one per 8 tensors:
+        views of flat buffers), else None."""
+        live = np.flatnonzero(numels > 0)
+        if not live.size:
+            return None
+        every = [leaves[i].untyped_storage() for i in live.tolist()]
+        # Told apart by the storage itself, not its address: two storages
+        # can share one (a tensor and its from_dlpack or from_numpy alias),
+        # and either may be reallocated; every one is held and checked.
+        ids = np.fromiter(map(_get_cdata, every), dtype=np.int64, count=len(every))
+        _, first = np.unique(ids, return_index=True)
+        if first.size * 8 > len(leaves):
+            return None
+        held = [every[i] for i in first.tolist()]
+        ptrs = np.fromiter(map(torch.UntypedStorage.data_ptr, held), dtype=np.int64, count=len(held))
+        return cls(held, ptrs, np.fromiter(map(torch.UntypedStorage.nbytes, held), dtype=np.int64, count=len(held)))
+
+    def check(self, watch: "Watch", what: str, fix: str) -> None:
+        """Raises PlanStaleError if a held storage's memory moved or shrank."""
+        now = np.fromiter(map(torch.UntypedStorage.data_ptr, self.storages), dtype=np.int64, count=len(self.storages))
+        size = np.fromiter(map(torch.UntypedStorage.nbytes, self.storages), dtype=np.int64, count=len(self.storages))
+        bad = np.flatnonzero((now != self.ptrs) | (size < self.nbytes))
+        if bad.size:
+            j = int(bad[0])
+            lo, hi = int(self.ptrs[j]), int(self.ptrs[j] + self.nbytes[j])
+            i = int(np.flatnonzero((watch.ptrs >= lo) & (watch.ptrs < hi))[0])
+            raise PlanStaleError(
+                f"{what}: the memory of {watch.name(i)} (a storage of {self.nbytes[j]:,} bytes at {lo:#x}) moved to {now[j]:#x} "
+                f"and holds {size[j]:,} bytes since the plan was made (e.g. resize_); {outcome(what)}: make a new plan with {fix}"
+            )
+
+
+
+_get_dtype = operator.attrgetter("dtype")
+_get_cdata = operator.attrgetter("_cdata")
+
+
+def outcome(what: str) -> str:
+    """What a stale plan's error says became of the data."""
+    return "nothing was sent" if what.startswith("put") else "nothing was written"
+
+
+# What a stale sender plan's error says: the call, and the fix.
+PUT = ("put(plan)", "sender.plan(...)")
+
+
+def _module_slots(module: torch.nn.Module, keys: list[Any], leaves: Sequence[torch.Tensor]) -> tuple[list[dict], list[Any]]:
+    """Where each state-dict entry lives in the module: the owning module's
+    _parameters or _buffers, and its name there (two lists), so a put can
+    look each up again and see whether it was replaced. An entry a
+    state_dict hook made has no such place: its slot holds the planned
+    tensor (checked by address and size only)."""
+    where: dict[str, tuple[dict, str]] = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        head = f"{prefix}." if prefix else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                where[head + name] = (m._parameters, name)
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                where[head + name] = (m._buffers, name)
+    slots = [where.get(k) or ({k: t}, k) for k, t in zip(keys, leaves)]
+    return [d for d, _ in slots], [k for _, k in slots]
