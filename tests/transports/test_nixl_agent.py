@@ -508,7 +508,7 @@ def test_unclosed_endpoint_is_collected_and_its_thread_ends() -> None:
 def test_a_pipeline_of_posted_reads_completes_in_order(peer: Peer, reader: NixlEndpoint) -> None:
     """Chunks READ two at a time (post_read / poll_read): each chunk's end
     comes back in the order posted, once its bytes are in place."""
-    from tensorferry.transports._nixl_agent import ReadPipeline
+    from tensorferry.transports._nixl_reads import ReadPipeline
 
     name = reader.add_remote(peer.metadata)
     dst = reader.dst  # type: ignore[attr-defined]
