@@ -32,7 +32,7 @@ import torch
 
 import tensorferry
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, wait_until
-from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError
+from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError, TransferTimeoutError
 from tensorferry import _protocol as P
 from tensorferry.transports._tcp import connect
 
@@ -125,9 +125,9 @@ def test_a_relay_that_never_sends_is_given_up_after_stall_seconds(receivers):
         P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, relay=fake))
         assert P.recv_msg(ctl, expect=(P.Located,)).source == ""
         (child,) = receivers(1, stall_seconds=0.5)
-        t0 = time.monotonic()
         assert_same(child.get(ticket), want)  # from the sender, after the stall
-        assert 0.5 <= time.monotonic() - t0 < 20
+        silent.settimeout(0)
+        silent.accept()[0].close()  # the child did try the silent relay first
         ctl.close()  # the fake's slot is dropped with its connection
         sender.wait_released(ticket, timeout=10.0)
         assert wait_until(lambda: pool_empty(sender.pool), 5.0)
@@ -455,10 +455,8 @@ def test_a_lent_stream_that_stops_growing_is_given_up_after_stall_seconds(lendin
     server, stream, held = lending
     held.progress(3 * MiB)
     reached: list[int] = []
-    t0 = time.monotonic()
     with pytest.raises(TransferError, match="stalled"):
         _pull_lent(server, stream, reached, stall_seconds=0.5)
-    assert 0.5 <= time.monotonic() - t0 < 10
     assert reached[-1] == 3 * MiB  # what had arrived, read out of the relay's memory
     assert wait_until(lambda: server.bytes_lent == 3 * MiB, 5.0)  # the child said how far it read
 
@@ -480,11 +478,11 @@ def test_a_closing_relay_ends_its_lent_streams_and_keeps_the_memory_until_the_ch
     t.start()
     assert wait_until(lambda: reached and reached[-1] == 2 * MiB, 10.0)
     assert server._lending  # the child's connection is open: the memory stays
-    t0 = time.monotonic()
     server.close()
-    t.join(timeout=10)
-    assert not t.is_alive() and time.monotonic() - t0 < 5  # told at once, not after stall_seconds
-    assert len(failed) == 1 and isinstance(failed[0], TransferError), failed
+    t.join(timeout=60)
+    assert not t.is_alive()
+    # Told by the relay (its stream ended), not given up after stall_seconds.
+    assert len(failed) == 1 and isinstance(failed[0], TransferError) and not isinstance(failed[0], TransferTimeoutError), failed
     assert wait_until(lambda: not server._lending, 5.0)  # let go once the child closed
     assert reached[-1] == 2 * MiB
 
