@@ -40,6 +40,18 @@ def received(pool: MemoryPool, packed) -> tuple[list[torch.Tensor], Layout]:
     return [pool.view(b).clone() for b in packed.blocks], Layout.from_bytes(packed.layout.to_bytes())
 
 
+def unpacked_as_received(pool: MemoryPool, obj):
+    """``obj`` packed by ``pool``, then unpacked as a receiver does, and
+    checked: equal to ``obj`` bitwise, every view inside a block, aligned.
+    Returns the result, the receiver's blocks, and the ``Packed`` to release."""
+    packed = pool.pack(obj)
+    blocks, layout = received(pool, packed)
+    got = unpack(blocks, layout)
+    assert_same(got, obj)
+    assert_views_of(blocks, flat_leaves(got))
+    return got, blocks, packed
+
+
 def flat_leaves(obj) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -77,11 +89,7 @@ def test_every_dtype_interleaved_after_a_one_byte_tensor(pool):
     order = [torch.uint8] + [d for d in DTYPES for _ in range(2)]
     random.Random(3).shuffle(order[1:])
     obj = [make_tensor(g, d, (3, 1 + i % 4)) for i, d in enumerate(order)]
-    packed = pool.pack(obj)
-    blocks, layout = received(pool, packed)
-    got = unpack(blocks, layout)
-    assert_same(got, obj)
-    assert_views_of(blocks, got)
+    _, _, packed = unpacked_as_received(pool, obj)
     packed.release()
 
 
@@ -94,11 +102,7 @@ def test_zero_size_and_zero_dim_tensors_and_an_empty_object(pool):
         "after": torch.arange(5, dtype=torch.int64),
         "nested": {"none": [], "also_empty": torch.empty(0, 7, dtype=torch.bfloat16)},
     }
-    packed = pool.pack(obj)
-    blocks, layout = received(pool, packed)
-    got = unpack(blocks, layout)
-    assert_same(got, obj)
-    assert_views_of(blocks, flat_leaves(got))
+    got, _, packed = unpacked_as_received(pool, obj)
     assert got["scalar"].dim() == 0 and got["empty_2d"].shape == (4, 0, 3)
     packed.release()
     for nothing in ([], {}, (), [torch.empty(0)], {"a": [], "b": {}}):
@@ -111,11 +115,8 @@ def test_zero_size_and_zero_dim_tensors_and_an_empty_object(pool):
 def test_tied_tensors_come_back_as_one_tensor(pool):
     w = torch.randn(6, 4)
     obj = {"embed": w, "norm": torch.ones(4, dtype=torch.bfloat16), "lm_head": w, "again": [w, torch.tensor(1)]}
-    packed = pool.pack(obj)
-    blocks, layout = received(pool, packed)
-    assert layout.aliases.size
-    got = unpack(blocks, layout)
-    assert_same(got, obj)
+    got, blocks, packed = unpacked_as_received(pool, obj)
+    assert packed.layout.aliases.size
     assert got["lm_head"] is got["embed"] and got["again"][0] is got["embed"]
     # Sent once: the block holds w's bytes one time.
     assert sum(b.numel() for b in blocks) < 2 * w.nbytes
@@ -129,12 +130,8 @@ def test_views_over_several_blocks_of_a_fragmented_pool():
             p.release()
         g = torch.Generator().manual_seed(5)
         obj = [make_tensor(g, d, (40,)) for d in (torch.float32, torch.uint8, torch.float64, torch.int16) * 5]
-        packed = pool.pack(obj)
-        assert len(packed.blocks) > 1
-        blocks, layout = received(pool, packed)
-        got = unpack(blocks, layout)
-        assert_same(got, obj)
-        assert_views_of(blocks, got)
+        _, blocks, packed = unpacked_as_received(pool, obj)
+        assert len(blocks) > 1
         packed.release()
 
 
@@ -205,11 +202,7 @@ def test_unpack_gives_back_any_mix_of_dtypes_shapes_and_ties(specs, seed):
     for dtype, shape, tie in specs:
         obj.append(obj[seed % len(obj)] if tie and obj else make_tensor(g, dtype, shape))
     with MemoryPool(1 << 20) as pool:
-        packed = pool.pack(obj)
-        blocks, layout = received(pool, packed)
-        got = unpack(blocks, layout)
-        assert_same(got, obj)
-        assert_views_of(blocks, got)
+        got, _, packed = unpacked_as_received(pool, obj)
         for i, t in enumerate(obj):
             for j in range(i):
                 if obj[j] is t and t.numel():
