@@ -148,6 +148,19 @@ def test_received_views_are_zero_copy(pool):
     packed.release()
 
 
+@pytest.mark.gpu
+def test_unpack_of_cuda_blocks_gives_cuda_views(pool):
+    """Blocks received into device memory: the views, the zero-size ones
+    too, are on the blocks' device."""
+    obj = {"w": torch.randn(3, 4), "none": torch.empty(0, 2, dtype=torch.float16), "step": torch.tensor(7)}
+    packed = pool.pack(obj)
+    blocks, layout = received(pool, packed)
+    got = unpack([b.cuda() for b in blocks], layout)
+    assert {t.device.type for t in got.values()} == {"cuda"}
+    assert_same({k: t.cpu() for k, t in got.items()}, obj)
+    packed.release()
+
+
 def test_unpack_of_a_packed_needs_no_layout_and_anything_else_does(pool):
     obj = [torch.arange(6.0), torch.ones(2, dtype=torch.int8)]
     packed = pool.pack(obj)
