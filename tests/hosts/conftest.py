@@ -14,6 +14,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "hosts: needs network namespaces (root, iproute2): tests/_hosts.py")
 
 
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.timing)], ids=["bytes", "timed"])
+def timed(request) -> bool:
+    """Whether a test also asserts its time or rate: only under ``-m timing``
+    (the default run deselects it); the bytes and counts are checked in both."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def need_hosts() -> None:
     """Skip, with the reason, where namespace hosts cannot be made."""

@@ -9,8 +9,10 @@ Every round checks the bytes (a SHA-256 of each received tensor's dtype,
 shape and bytes against the sender's), the sender's pool (empty once every
 reader released) and who sent what: the sender's ``stats()["bytes_sent"]``
 and each relay's server counter add up to one copy per reader when nothing
-fails. Times are checked loosely, against the line rate (one copy over one
-link: ``nbytes * 8 / rate``), never tightly: the machine is shared.
+fails. Times are checked only under ``pytest -m timing`` (the ``timed``
+variant of a test; the default run checks the bytes and counts alone), and
+loosely, against the line rate (one copy over one link: ``nbytes * 8 /
+rate``): the machine is shared.
 
 RATE and NBYTES keep a copy at about 0.7 s and the chain's traffic (a link
 per receiver, all busy at once) within what two shared cores forward; the
@@ -24,7 +26,6 @@ import importlib.util
 import json
 import os
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _facts import next_fact
 from _hosts import Hosts, namespaces
 
 pytestmark = [pytest.mark.hosts, pytest.mark.timeout(180)]
@@ -67,14 +69,7 @@ class Worker:
         self.proc.stdin.flush()
 
     def fact(self, timeout: float = 60.0) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            raise AssertionError(f"worker {self.proc.args[5:]} in host {self.host} said nothing within {timeout} s "
-                                 f"(exit {self.proc.wait()}): {self.proc.stderr.read()}")
-        got = json.loads(line)
+        got = next_fact(self.proc, timeout, f"worker {self.proc.args[5:]} in host {self.host}")
         assert "error" not in got, f"worker in host {self.host} failed:\n{got['error']}"
         return got
 
@@ -113,6 +108,12 @@ class Group:
     def _receiver(self, i: int, *, relay: bool) -> Worker:
         return Worker(self.hosts, i, "bc_receiver", self.hosts.address(i), self.token, int(relay), STALL_SECONDS, 60, "memory",
                       int(self.guarded), self.transport, prefix=NO_PTRACE if self.guarded else (), env=self.env)
+
+    def replace(self, i: int) -> None:
+        """A new relay in host ``i`` in place of ``relays[i]`` (killed by a
+        test), so that the group's later tests find it whole."""
+        self.relays[i] = self._receiver(i, relay=True)
+        self.relay_address[self.relays[i]] = self.relays[i].fact(120)["relay_address"]
 
     @property
     def everyone(self) -> list[Worker]:
@@ -178,7 +179,7 @@ def group(need_hosts):
         g.stop()
 
 
-def test_a_chain_sends_one_copy_from_the_sender(group):
+def test_a_chain_sends_one_copy_from_the_sender(group, timed):
     workers = [group.relays[i] for i in range(1, 5)]
     r = group.broadcast(workers, fanout=1)
     t = r["total"]
@@ -189,10 +190,10 @@ def test_a_chain_sends_one_copy_from_the_sender(group):
     assert sum(r["relay_sent"].values()) == 3 * t
     # The star needs 4 copies through the sender's link; the chain about one.
     star_bound = 4 * group.line_seconds
-    assert r["seconds"] < 0.6 * star_bound, f"chain of 4: {r['seconds']:.2f} s, 4 copies at the line rate {star_bound:.2f} s"
+    assert not timed or r["seconds"] < 0.6 * star_bound, f"chain of 4: {r['seconds']:.2f} s, 4 copies at the line rate {star_bound:.2f} s"
 
 
-def test_a_tree_of_fanout_two_sends_two_copies_from_the_sender(group):
+def test_a_tree_of_fanout_two_sends_two_copies_from_the_sender(group, timed):
     workers = list(group.relays.values())
     r = group.broadcast(workers, fanout=2)
     t = r["total"]
@@ -202,7 +203,7 @@ def test_a_tree_of_fanout_two_sends_two_copies_from_the_sender(group):
     # Each sending link carries two copies: about twice one copy's time
     # (the star: six); allowed twice that.
     limit = 4 * group.line_seconds
-    assert r["seconds"] < limit, f"tree of 6: {r['seconds']:.2f} s, limit {limit:.2f} s (6 copies at the line rate: {6 * group.line_seconds:.2f} s)"
+    assert not timed or r["seconds"] < limit, f"tree of 6: {r['seconds']:.2f} s, limit {limit:.2f} s (6 copies at the line rate: {6 * group.line_seconds:.2f} s)"
 
 
 def test_a_receiver_that_joins_after_the_broadcast_gets_it_from_a_lingering_relay(group):
@@ -236,7 +237,7 @@ def test_a_leaf_among_relays_only_pulls(group):
     assert r["sender_sent"] == 2 * t and r["relay_sent"][group.relays[1]] == t
 
 
-def test_a_stalled_relay_is_given_up_and_its_child_resumes_elsewhere(group):
+def test_a_stalled_relay_is_given_up_and_its_child_resumes_elsewhere(group, timed):
     """A relay stopped (SIGSTOP) halfway sends nothing: its child gives it up
     after STALL_SECONDS and resumes from another source; the stopped relay,
     continued, finishes its own get."""
@@ -257,16 +258,16 @@ def test_a_stalled_relay_is_given_up_and_its_child_resumes_elsewhere(group):
     seconds = max(g["t_done"] for g in gets) - put["t_put"]
     # A stall costs the wait for it and the rest at a shared link's rate.
     limit = 3 * STAGGER_SECONDS + STALL_SECONDS + 3 * group.line_seconds
-    assert seconds < limit, f"with a relay stopped: {seconds:.2f} s (limit {limit:.2f} s)"
+    assert not timed or seconds < limit, f"with a relay stopped: {seconds:.2f} s (limit {limit:.2f} s)"
     # The stopped relay's place under its parent is given to its child: the
     # sender still sends one copy (before that fix, it took the child on itself).
     assert put["total_nbytes"] <= sender1 - sender0 < 2 * put["total_nbytes"]
 
 
-def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts):
+def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts, timed):
     """SIGKILL of the relay in the middle of a chain of 4, about 40% through
-    its receive: the others end with the exact bytes in at most 2.5x the
-    fault-free time, the sender's pool empties, the hosts leave nothing."""
+    its receive: the others end with the exact bytes (timed: in at most 2.5x
+    the fault-free time), the sender's pool empties, the hosts leave nothing."""
     with Hosts(5, rate=RATE) as hosts:
         g = Group(hosts, relays=range(1, 5))
         workers = [g.relays[i] for i in range(1, 5)]
@@ -279,7 +280,7 @@ def test_a_relay_killed_halfway_the_others_finish_from_another_source(need_hosts
         sender0, _ = g.sent()
         seconds = _chain_with_a_relay_killed(g, workers, victim, ref)
         sender1, _ = g.sent()
-        assert seconds <= 2.5 * ref["seconds"], f"with a relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
+        assert not timed or seconds <= 2.5 * ref["seconds"], f"with a relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
         # Relay 2's child resumed at the byte it reached, from relay 1 (the
         # dead relay's place there is freed) or the sender: less than two
         # copies from the sender in all.
@@ -305,14 +306,14 @@ def _chain_with_a_relay_killed(g: Group, workers: list[Worker], victim: Worker, 
     return max(x["t_done"] for x in gets) - put["t_put"]
 
 
-def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_halfway(need_hosts):
+def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_halfway(need_hosts, timed):
     """nixl over the shaped links (UCX by TCP): in a chain of 4 every child
     READs its relay's exposed memory, so the sender's pool is READ once;
     then the middle relay is SIGKILLed about 40% through its receive. Its
     child's READ fails (UCX's peer error handling) or its relay's control
     connection closes; it asks the sender again and resumes. The others end
-    with the exact bytes in at most 2.5x the fault-free time, the sender's
-    pool empties, the hosts leave nothing."""
+    with the exact bytes (timed: in at most 2.5x the fault-free time), the
+    sender's pool empties, the hosts leave nothing."""
     require_nixl()
     with Hosts(5, rate=RATE) as hosts:
         g = Group(hosts, relays=range(1, 5), transport="nixl")
@@ -326,9 +327,9 @@ def test_a_nixl_chain_reads_relays_across_links_and_survives_a_relay_killed_half
         assert [_delta(after[w], before[w], "nixl_read_nbytes") for w in workers] == [0, t, t, t]
         assert [_delta(after[w], before[w], "relay_bytes_exposed") for w in workers] == [t, t, t, 0]
         star_bound = 4 * g.line_seconds
-        assert ref["seconds"] < 0.6 * star_bound + 3 * STAGGER_SECONDS, f"nixl chain of 4: {ref['seconds']:.2f} s"
+        assert not timed or ref["seconds"] < 0.6 * star_bound + 3 * STAGGER_SECONDS, f"nixl chain of 4: {ref['seconds']:.2f} s"
         seconds = _chain_with_a_relay_killed(g, workers, victim, ref)
-        assert seconds <= 2.5 * ref["seconds"], f"with a nixl relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
+        assert not timed or seconds <= 2.5 * ref["seconds"], f"with a nixl relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
         g.relays.pop(2)
         g.stop()
         made = {hosts.bridge, *hosts.names}
@@ -362,7 +363,7 @@ def crowded(need_hosts, request):
         g.stop()
 
 
-def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memory(crowded):
+def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memory(crowded, timed):
     """Host 1's first receiver takes the object over the link; its other
     two copy it out of a relay's memory (process_vm_readv, or their mapping
     of its memfd where that is refused) as it arrives,
@@ -389,10 +390,10 @@ def test_receivers_on_one_host_take_one_network_copy_the_others_copy_out_of_memo
     assert sum(r["relay_sent"].values()) == 3 * t
     assert all(("not permitted" in after[w]["refused"]) == (g.guarded and read[w] > 0) for w in workers)
     limit = 3 * stagger + 0.6 * 4 * g.line_seconds  # the star: 4 copies through the sender's link
-    assert r["seconds"] < limit, f"{r['seconds']:.2f} s, limit {limit:.2f} s"
+    assert not timed or r["seconds"] < limit, f"{r['seconds']:.2f} s, limit {limit:.2f} s"
 
 
-def test_a_hosts_relay_killed_halfway_its_same_host_children_resume(crowded):
+def test_a_hosts_relay_killed_halfway_its_same_host_children_resume(crowded, timed):
     """SIGKILL of host 1's network relay about 40% through: the receiver
     copying out of its memory loses it (its connection ends, or the read
     finds the process gone), asks the sender again and resumes at its byte;
@@ -424,9 +425,9 @@ def test_a_hosts_relay_killed_halfway_its_same_host_children_resume(crowded):
     g.finish(put, gets)
     sender1, _ = g.sent()
     seconds = max(x["t_done"] for x in gets) - put["t_put"]
-    assert seconds <= 2.5 * ref["seconds"], f"with host 1's relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
+    assert not timed or seconds <= 2.5 * ref["seconds"], f"with host 1's relay killed: {seconds:.2f} s, fault-free {ref['seconds']:.2f} s"
     # The sender counts a send once it is whole: the victim's cut-off one
     # is not in it, the orphan's is, from the byte it had reached (more
     # than none: from the start, it would be exactly one copy).
     assert 0 < sender1 - sender0 < t, (sender1 - sender0) / t
-    g.relays.pop(1)
+    g.replace(1)
