@@ -31,6 +31,13 @@ def test_info_lists_versions_and_backends():
     assert "pool" in backends and "tcp" in backends
     assert "shm" in backends  # Linux
     assert "cuda" in rows
+    # Issue 28: the C extensions and the optional dependencies, found or not.
+    assert rows["c-extensions"].strip() == "_memcpy: built; _ptrs: built"
+    from tensorferry._info import OPTIONAL
+
+    for dist, _ in OPTIONAL:
+        assert rows[dist].strip()[0].isdigit() or rows[dist].startswith("not installed (needed by ")
+    assert rows["rich"].strip()[0].isdigit()  # a dependency of top
 
 
 def test_console_script_runs():

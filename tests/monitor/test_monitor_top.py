@@ -25,15 +25,19 @@ def test_table_sorted_by_memory_with_exact_age(proc_tree) -> None:  # type: igno
     # 500 (200 MiB of 4 KiB pages: an estimated 2.5 ms walk) is over the limit.
     assert snap.stall_skipped_pids == frozenset({500})
     text = render(build_table(snap))
-    rows = [line for line in text.splitlines() if "trainer" in line or "ray::" in line]
+    rows = [line for line in text.splitlines() if "train.py" in line or "ray::" in line]
     assert len(rows) == 2
-    assert "500" in rows[0] and "ray::Trainer.train" in rows[0]  # larger RSS first
+    assert "500" in rows[0] and "ray::Trainer" in rows[0]  # larger RSS first
     assert "100" in rows[1] and "100M" in rows[1] and "50M" in rows[1]  # rss, uss
     assert "0s" in rows[1] and "too big" in rows[0]
-    assert "ANON is RSS - shared, not USS" in text.replace("\n", " ")
+    caption = " ".join(text.split())
+    assert "ANON is RSS - shared, not USS" in caption
+    # The caption says where the exact figures came from, as the snapshot has them.
+    assert "walked from: smaps_rollup 1" in caption and "q quits" in caption
+    assert "q quits" not in " ".join(render(build_table(snap, live=False)).split())
     # Sorting by USS: a process without one sorts by its RSS, so 500 stays on top.
     by_uss = render(build_table(snap, sort_by="uss", limit=1))
-    assert "ray::Trainer" in by_uss and "trainer " not in by_uss
+    assert "ray::Trainer" in by_uss and "train.py" not in by_uss
 
 
 def test_table_says_too_big_for_stall_skipped(proc_tree) -> None:  # type: ignore[no-untyped-def]
