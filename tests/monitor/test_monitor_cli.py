@@ -150,7 +150,7 @@ def test_monitor_serves_metrics_on_loopback(start_target) -> None:  # type: igno
         with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
         names = {f.name for f in text_string_to_metric_families(text)}
-        assert {"tensorferry_process_resident_bytes", "tensorferry_process_count",
+        assert {"tensorferry_process_resident_bytes", "tensorferry_processes",
                 "tensorferry_monitor_sample_seconds"} <= names
         # /healthz is one short line, not the metrics page; / says where things are.
         with urllib.request.urlopen(m.group(2), timeout=10) as resp:

@@ -54,8 +54,8 @@ def test_group_metrics_match_the_snapshot(start_target) -> None:
         assert parts["anon"] == g.anon_bytes
         assert value(m["tensorferry_process_uss_bytes"], "tensorferry_process_uss_bytes", name=g.name) == g.uss_bytes
         assert value(m["tensorferry_process_swap_bytes"], "tensorferry_process_swap_bytes", name=g.name) == g.swap_bytes
-        assert value(m["tensorferry_process_count"], "tensorferry_process_count", name=g.name) == g.count
-        assert value(m["tensorferry_process_exact_count"], "tensorferry_process_exact_count",
+        assert value(m["tensorferry_processes"], "tensorferry_processes", name=g.name) == g.count
+        assert value(m["tensorferry_processes_with_exact"], "tensorferry_processes_with_exact",
                      name=g.name) == g.exact_count == g.count
     assert {s.labels["kind"] for s in res} == {"anon", "file", "shmem"}
     # USS and PSS are families of their own, never a kind of resident memory.
@@ -123,7 +123,7 @@ def test_per_process_labels_and_scrapes_follow_the_running_agent(start_target) -
     assert value(second["tensorferry_monitor_tick_seconds"], "tensorferry_monitor_tick_seconds_count") == \
         agent.latest.stats.ticks
     # The count stays by name with per-process labels (it disappeared before issue 28).
-    assert value(second["tensorferry_process_count"], "tensorferry_process_count", name="target.py") == 1
+    assert value(second["tensorferry_processes"], "tensorferry_processes", name="target.py") == 1
     # Exact figures were read at the first tick (a small process, within the
     # budget); the scrape gives their age as the last snapshot has it, which
     # cannot exceed the time the agent has been running.

@@ -137,10 +137,10 @@ class MonitorCollector:
 
     def _groups(self, snap: Snapshot) -> Iterator[Metric]:
         # By name in both label modes: a count per pid would be 1 everywhere.
-        count = GaugeMetricFamily("tensorferry_process_count", "Processes watched, by name", labels=["name"])
+        count = GaugeMetricFamily("tensorferry_processes", "Processes watched, by name", labels=["name"])
         exact = GaugeMetricFamily(
-            "tensorferry_process_exact_count",
-            "Processes with exact figures (uss), by name; below tensorferry_process_count the group has no uss",
+            "tensorferry_processes_with_exact",
+            "Processes with exact figures (uss), by name; below tensorferry_processes the group has no uss",
             labels=["name"],
         )
         for g in snap.groups:
