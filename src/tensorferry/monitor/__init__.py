@@ -14,7 +14,7 @@ Example:
     >>> from tensorferry.monitor import Agent, Selection, sample
     >>> sample(os.getpid(), exact=True).uss_bytes        # doctest: +SKIP
     >>> agent = Agent(Selection(pattern=r"ray::"))      # doctest: +SKIP
-    >>> agent.start(); serve_prometheus(agent, port=9464)  # doctest: +SKIP
+    >>> agent.start(); serve_prometheus(agent)         # :21464  # doctest: +SKIP
 """
 
 from __future__ import annotations
