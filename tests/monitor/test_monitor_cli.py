@@ -187,3 +187,23 @@ def test_top_once_prints_one_table_and_json_one_object(start_target) -> None:  #
     assert proc["group"] == "target.py" and proc["name"] != proc["group"]
     assert rec["groups"][0]["name"] == "target.py" and rec["monitor"]["ticks"] == 1
 
+
+
+def test_monitor_verbs_run_where_torch_cannot_be_imported() -> None:
+    """The monitor stands beside the transfer stack: `top --json` and a
+    served scrape work in a process where importing torch fails."""
+    code = (
+        "import sys, os, urllib.request\n"
+        "sys.modules['torch'] = None  # any import of torch raises ImportError\n"
+        "from tensorferry.cli import main\n"
+        "assert main(['top', '--json', '-p', str(os.getpid())]) == 0\n"
+        "from tensorferry.monitor import Agent, Selection, serve_prometheus\n"
+        "agent = Agent(Selection(pids=(os.getpid(),)))\n"
+        "agent.tick()\n"
+        "with serve_prometheus(agent, port=0) as s:\n"
+        "    text = urllib.request.urlopen(s.url, timeout=10).read().decode()\n"
+        "assert 'tensorferry_process_resident_bytes' in text\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["processes"]
