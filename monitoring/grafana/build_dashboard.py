@@ -89,7 +89,8 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Query(f"rate(tensorferry_monitor_exact_cpu_seconds_total{{{SEL}}}[{RATE}])", "walks {{instance}}"),
             Query(f"tensorferry_monitor_exact_budget_cores{{{SEL}}}", "budget {{instance}}"),
             Query(f"rate(tensorferry_monitor_cpu_seconds_total{{{SEL}}}[{RATE}])", "monitor CPU {{instance}}"),),
-            "The budget is a token bucket: bursts above it are paid back."),
+            "Walks are charged their steps' wall time (above their CPU on a busy machine); the budget is a "
+            "token bucket: bursts above it are paid back."),
         Panel("Skipped and failed", "ops", (
             Query(f"sum by (reason) (rate(tensorferry_monitor_exact_skipped_total{{{SEL}}}[{RATE}]))",
                   "exact skipped: {{reason}}"),

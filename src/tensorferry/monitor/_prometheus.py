@@ -201,8 +201,9 @@ class MonitorCollector:
         sample.add_metric([], count_value=st.samples, sum_value=st.sample_seconds)
         exact_cpu = CounterMetricFamily(
             "tensorferry_monitor_exact_cpu_seconds",
-            "Time spent on exact walks, charged against the exact budget: pagemap slices (pauses between "
-            "lock bursts excluded) and smaps_rollup reads, finished or not",
+            "Wall time of exact walk steps, charged against the exact budget (--budget): pagemap slices "
+            "(pauses between lock bursts excluded) and smaps_rollup reads, finished or not; above the "
+            "monitor's CPU when it waits for a CPU during a step",
         )
         exact_cpu.add_metric([], st.exact_seconds)
         reads = CounterMetricFamily("tensorferry_monitor_exact_reads",
