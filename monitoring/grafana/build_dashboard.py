@@ -86,7 +86,7 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             Query(f"time() - tensorferry_monitor_last_tick_timestamp_seconds{{{SEL}}}", "since last tick {{instance}}"),),
             "A tick samples every watched process and takes the exact walk steps the budget allows."),
         Panel("Exact walks' CPU against the budget", "percentunit", (
-            Query(f"rate(tensorferry_monitor_exact_cpu_seconds_total{{{SEL}}}[{RATE}])", "walks {{instance}}"),
+            Query(f"rate(tensorferry_monitor_exact_seconds_total{{{SEL}}}[{RATE}])", "walks {{instance}}"),
             Query(f"tensorferry_monitor_exact_budget_cores{{{SEL}}}", "budget {{instance}}"),
             Query(f"rate(tensorferry_monitor_cpu_seconds_total{{{SEL}}}[{RATE}])", "monitor CPU {{instance}}"),),
             "Walks are charged their steps' wall time (above their CPU on a busy machine); the budget is a "

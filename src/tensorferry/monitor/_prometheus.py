@@ -199,13 +199,13 @@ class MonitorCollector:
             "Wall time of the agent's cheap samples (/proc/PID/stat every tick, status when RSS moved, fd counts)",
         )
         sample.add_metric([], count_value=st.samples, sum_value=st.sample_seconds)
-        exact_cpu = CounterMetricFamily(
-            "tensorferry_monitor_exact_cpu_seconds",
+        exact_spent = CounterMetricFamily(
+            "tensorferry_monitor_exact_seconds",
             "Wall time of exact walk steps, charged against the exact budget (--budget): pagemap slices "
             "(pauses between lock bursts excluded) and smaps_rollup reads, finished or not; above the "
             "monitor's CPU when it waits for a CPU during a step",
         )
-        exact_cpu.add_metric([], st.exact_seconds)
+        exact_spent.add_metric([], st.exact_seconds)
         reads = CounterMetricFamily("tensorferry_monitor_exact_reads",
                                     "Exact figures taken (finished pagemap walks and smaps_rollup reads)")
         reads.add_metric([], st.exact_reads)
@@ -237,7 +237,7 @@ class MonitorCollector:
         cpu.add_metric([], st.cpu_seconds)
         rss = GaugeMetricFamily("tensorferry_monitor_rss_bytes", "RSS of the monitor process")
         rss.add_metric([], st.rss_bytes)
-        yield from (tick, last, when, sample, exact_cpu, reads, steps, skipped, walking, errors, cpu, rss)
+        yield from (tick, last, when, sample, exact_spent, reads, steps, skipped, walking, errors, cpu, rss)
         if cfg is not None:
             interval = GaugeMetricFamily("tensorferry_monitor_interval_seconds",
                                          "Configured time between ticks (--interval)")
@@ -245,7 +245,7 @@ class MonitorCollector:
             budget = GaugeMetricFamily(
                 "tensorferry_monitor_exact_budget_cores",
                 "Configured CPU for exact walks, a fraction of one core (--budget); compare "
-                "rate(tensorferry_monitor_exact_cpu_seconds_total)",
+                "rate(tensorferry_monitor_exact_seconds_total)",
             )
             budget.add_metric([], cfg.cpu_budget_fraction)
             yield from (interval, budget)
