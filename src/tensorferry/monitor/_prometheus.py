@@ -196,7 +196,8 @@ class MonitorCollector:
         when.add_metric([], snap.timestamp)
         sample = SummaryMetricFamily(
             "tensorferry_monitor_sample_seconds",
-            "Wall time of the agent's cheap samples (/proc/PID/stat every tick, status when RSS moved, fd counts)",
+            "Wall time of the agent's cheap samples (/proc/PID/stat every tick; status when RSS or VmSize moved, "
+            "and by default at least every 10 s; fd counts every 10th tick)",
         )
         sample.add_metric([], count_value=st.samples, sum_value=st.sample_seconds)
         exact_spent = CounterMetricFamily(
