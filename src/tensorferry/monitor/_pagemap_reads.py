@@ -19,6 +19,7 @@ import fcntl
 import math
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -93,6 +94,30 @@ def align_pages(pages: float) -> int:
     return max(_STEP_NBYTES, nbytes) // PAGE_NBYTES
 
 
+class _Buffers(threading.local):
+    """One pread buffer and one PAGEMAP_SCAN region buffer per thread, reused
+    by every walk: a thread reads for one walk at a time and counts each read
+    before the next. Allocating them per walk (512 KiB) made the monitor's RSS
+    creep up by tens of MiB as the allocator kept the freed buffers."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.entries = np.empty(_PREAD_PAGES, dtype=np.uint64)
+        self.vec = np.zeros(_SCAN_REGIONS * _REGION_U64S, dtype=np.uint64)
+
+
+_thread_buffers: _Buffers | None = None
+
+
+def _buffers() -> _Buffers:
+    global _thread_buffers
+    if _thread_buffers is None:
+        # Made on first use: importing the monitor does not import numpy.
+        _thread_buffers = _Buffers()
+    return _thread_buffers
+
+
 class PageCounter:
     """Counts the pages of one process's pagemap, a range at a time.
 
@@ -133,8 +158,6 @@ class PageCounter:
         self._scan_ok = True
         # The last PAGEMAP_SCAN call found all it walked present: read on directly.
         self._dense = False
-        self._buf: np.ndarray | None = None
-        self._vec: np.ndarray | None = None
 
     @property
     def pss_readable(self) -> bool:
@@ -172,9 +195,7 @@ class PageCounter:
         PAGEMAP_SCAN."""
         import numpy as np
 
-        if self._vec is None:
-            self._vec = np.zeros(_SCAN_REGIONS * _REGION_U64S, dtype=np.uint64)
-        vec = self._vec
+        vec = _buffers().vec
         page = PAGE_NBYTES
         # The kernel holds the target's mmap lock until the call has walked
         # [start, call_end), found max_pages present pages or filled the 512
@@ -243,12 +264,11 @@ class PageCounter:
 
     def _pread_entries(self, start: int, npages: int) -> np.ndarray:
         """Entries of ``npages`` (at most :data:`_PREAD_PAGES`) from ``start``,
-        in the walk's reused buffer: valid until the next read."""
+        in this thread's reused buffer: valid until its next read."""
         import numpy as np
 
-        if self._buf is None:
-            self._buf = np.empty(_PREAD_PAGES, dtype=np.uint64)
-        view = memoryview(self._buf).cast("B")
+        buf = _buffers().entries
+        view = memoryview(buf).cast("B")
         first = start // PAGE_NBYTES
         done = 0
         while done < npages:
@@ -265,7 +285,7 @@ class PageCounter:
                 # checked at the end of the walk). Missing entries are pages
                 # not present.
                 break
-        return self._buf[:done]
+        return buf[:done]
 
     def _count(self, entries: np.ndarray) -> int:
         """Add ``entries`` to the counts; returns how many were present."""
