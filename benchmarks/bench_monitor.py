@@ -35,7 +35,14 @@ Measures (see docs/monitor.md for the reading):
      and waiting for a CPU (scheduling). Every row runs in several rounds;
      the table gives medians.
 
-Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only] [--exact-rounds N]
+  5. the loops (``--loops``, alone): how long ``Agent.run(duration_seconds=0.45)``
+     at 0.1 s ticks takes over what was asked, how many ticks it makes of the
+     4-5 possible, how long one tick of every process on the machine takes
+     against its interval, and how long ``top`` takes to quit on ``q`` against
+     its 5 s interval. The tests check only that these loops end; their
+     timing is measured here (medians over rounds, ratios to the interval).
+
+Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only] [--exact-rounds N] [--loops]
 Writes benchmarks/results/bench_monitor.json and prints a table.
 """
 
@@ -60,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tensorferry.monitor import Agent, AgentConfig, Selection  # noqa: E402
-from tensorferry.monitor import _pagemap  # noqa: E402
+from tensorferry.monitor import _pagemap, _pagemap_reads  # noqa: E402
 from tensorferry.monitor._pagemap import slice_nbytes_for_stall  # noqa: E402
 from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
 
@@ -254,12 +261,12 @@ none of the victim's lock, so what it adds over no monitor is scheduling."""
 @contextlib.contextmanager
 def unpaced():
     """Walks without pauses between lock bursts, for the ablation row only."""
-    saved = _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES
-    _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES = math.inf, _pagemap._PREAD_PAGES
+    saved = _pagemap.LOCK_BURST_SECONDS, _pagemap_reads._PREAD_CALL_PAGES
+    _pagemap.LOCK_BURST_SECONDS, _pagemap_reads._PREAD_CALL_PAGES = math.inf, _pagemap_reads._PREAD_PAGES
     try:
         yield
     finally:
-        _pagemap.LOCK_BURST_SECONDS, _pagemap._PREAD_CALL_PAGES = saved
+        _pagemap.LOCK_BURST_SECONDS, _pagemap_reads._PREAD_CALL_PAGES = saved
 
 
 def exact_unpaced(backend: ProcfsBackend, pid: int):
@@ -586,15 +593,67 @@ def print_tables(costs, interf, self_cost) -> None:
         )
 
 
+def loop_timing(rounds: int) -> dict[str, float]:
+    """Section 5: the agent's and top's loops against their asked-for times (medians)."""
+    import io
+
+    from rich.console import Console
+
+    from tensorferry.monitor._top import KeyReader, run_top
+
+    run_ratio, run_ticks, tick_ratio, quit_ratio = [], [], [], []
+    for _ in range(rounds):
+        agent = Agent(Selection(pids=(os.getpid(),)), AgentConfig(interval_seconds=0.1, jitter_fraction=0.0))
+        snaps: list[object] = []
+        t0 = time.perf_counter()
+        agent.run(duration_seconds=0.45, on_snapshot=snaps.append)
+        run_ratio.append((time.perf_counter() - t0) / 0.45)
+        run_ticks.append(len(snaps))
+        agent.stop()
+        every = Agent(Selection(all_processes=True), AgentConfig(interval_seconds=1.0))
+        every.tick()  # the first tick opens every file and walks; time a later one
+        t0 = time.perf_counter()
+        every.tick()
+        tick_ratio.append((time.perf_counter() - t0) / every.config.interval_seconds)
+        every.stop()
+        r, w = os.pipe()
+        quitting = Agent(Selection(pids=(os.getpid(),)), AgentConfig(interval_seconds=5.0))
+        with os.fdopen(r, "rb") as stream:
+            t0 = time.perf_counter()
+            os.write(w, b"q")
+            run_top(quitting, console=Console(file=io.StringIO()), keys=KeyReader(stream))
+            quit_ratio.append((time.perf_counter() - t0) / 5.0)
+        os.close(w)
+        quitting.stop()
+    return {
+        "rounds": rounds,
+        "run_0_45s_wall_over_asked_median": statistics.median(run_ratio),
+        "run_0_45s_ticks_median": statistics.median(run_ticks),
+        "tick_all_processes_over_interval_median": statistics.median(tick_ratio),
+        "top_quit_on_q_over_interval_median": statistics.median(quit_ratio),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller targets, shorter phases (a smoke run)")
     ap.add_argument("--exact-only", action="store_true", help="only section 4 (exact figures of a 4 GiB process)")
     ap.add_argument("--exact-rounds", type=int, default=3, metavar="N",
                     help="rounds of every section-4 row; the table gives medians (default 3)")
+    ap.add_argument("--loops", action="store_true", help="only section 5 (the agent's and top's loops)")
     args = ap.parse_args()
     if args.exact_rounds < 1:
         ap.error(f"--exact-rounds {args.exact_rounds}: must be at least 1")
+    if args.loops:
+        loops = loop_timing(3 if args.quick else 9)
+        for key, value in loops.items():
+            print(f"{key:<45} {value:.3f}")
+        out = RESULTS.with_name("bench_monitor_loops.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"kernel": os.uname().release, "loops": loops,
+                                   "load_average": os.getloadavg()}, indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+        return 0
     if args.exact_only:
         mib = 1024 if args.quick else 4096
         load_start = os.getloadavg()

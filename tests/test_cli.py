@@ -31,6 +31,17 @@ def test_info_lists_versions_and_backends():
     assert "pool" in backends and "tcp" in backends
     assert "shm" in backends  # Linux
     assert "cuda" in rows
+    # Issue 28: the C extensions and the optional dependencies, found or not.
+    import importlib.util
+
+    for part, module in zip(rows["c-extensions"].strip().split("; "), ("_memcpy", "_ptrs")):
+        built = importlib.util.find_spec(f"tensorferry.{module}") is not None
+        assert part == f"{module}: built" if built else part.startswith(f"{module}: not built (")
+    from tensorferry._info import OPTIONAL
+
+    for dist, _ in OPTIONAL:
+        assert rows[dist].strip()[0].isdigit() or rows[dist].startswith("not installed (needed by ")
+    assert rows["rich"].strip()[0].isdigit()  # a dependency of top
 
 
 def test_console_script_runs():

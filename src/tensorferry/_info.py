@@ -1,4 +1,5 @@
-"""What ``tensorferry info`` prints: versions and optional backends."""
+"""What ``tensorferry info`` prints: versions, optional dependencies, the C
+extensions and the backends this machine can run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,22 @@ import sys
 
 from . import __version__
 
-__all__ = ["info_rows", "backend_available"]
+__all__ = ["info_rows", "backend_available", "extension_rows", "OPTIONAL"]
+
+# The compiled helpers and what runs without them (both are optional).
+_EXTENSIONS = (
+    ("_memcpy", "the batched copy loop; without it copies of many small tensors take Python loops"),
+    ("_ptrs", "the pointer checks; without it data pointers are read one tensor at a time"),
+)
+OPTIONAL = (
+    ("prometheus-client", "monitor's /metrics"),
+    ("rich", "top and demo"),
+    ("psutil", "monitor off Linux"),
+    ("ray", "the Ray plug-in"),
+    ("nixl", "the nixl transport"),
+    ("matplotlib", "benchmark plots"),
+)
+"""Optional dependencies ``info`` reports (distribution name, what needs it)."""
 
 
 def backend_available(name: str) -> bool:
@@ -30,6 +46,19 @@ def _version(module: str) -> str:
         return "not installed"
 
 
+def extension_rows() -> list[tuple[str, str]]:
+    """``(module, "built" or "not built: ...")`` per C extension, found without importing it."""
+    rows = []
+    for module, without in _EXTENSIONS:
+        try:
+            spec = importlib.util.find_spec(f"tensorferry.{module}")
+        except (ImportError, ValueError):
+            spec = None
+        built = spec is not None and spec.origin is not None and not spec.origin.endswith(".py")
+        rows.append((module, "built" if built else f"not built ({without}; reinstall with a C/C++ compiler)"))
+    return rows
+
+
 def info_rows() -> list[tuple[str, str]]:
     rows = [
         ("tensorferry", __version__),
@@ -38,11 +67,11 @@ def info_rows() -> list[tuple[str, str]]:
         ("torch", _version("torch")),
         ("numpy", _version("numpy")),
         ("msgspec", _version("msgspec")),
-        ("psutil", _version("psutil")),
-        ("prometheus-client", _version("prometheus-client")),
-        ("ray", _version("ray")),
-        ("nixl", _version("nixl")),
     ]
+    for dist, what in OPTIONAL:
+        found = _version(dist)
+        rows.append((dist, found if found != "not installed" else f"not installed (needed by {what})"))
+    rows.append(("c-extensions", "; ".join(f"{m}: {state}" for m, state in extension_rows())))
     cuda = "not available"
     if importlib.util.find_spec("torch") is not None:
         import torch

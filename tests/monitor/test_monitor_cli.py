@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -78,7 +79,9 @@ def test_missing_pid_fails_with_typed_error(capsys) -> None:  # type: ignore[no-
     rc = run(["monitor", "--json", "-p", str(2**22 + 4321), "-d", "0.1"])
     assert rc == 1
     err = capsys.readouterr().err
-    assert re.match(r"NoSuchProcess: pid \d+", err)
+    # Not "exited between listing and reading": the pid never existed.
+    assert re.match(r"NoSuchProcess: --pid/-p \d+: no process has this id \(it never existed", err), err
+    assert "between listing and reading" not in err and len(err.splitlines()) == 1
 
 
 BAD_OPTIONS = [
@@ -141,12 +144,66 @@ def test_monitor_serves_metrics_on_loopback(start_target) -> None:  # type: igno
     )
     try:
         line = proc.stderr.readline()  # type: ignore[union-attr]
-        m = re.match(r"serving (http://127\.0\.0\.1:\d+/metrics)", line)
+        m = re.match(r"serving (http://127\.0\.0\.1:\d+)/metrics and (http://\S+/healthz)", line)
         assert m, line
-        with urllib.request.urlopen(m.group(1), timeout=10) as resp:
+        base = m.group(1)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
         names = {f.name for f in text_string_to_metric_families(text)}
-        assert {"tensorferry_process_memory_bytes", "tensorferry_monitor_sample_seconds"} <= names
+        assert {"tensorferry_process_resident_bytes", "tensorferry_processes",
+                "tensorferry_monitor_sample_seconds"} <= names
+        # /healthz is one short line, not the metrics page; / says where things are.
+        with urllib.request.urlopen(m.group(2), timeout=10) as resp:
+            assert resp.status == 200
+            health = resp.read().decode()
+        assert health.startswith("ok: last tick ") and health.count("\n") == 1 and "tensorferry_" not in health
+        with urllib.request.urlopen(base + "/", timeout=10) as resp:
+            assert "/metrics" in resp.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(base + "/nothing", timeout=10)
+        assert missing.value.code == 404
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_top_once_prints_one_table_and_json_one_object(start_target) -> None:  # type: ignore[no-untyped-def]
+    """`top --once` and `top --json` in a real process, without a terminal or stdin."""
+    t = start_target("big", "16")
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    once = subprocess.run([sys.executable, "-c", RUN_CLI, "top", "--once", "-p", str(t.pid)],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=env)
+    assert once.returncode == 0, once.stderr
+    assert once.stdout.count("tensorferry top") == 1 and str(t.pid) in once.stdout
+    assert "q quits" not in once.stdout
+    js = subprocess.run([sys.executable, "-c", RUN_CLI, "top", "--json", "-p", str(t.pid)],
+                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=env)
+    assert js.returncode == 0, js.stderr
+    (line,) = js.stdout.splitlines()
+    rec = json.loads(line)
+    (proc,) = rec["processes"]
+    assert proc["pid"] == t.pid and proc["rss_bytes"] >= 16 << 20
+    # The name label comes from the command line (the fixture script), not the comm.
+    assert proc["group"] == "target.py" and proc["name"] != proc["group"]
+    assert rec["groups"][0]["name"] == "target.py" and rec["monitor"]["ticks"] == 1
+
+
+
+def test_monitor_verbs_run_where_torch_cannot_be_imported() -> None:
+    """The monitor stands beside the transfer stack: `top --json` and a
+    served scrape work in a process where importing torch fails."""
+    code = (
+        "import sys, os, urllib.request\n"
+        "sys.modules['torch'] = None  # any import of torch raises ImportError\n"
+        "from tensorferry.cli import main\n"
+        "assert main(['top', '--json', '-p', str(os.getpid())]) == 0\n"
+        "from tensorferry.monitor import Agent, Selection, serve_prometheus\n"
+        "agent = Agent(Selection(pids=(os.getpid(),)))\n"
+        "agent.tick()\n"
+        "with serve_prometheus(agent, port=0) as s:\n"
+        "    text = urllib.request.urlopen(s.url, timeout=10).read().decode()\n"
+        "assert 'tensorferry_process_resident_bytes' in text\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[0])["processes"]

@@ -21,10 +21,10 @@ from tensorferry.monitor._pagemap import (
     LOCK_GAP_SECONDS,
     PagemapWalk,
     WalkUnstable,
-    _subtract,
-    _union,
     slice_nbytes_for_stall,
 )
+from tensorferry.monitor._pagemap_maps import subtract as _subtract
+from tensorferry.monitor._pagemap_maps import union as _union
 from tensorferry.monitor._procfs import ProcfsBackend
 
 MIB = 1 << 20

@@ -30,7 +30,8 @@ def test_sender_stats_as_a_pool_source_scraped_over_http() -> None:
         stats = sender.stats()
         # The Sender's dict has more than the monitor's keys (live_tickets): they are ignored.
         assert set(tensorferry.monitor._pools.POOL_KEYS) < set(stats) and "live_tickets" in stats
-        tensorferry.monitor.register_pool_source("sender", sender.stats)
+        # The recipe of docs/monitor.md: a Sender's stats as they are.
+        tensorferry.monitor.register_pool_source("weights", sender.stats, role="sender")
         try:
             tensor = torch.arange(4096, dtype=torch.float32)  # 16 KiB
             ticket = sender.put(tensor)
@@ -54,18 +55,18 @@ def test_sender_stats_as_a_pool_source_scraped_over_http() -> None:
             finally:
                 sender.discard(held)
         finally:
-            tensorferry.monitor.unregister_pool_source("sender")
+            tensorferry.monitor.unregister_pool_source("weights")
     finally:
         sender.close()
 
-    label = (("pool", "sender"),)
+    label = (("pool", "weights"), ("role", "sender"))
     for metrics, figures in ((m, want), (m_held, held_stats)):
         assert metrics["tensorferry_pool_capacity_bytes"][label] == figures["capacity_nbytes"] == 1 << 20
         assert metrics["tensorferry_pool_used_bytes"][label] == figures["used_nbytes"]
         assert metrics["tensorferry_pool_largest_free_bytes"][label] == figures["largest_free_nbytes"]
         assert metrics["tensorferry_pool_transfers_total"][label] == figures["transfers"]
         assert metrics["tensorferry_pool_moved_bytes_total"][label] == figures["bytes_moved"]
-        assert metrics["tensorferry_pool_source_failures"][()] == 0
+        assert metrics["tensorferry_pool_sources_failing"][()] == 0
         # Unknown keys never become metrics.
         assert not any("live_tickets" in name for name in metrics)
     assert held_stats["used_nbytes"] >= 1024 * 8 > want["used_nbytes"] - 1

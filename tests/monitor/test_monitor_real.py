@@ -71,9 +71,7 @@ def test_dev_shm_is_shmem_not_anon_and_uss_pss_see_it(start_target) -> None:
 def test_ten_thousand_mappings_cheap_and_exact_match_truth(start_target) -> None:
     t = start_target("maps", "10000")
     assert t.facts["mappings"] >= 10000
-    t0 = time.perf_counter()
     cheap = sample(t.pid)
-    cheap_seconds = time.perf_counter() - t0
     exact = sample(t.pid, exact=True)
     truth = rollup_truth(t.pid)
     assert abs(exact.uss_bytes - (truth["Private_Clean"] + truth["Private_Dirty"])) <= MIB // 4
@@ -81,8 +79,8 @@ def test_ten_thousand_mappings_cheap_and_exact_match_truth(start_target) -> None
     # status counters are per-CPU batched: close to, not equal to, the walk.
     assert abs(cheap.rss_bytes - truth["Rss"]) <= max(0.05 * truth["Rss"], 2 * MIB)
     assert abs(cheap.anon_bytes - truth["Anonymous"]) <= max(0.05 * truth["Anonymous"], 2 * MIB)
-    # The cheap sample does not depend on the mapping count (generous bound for CI noise).
-    assert cheap_seconds < 0.01
+    # That the cheap sample costs the same at 49 and 50k mappings is measured
+    # in benchmarks/bench_monitor.py (section 1), not asserted here.
 
 
 def test_cheap_matches_truth_for_own_process() -> None:

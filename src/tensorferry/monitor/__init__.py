@@ -14,7 +14,7 @@ Example:
     >>> from tensorferry.monitor import Agent, Selection, sample
     >>> sample(os.getpid(), exact=True).uss_bytes        # doctest: +SKIP
     >>> agent = Agent(Selection(pattern=r"ray::"))      # doctest: +SKIP
-    >>> agent.start(); serve_prometheus(agent, port=9464)  # doctest: +SKIP
+    >>> agent.start(); serve_prometheus(agent)         # :21464  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ from ._sample import sample
 from ._types import ExactMemory, ProcessMemory, UssSource
 
 if TYPE_CHECKING:
-    from ._prometheus import MonitorCollector, PrometheusServer, serve_prometheus
+    from ._prometheus import MonitorCollector
+    from ._server import PrometheusServer, serve_prometheus
     from ._top import build_table, run_top
 
 # prometheus_client (the "monitor" extra) and rich load on first use only.
 _LAZY = {
     "MonitorCollector": "._prometheus",
-    "PrometheusServer": "._prometheus",
-    "serve_prometheus": "._prometheus",
+    "PrometheusServer": "._server",
+    "serve_prometheus": "._server",
     "build_table": "._top",
     "run_top": "._top",
 }

@@ -45,6 +45,8 @@ class _Counters:
     ticks: int = 0
     samples: int = 0
     sample_seconds: float = 0.0
+    tick_seconds: float = 0.0
+    last_tick_seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=lambda: {"vanished": 0, "zombie": 0, "denied": 0})
 
 
@@ -119,6 +121,7 @@ class Agent:
             return self._tick()
 
     def _tick(self) -> Snapshot:
+        tick_start = time.perf_counter()
         now = self._clock()
         c = self._counters
         errors = {"vanished": 0, "zombie": 0, "denied": 0}
@@ -177,11 +180,15 @@ class Agent:
         c.ticks += 1
         cgroups: tuple[CgroupMemory, ...] = ()
         if self.cgroup_reader is not None and self.config.cgroups:
-            cgroups = tuple(self.cgroup_reader.for_pids([s.pid for s in out]))
+            cgroups = tuple(self.cgroup_reader.for_samples(out))
+        c.last_tick_seconds = time.perf_counter() - tick_start
+        c.tick_seconds += c.last_tick_seconds
         snap = Snapshot(
             timestamp=time.time(),
             samples=tuple(out),
             max_groups=self.config.max_groups,
+            names=self.config.names,
+            max_name_chars=self.config.max_name_chars,
             cgroups=cgroups,
             errors=errors,
             stall_skipped_pids=frozenset(stall_skipped),
@@ -208,6 +215,8 @@ class Agent:
             exact_steps=e.exact_steps,
             exact_unstable=e.exact_unstable,
             walks_in_progress=self._exact.walks_in_progress,
+            tick_seconds=c.tick_seconds,
+            last_tick_seconds=c.last_tick_seconds,
         )
 
     @property

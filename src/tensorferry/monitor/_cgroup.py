@@ -10,7 +10,10 @@ from __future__ import annotations
 __all__ = ["CgroupMemory", "CgroupReader"]
 
 import os
+from collections.abc import Iterable
 from typing import Literal, NamedTuple
+
+from ._types import ProcessMemory
 
 # v1 reports "no limit" as the largest page-aligned long (9223372036854771712).
 _V1_UNLIMITED_BYTES = 1 << 62
@@ -35,6 +38,11 @@ class CgroupMemory(NamedTuple):
     """Shared memory (tmpfs, /dev/shm) charged to the cgroup."""
     swap_bytes: int
     """Swap used by the cgroup (memory.swap.current, or ``swap`` in v1's memory.stat)."""
+    watched: int = 0
+    """Processes of the selection in this cgroup (set by :meth:`CgroupReader.for_samples`)."""
+    watched_uss_bytes: int | None = None
+    """Sum of their USS: what they alone hold of the cgroup's charge; None unless every
+    one of them has exact figures (a partial sum would understate)."""
 
 
 def _read_text(path: str) -> str | None:
@@ -141,3 +149,23 @@ class CgroupReader:
             if where is not None and where not in seen:
                 seen[where] = self.read(*where)
         return [c for c in seen.values() if c is not None]
+
+    def for_samples(self, samples: Iterable[ProcessMemory]) -> list[CgroupMemory]:
+        """The distinct memory cgroups of ``samples``, each read once, with the
+        count and the USS sum of the samples in each."""
+        members: dict[tuple[Literal[1, 2], str], list[ProcessMemory]] = {}
+        for s in samples:
+            where = self.locate(s.pid)
+            if where is not None:
+                members.setdefault(where, []).append(s)
+        out = []
+        for where, group in members.items():
+            c = self.read(*where)
+            if c is None:
+                continue
+            complete = all(m.uss_bytes is not None for m in group)
+            out.append(c._replace(
+                watched=len(group),
+                watched_uss_bytes=sum(m.uss_bytes or 0 for m in group) if complete else None,
+            ))
+        return out

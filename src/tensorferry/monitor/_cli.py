@@ -11,14 +11,17 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, get_args
 
-from tensorferry.errors import ConfigurationError, MonitorError
+from tensorferry.errors import ConfigurationError, MonitorError, NoSuchProcess
 
 from ._agent import Agent, AgentConfig, Selection, Snapshot
+from ._names import NameSource
 from ._types import SortKey
 
 _EXIT_OK, _EXIT_FAILURE, _EXIT_USAGE = 0, 1, 2
 # 65535: the largest TCP port; 0 lets the OS pick a free one.
 _MAX_PORT = 65535
+# _server.DEFAULT_PORT, written out: the parser is built without prometheus_client.
+_DEFAULT_PORT = 21464
 
 
 class _Options(NamedTuple):
@@ -81,6 +84,9 @@ def _options(args: argparse.Namespace) -> _Options:
         sort_by = args.sort
     if getattr(args, "limit", None) is not None:
         limit = _int("--limit/-n", args.limit, "must be a number of rows >= 1", 1)
+    if args.names not in get_args(NameSource):
+        raise _bad("--names", args.names, "must be cmdline (the script, module or program) or comm (the kernel's name)")
+    max_name_chars = _int("--max-name-chars", args.max_name_chars, "must be a number of characters >= 1", 1)
     selection = Selection(
         pids=pids,
         pattern=args.pattern,
@@ -95,6 +101,8 @@ def _options(args: argparse.Namespace) -> _Options:
         force_exact=args.force_exact,
         cgroups=args.cgroup,
         count_fds=not args.no_fds,
+        names=args.names,  # type: ignore[arg-type]  # checked above
+        max_name_chars=max_name_chars,
     )
     return _Options(selection, config, duration, port, sort_by, limit)
 
@@ -117,6 +125,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     smp.add_argument("--cgroup", "-c", action="store_true", help="also report the processes' memory cgroups (v1/v2)")
     smp.add_argument("--no-fds", action="store_true", help="do not count open fds")
     smp.add_argument("--duration", "-d", metavar="SECONDS", help="stop after this long (default: until interrupted)")
+    smp.add_argument("--names", default="cmdline", metavar="SOURCE", help="process names (the name label, NAME): cmdline (the script, module or program; default) or comm (the kernel's 15-character name)")
+    smp.add_argument("--max-name-chars", default="48", metavar="N", help="cut names to N characters (default 48)")
     smp.add_argument("--proc-root", default=None, help=argparse.SUPPRESS)
 
 
@@ -134,10 +144,10 @@ def add_subcommands(subparsers: Any) -> None:
     )
     _add_common(mon)
     out = mon.add_argument_group("output")
-    out.add_argument("--port", "-P", default="9464", help="serve /metrics on this port (0: a free one; default 9464)")
+    out.add_argument("--port", "-P", default=str(_DEFAULT_PORT), help=f"serve /metrics and /healthz on this port (0: a free one; default {_DEFAULT_PORT})")
     out.add_argument("--host", "-H", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     out.add_argument("--json", "-j", action="store_true", help="write one JSON object per tick to stdout instead of serving")
-    out.add_argument("--per-process", action="store_true", help="label metrics by pid (unbounded over time) instead of by name group")
+    out.add_argument("--per-process", action="store_true", help="label metrics (and pools) by pid too (unbounded over time) instead of by name group only")
     mon.set_defaults(func=_run_monitor, check=_check)
 
     top = subparsers.add_parser(
@@ -148,6 +158,8 @@ def add_subcommands(subparsers: Any) -> None:
     _add_common(top)
     top.add_argument("--sort", "-s", default="rss", metavar="COLUMN", help=f"sort column: {', '.join(get_args(SortKey))} (default rss)")
     top.add_argument("--limit", "-n", default=None, help="rows to show (default: fit the screen)")
+    top.add_argument("--once", "-o", action="store_true", help="print the table of one tick and exit (no screen redraw, no keys)")
+    top.add_argument("--json", "-j", action="store_true", help="print one JSON object (as monitor -j writes per tick) and exit")
     top.set_defaults(func=_run_top, check=_check)
 
 
@@ -160,9 +172,20 @@ def _agent(args: argparse.Namespace, opts: _Options) -> Agent:
 
     backend = default_backend(args.proc_root, count_fds=opts.config.count_fds)
     # Named processes must exist at start; later exits are counted, not fatal.
-    named = opts.selection.pids + ((opts.selection.tree_root_pid,) if opts.selection.tree_root_pid else ())
-    for pid in named:
-        backend.cheap(pid)
+    named = [("--pid/-p", p) for p in opts.selection.pids]
+    if opts.selection.tree_root_pid:
+        named.append(("--tree/-t", opts.selection.tree_root_pid))
+    for option, pid in named:
+        try:
+            backend.cheap(pid)
+        except NoSuchProcess as exc:
+            if type(exc) is not NoSuchProcess:
+                raise  # a zombie: its own message says so
+            # Not "exited between listing and reading": nothing was listed.
+            raise NoSuchProcess(pid, msg=(
+                f"{option} {pid}: no process has this id (it never existed, or it exited before the "
+                "monitor started); check it with `ps -p {pid}`, or select by command line with -k REGEX"
+            ).replace("{pid}", str(pid))) from None
     return Agent(opts.selection, opts.config, backend=backend)
 
 
@@ -184,6 +207,7 @@ def _snapshot_json(snap: Snapshot) -> str:
     def proc(s: Any) -> dict[str, Any]:
         d = s._asdict()
         d["cmdline"] = list(s.cmdline)
+        d["group"] = snap.name_of(s)  # the name label and group (s.name is the kernel's comm)
         return d
 
     return json.dumps(
@@ -213,13 +237,13 @@ def _run_monitor(args: argparse.Namespace) -> int:
 
             agent.run(duration_seconds=opts.duration_seconds, on_snapshot=emit)
             return _EXIT_OK
-        from ._prometheus import serve_prometheus
+        from ._server import serve_prometheus
 
         agent.tick()  # the first scrape already has figures
         server = serve_prometheus(
             agent, host=args.host, port=opts.port, labels="process" if args.per_process else "group"
         )
-        print(f"serving {server.url}", file=sys.stderr, flush=True)
+        print(f"serving {server.url} and {server.health_url}", file=sys.stderr, flush=True)
         agent.run(duration_seconds=opts.duration_seconds)
         return _EXIT_OK
     except ConfigurationError as exc:
@@ -244,10 +268,25 @@ def _run_top(args: argparse.Namespace) -> int:
     if isinstance(started, int):
         return started
     opts, agent = started
-    from ._top import run_top
-
     try:
+        if args.once or args.json:
+            snap = agent.tick()
+            if args.json:
+                sys.stdout.write(_snapshot_json(snap) + "\n")
+                return _EXIT_OK
+            from rich.console import Console
+
+            from ._top import build_table
+
+            Console().print(build_table(snap, sort_by=opts.sort_by, limit=opts.limit, live=False))
+            return _EXIT_OK
+        from ._top import run_top
+
         run_top(agent, sort_by=opts.sort_by, limit=opts.limit, duration_seconds=opts.duration_seconds)
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:
+        pass
+    finally:
+        agent.stop()
     return _EXIT_OK

@@ -7,7 +7,10 @@ __all__ = ["AgentConfig"]
 import math
 from dataclasses import dataclass
 
+from tensorferry.errors import ConfigurationError
+
 from ._checks import check_int, check_number
+from ._names import NameSource
 from ._pagemap import WALK_SECONDS_PER_PAGE
 
 # A 4 KiB page costs smaps_rollup ~45 ns (45 ms for 4 GiB = 1 Mi pages,
@@ -55,6 +58,13 @@ class AgentConfig:
     are. 0 re-reads status every tick. (Linux; other platforms read everything each tick.)"""
     max_groups: int = 50
     """Groups by name kept in each snapshot; the rest fold into ``other``."""
+    names: NameSource = "cmdline"
+    """Where process names (the ``name`` label, groups, ``top``'s NAME) come from:
+    ``cmdline`` (the script or module an interpreter runs, Ray's ``ray::Actor``
+    title, else the program's base name) or ``comm`` (the kernel's name, at most
+    15 characters; Ray titles still group as ``ray::Actor``)."""
+    max_name_chars: int = 48
+    """Names are cut to this many characters (label values stay bounded)."""
     rescan_seconds: float = 10.0
     """Re-match command lines of processes that did not match this often (they retitle)."""
 
@@ -74,6 +84,12 @@ class AgentConfig:
             check_number(w(name), getattr(self, name), lambda v: 0 <= v < math.inf,
                          "must be a finite cost estimate >= 0 seconds (or leave the default)")
         check_int(w("max_groups"), self.max_groups, 1, "must be an int >= 1 groups per snapshot (default 50)")
+        if self.names not in ("cmdline", "comm"):
+            raise ConfigurationError(
+                f"AgentConfig(names={self.names!r}): must be 'cmdline' (the script, module or program) "
+                "or 'comm' (the kernel's 15-character name)"
+            )
+        check_int(w("max_name_chars"), self.max_name_chars, 1, "must be an int >= 1 characters (default 48)")
         check_int(w("fds_every_ticks"), self.fds_every_ticks, 1,
                   "must be an int >= 1: count fds every this many ticks (default 10)")
         check_number(w("status_max_age_seconds"), self.status_max_age_seconds, lambda v: v >= 0,

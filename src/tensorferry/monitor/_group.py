@@ -1,8 +1,9 @@
 """Aggregate processes by name so metric label cardinality stays bounded.
 
-Pids churn (a Ray node starts thousands of workers a day); names do not. Ray
+Pids churn (a Ray node starts thousands of workers a day); names do not. A
+process's name comes from its command line (``_names.process_name``): Ray
 sets its workers' titles to ``ray::ClassName.method`` / ``ray::task_name`` /
-``ray::IDLE``; those group by the part before the method.
+``ray::IDLE``, and those group by the part before the method.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from ._checks import check_int
+from ._names import NameSource, process_name
 from ._types import ProcessMemory
 
 OTHER_GROUP = "other"
@@ -23,7 +25,7 @@ class GroupMemory(NamedTuple):
     """Sums over the processes of one group."""
 
     name: str
-    """The group: ``ray::Actor`` for Ray workers, else the process name."""
+    """The group: ``ray::Actor`` for Ray workers, else the process's name (``_names.process_name``)."""
     count: int
     """Processes in the group."""
     rss_bytes: int
@@ -52,14 +54,9 @@ class GroupMemory(NamedTuple):
     """Sum of threads."""
 
 
-def group_key(sample: ProcessMemory) -> str:
-    """The group a process belongs to: ``ray::Actor`` for ``ray::Actor.method``, else its name."""
-    if sample.cmdline:
-        title = sample.cmdline[0]
-        if title.startswith("ray::"):
-            # Methods and task arguments would make the group unbounded.
-            return title.split(" ", 1)[0].split(".", 1)[0]
-    return sample.name
+def group_key(sample: ProcessMemory, names: NameSource = "cmdline", max_chars: int = 48) -> str:
+    """The group a process belongs to: its name (``ray::Actor`` for ``ray::Actor.method``)."""
+    return process_name(sample, names, max_chars)
 
 
 def _sum(name: str, members: list[ProcessMemory]) -> GroupMemory:
@@ -85,13 +82,17 @@ def _sum(name: str, members: list[ProcessMemory]) -> GroupMemory:
     )
 
 
-def group_samples(samples: Iterable[ProcessMemory], *, max_groups: int = 50) -> list[GroupMemory]:
+def group_samples(
+    samples: Iterable[ProcessMemory], *, max_groups: int = 50, names: NameSource = "cmdline", max_name_chars: int = 48
+) -> list[GroupMemory]:
     """Group samples by :func:`group_key`, largest RSS first.
 
     Args:
         samples: one tick's samples.
         max_groups: keep at most this many groups; the smallest (by RSS) are
             folded into one ``other`` group so the label set stays bounded.
+        names: where names come from (``AgentConfig.names``).
+        max_name_chars: names are cut to this many characters.
 
     Raises:
         ConfigurationError: ``max_groups`` is not an int of at least 1.
@@ -99,7 +100,7 @@ def group_samples(samples: Iterable[ProcessMemory], *, max_groups: int = 50) -> 
     check_int("group_samples(max_groups)", max_groups, 1, "must be an int >= 1 groups (default 50)")
     by_key: dict[str, list[ProcessMemory]] = {}
     for s in samples:
-        by_key.setdefault(group_key(s), []).append(s)
+        by_key.setdefault(group_key(s, names, max_name_chars), []).append(s)
     groups = sorted(
         (_sum(k, v) for k, v in by_key.items()), key=lambda g: g.rss_bytes, reverse=True
     )

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 from ._cgroup import CgroupMemory
 from ._checks import check_int
-from ._group import GroupMemory, group_samples
+from ._group import GroupMemory, group_key, group_samples
+from ._names import NameSource
 from ._types import ProcessMemory
 
 
@@ -43,6 +44,10 @@ class AgentStats(NamedTuple):
     """pagemap walks given up because the target's mappings kept changing (retried later)."""
     walks_in_progress: int = 0
     """pagemap walks started and not finished yet."""
+    tick_seconds: float = 0.0
+    """Wall time of all ticks (sampling, exact steps, grouping left out: groups are built when read)."""
+    last_tick_seconds: float = 0.0
+    """Wall time of the last tick."""
 
 
 class Snapshot:
@@ -53,7 +58,7 @@ class Snapshot:
     """
 
     __slots__ = ("timestamp", "samples", "cgroups", "errors", "stall_skipped_pids", "stats",
-                 "_max_groups", "_groups")
+                 "_max_groups", "_names", "_max_name_chars", "_groups")
 
     timestamp: float
     """When the tick ran, seconds since the epoch."""
@@ -78,6 +83,8 @@ class Snapshot:
         stall_skipped_pids: frozenset[int] = frozenset(),
         stats: AgentStats,
         max_groups: int = 50,
+        names: NameSource = "cmdline",
+        max_name_chars: int = 48,
     ) -> None:
         check_int("Snapshot(max_groups)", max_groups, 1, "must be an int >= 1 groups (default 50)")
         self.timestamp = timestamp
@@ -87,6 +94,8 @@ class Snapshot:
         self.stall_skipped_pids = stall_skipped_pids
         self.stats = stats
         self._max_groups = max_groups
+        self._names = names
+        self._max_name_chars = max_name_chars
         self._groups: tuple[GroupMemory, ...] | None = None
 
     @property
@@ -95,8 +104,14 @@ class Snapshot:
         groups = self._groups
         if groups is None:
             # Two threads may both compute it; they get equal tuples.
-            groups = self._groups = tuple(group_samples(self.samples, max_groups=self._max_groups))
+            groups = self._groups = tuple(group_samples(
+                self.samples, max_groups=self._max_groups, names=self._names, max_name_chars=self._max_name_chars
+            ))
         return groups
+
+    def name_of(self, sample: ProcessMemory) -> str:
+        """``sample``'s name as its group has it (the ``name`` label)."""
+        return group_key(sample, self._names, self._max_name_chars)
 
     def __repr__(self) -> str:
         return (f"Snapshot(timestamp={self.timestamp!r}, samples=<{len(self.samples)}>, "

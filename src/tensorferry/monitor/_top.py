@@ -13,6 +13,7 @@ import os
 import select
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import IO
 
@@ -58,24 +59,28 @@ def _age(s: ProcessMemory, stall_skipped: frozenset[int]) -> str:
     return "-"
 
 
-def build_table(snapshot: Snapshot, *, sort_by: SortKey = "rss", limit: int | None = None) -> Table:
+def build_table(snapshot: Snapshot, *, sort_by: SortKey = "rss", limit: int | None = None, live: bool = True) -> Table:
     """The rich Table for one snapshot, sorted by ``sort_by``, largest first.
 
     Args:
         snapshot: what the agent saw.
         sort_by: the column to sort by.
         limit: show at most this many rows (None: all).
+        live: the table is redrawn until ``q`` (the caption says so).
     """
     samples = sorted(snapshot.samples, key=lambda s: _sort_value(s, sort_by), reverse=True)
     shown = samples[:limit] if limit is not None else samples
     total_rss = sum(s.rss_bytes for s in snapshot.samples)
     errs = ", ".join(f"{k} {v}" for k, v in snapshot.errors.items() if v)
     st = snapshot.stats
+    sources = Counter(s.uss_source for s in snapshot.samples if s.uss_source != "none")
+    exact_from = ", ".join(f"{src} {n}" for src, n in sorted(sources.items())) or "none read yet"
     caption = (
         f"{len(snapshot.samples)} processes, RSS {format_bytes(total_rss)}; "
-        f"ANON is RSS - shared, not USS; USS/PSS from smaps_rollup, AGE = how old. "
+        f"ANON is RSS - shared, not USS; USS/PSS exact, walked from: {exact_from} (- not read yet); "
+        f"AGE = how old. "
         f"monitor: {st.exact_reads} exact reads, {st.cpu_seconds:.2f}s CPU, "
-        f"RSS {format_bytes(st.rss_bytes)}" + (f"; skipped: {errs}" if errs else "") + ". q quits"
+        f"RSS {format_bytes(st.rss_bytes)}" + (f"; skipped: {errs}" if errs else "") + (". q quits" if live else ".")
     )
     # No vertical rules: twelve columns must fit an 80-column terminal.
     table = Table(
@@ -89,10 +94,9 @@ def build_table(snapshot: Snapshot, *, sort_by: SortKey = "rss", limit: int | No
         else:
             table.add_column(header, justify="right", no_wrap=True, min_width=len(header))
     for s in shown:
-        title = s.cmdline[0] if s.cmdline and s.cmdline[0].startswith("ray::") else s.name
         table.add_row(
             str(s.pid),
-            title[:32],
+            snapshot.name_of(s)[:32],
             format_bytes(s.rss_bytes),
             format_bytes(s.anon_bytes),
             format_bytes(s.file_bytes),
