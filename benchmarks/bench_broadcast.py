@@ -115,7 +115,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _env import package_version  # benchmarks/_env.py (this script's folder)
+from _common import package_version  # benchmarks/_common.py (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

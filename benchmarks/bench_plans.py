@@ -36,7 +36,6 @@ import cProfile
 import gc
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from _common import GIB, MIB, available_transports, copy_threads, environment, interleaved, log, med, rotated, \
@@ -224,7 +223,8 @@ def plan_group(p: Peer, job: dict) -> dict:
     out = sync_rounds(n, job["warmup"], job["repeats"], receive, "end_to_end_seconds")
     for o, e in zip(out, extra):
         o.update(e, verified=e["problem"] is None)
-    del rplans, targets, into
+    for held in (rplans, targets, into):  # the received tensors go before the next group
+        held.clear()
     gc.collect()
     return {"variants": out, "profile_receiver": profile_text(prof)}
 

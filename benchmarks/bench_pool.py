@@ -52,7 +52,6 @@ import cProfile
 import gc
 import io
 import json
-import platform
 import pstats
 import statistics
 import sys
@@ -70,7 +69,8 @@ from tensorferry import packing as tf_layout
 
 from ray.experimental.rdt import nixl_memory_pool as ray_pool
 
-from _env import package_version  # benchmarks/_env.py (this script's folder)
+from _common import environment as common_environment, reset_peak_rss, results_dir, status_nbytes, write_result
+from _common import check_peak_reset
 
 MIB = 1 << 20
 # 256 MiB of float32: the storage every "views" case slices up.
@@ -110,7 +110,7 @@ MIXED_DTYPES = (
     (torch.uint8, 4),
     (torch.bool, 3),
 )
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = results_dir()
 
 TARGETS = (
     # (key, description, required ratio, how the ratio reads)
@@ -401,29 +401,7 @@ def measure_layout_only(count: int) -> dict[str, Any]:
 
 
 def status_kib(name: str) -> int:
-    with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith(name.encode() + b":"):
-                return int(line.split()[1])
-    raise KeyError(name)
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def check_peak_reset_works() -> bool:
-    """Prove the VmHWM reset and read-out see a short-lived 64 MiB allocation."""
-    reset_peak_rss()
-    base = status_kib("VmRSS")
-    t = touched_bytes(64 * MIB)
-    del t
-    seen = status_kib("VmHWM") - base
-    reset_peak_rss()
-    after = status_kib("VmHWM") - status_kib("VmRSS")
-    return seen >= 60 * 1024 and after <= 1024
+    return status_nbytes(name) // 1024
 
 
 class RssSampler(threading.Thread):
@@ -497,7 +475,7 @@ def memory_child(impl: str, case_key: str) -> dict[str, Any]:
         del storage
         tensors = make_mixed(MIXED_COUNT, MIXED_NBYTES)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    out: dict[str, Any] = {"hwm_reset_works": check_peak_reset_works()}
+    out: dict[str, Any] = {"hwm_reset_works": check_peak_reset()}
     if impl == "tensorferry":
         pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
         for phase in ("cold", "warm"):
@@ -709,16 +687,7 @@ def plot(cases: list[Case], path: Path, env: dict[str, Any]) -> None:
 
 
 def environment() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    ncpu = len(os.sched_getaffinity(0))
-
-
+    """_common's record, plus this checkout's commit and whether the pool's sources differ from it."""
     import subprocess
 
     def git(*a: str) -> str:
@@ -728,22 +697,12 @@ def environment() -> dict[str, Any]:
         except OSError:
             return "unknown"
 
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "git_commit": git("rev-parse", "HEAD"),
-        "src_modified": git("status", "--porcelain", "--", "../src/tensorferry/pool.py",
-                            "../src/tensorferry/packing.py", "../src/tensorferry/_tensors.py",
-                            "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
-        "machine": f"{cpu}, {ncpu} cores, {mem_gib:.0f} GiB, Linux {platform.release()}",
-        "cpus": ncpu,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "ray": package_version("ray"),
-        "nixl": package_version("nixl"),
-        "numpy": np.__version__,
-        "tensorferry": tensorferry.__version__,
-    }
+    return common_environment(
+        git_commit=git("rev-parse", "HEAD"),
+        src_modified=git("status", "--porcelain", "--", "../src/tensorferry/pool.py", "../src/tensorferry/packing.py",
+                         "../src/tensorferry/_tensors.py", "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -808,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if profile_text:
         doc["profile"] = profile_text
-    (args.out / "bench_pool.json").write_text(json.dumps(doc, indent=1, default=float))
+    # Every ratio of the targets reads "tensorferry against Ray or the copy, same run".
+    write_result(args.out / "bench_pool.json", doc,
+                 {f"pool:{t['key']}": t["measured"] for t in targets if not t["key"].startswith("rss_")})
     plot(cases, args.out / "bench_pool.png", env)
     print(f"wrote {args.out / 'bench_pool.json'} and {args.out / 'bench_pool.png'} "
           f"({doc['wall_seconds']:.0f} s)")
