@@ -858,7 +858,7 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
 def print_plans_report(plans: dict) -> None:
     if not plans:
         return
-    print(f"\nWeightSync with plans: {SYNC_NBYTES / GIB:.0f} GiB float32 to {SYNC_WORKERS} workers, medians after "
+    print(f"\nWeightSync with plans: {SYNC_NBYTES / MIB:,.0f} MiB float32 to {SYNC_WORKERS} workers, medians after "
           f"{SYNC_WARMUPS} warm-ups, 100 and 100k interleaved round by round")
     for key, out in plans["cases"].items():
         count, _, inference = key.partition("-")
