@@ -19,6 +19,7 @@ import platform
 import socket
 import statistics
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 __all__ = [
     "MIB", "GIB", "RESULTS", "SOCK_BUF_NBYTES", "results_dir", "write_result", "log", "med", "rotated",
     "interleaved", "package_version", "environment", "status_nbytes", "reset_peak_rss", "peak_rss",
-    "minor_faults", "check_peak_reset", "memcpy_seconds", "tune", "recv_exact", "raw_nixl_limit",
+    "minor_faults", "check_peak_reset", "RssSampler", "peak_rss_growth", "memcpy_seconds", "tune", "recv_exact", "raw_nixl_limit",
     "copy_threads", "available_transports",
 ]
 
@@ -192,6 +193,64 @@ def check_peak_reset(nbytes: int = 64 * MIB) -> bool:
     base = reset_peak_rss()
     after = status_nbytes("VmHWM")
     return high - base > nbytes * 3 // 4 and after - base < nbytes // 4
+
+
+class RssSampler(threading.Thread):
+    """Samples RSS from /proc/self/statm every ~0.2 ms: a cross-check of VmHWM.
+
+    torch's copy kernels release the GIL, so the sampler runs during copies;
+    it can miss a peak inside pure-Python stretches (VmHWM cannot).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.max_bytes = 0
+        self.samples = 0
+        self._stop_event = threading.Event()
+        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+
+    def rss_bytes(self) -> int:
+        return int(os.pread(self._fd, 128, 0).split()[1]) * self.page
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.max_bytes = max(self.max_bytes, self.rss_bytes())
+            self.samples += 1
+            time.sleep(0.0002)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        os.close(self._fd)
+
+
+def peak_rss_growth(fn: Callable[[], Any], nbytes: int) -> dict[str, Any]:
+    """RSS growth (peak by VmHWM, cross-checked by sampling, and retained)
+    during one call of ``fn`` beyond what was resident; ``nbytes``: the bytes
+    the call handles (``packed_nbytes``), for the growth in percent. The
+    call's result is under ``"_out"``."""
+    import gc
+
+    gc.collect()
+    sampler = RssSampler()
+    sampler.start()
+    time.sleep(0.005)
+    rss0 = reset_peak_rss()
+    out = fn()
+    hwm = status_nbytes("VmHWM")
+    rss1 = status_nbytes("VmRSS")
+    sampler.stop()
+    peak = hwm - rss0
+    return {
+        "packed_nbytes": nbytes,
+        "peak_growth_nbytes": peak,
+        "peak_growth_pct": 100.0 * peak / nbytes,
+        "retained_growth_nbytes": rss1 - rss0,
+        "sampled_peak_growth_nbytes": sampler.max_bytes - rss0,
+        "sampler_samples": sampler.samples,
+        "_out": out,
+    }
 
 
 # -- the peers' limits ---------------------------------------------------------------

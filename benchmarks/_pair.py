@@ -28,10 +28,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from _common import MIB, SOCK_BUF_NBYTES, check_peak_reset, copy_threads, med, memcpy_seconds, raw_nixl_limit, recv_exact, tune
+from _common import MIB, SOCK_BUF_NBYTES, check_peak_reset, copy_threads, med, memcpy_seconds, raw_nixl_limit, tune
 
 __all__ = ["SEED", "POOL_SLACK_NBYTES", "Peer", "Workers", "job", "source", "views_of", "verify", "case_label",
-           "profile_text", "measure_limits", "limits_again", "print_limits", "print_targets", "recv_exact"]
+           "profile_text", "measure_limits", "limits_again", "print_limits", "print_targets"]
 
 SEED = 20_260_601
 # The pools hold the data plus alignment padding (< 16 bytes a tensor, 100k
