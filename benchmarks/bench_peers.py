@@ -145,6 +145,8 @@ def measure(w: Workers, doc: dict, repeats: int) -> None:
 
 def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
     """Each peer's median, GB/s and ratio against one libc memcpy (limit / peer)."""
+    if not doc.get("peers"):
+        return {}
     lim = doc["limits"].get("memcpy_libc")
     ratios: dict[str, float | None] = {}
     for p in doc["peers"]:

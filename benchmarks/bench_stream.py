@@ -112,6 +112,8 @@ def measure(w: Workers, doc: dict, nbytes: int, transports: list[str], repeats: 
 
 def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
     """Rows and ratios (memcpy time / streamed time)."""
+    if not doc.get("stream"):
+        return {}
     lim = {k: med(v["seconds"]) for k, v in doc["limits"].items() if v and v.get("seconds") and k in LIMITS}
     ratios: dict[str, float | None] = {}
     rows = []
