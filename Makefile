@@ -32,6 +32,9 @@ demo: $(EXT)
 test: $(EXT)
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
+# bench_transfer.py runs the transfer benchmarks (bench_transports, bench_peers,
+# bench_stream, bench_plans) in one pair of processes; interleave.py compares
+# two checkouts (see README, "Docs and figures").
 bench: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_transfer.py

@@ -105,7 +105,6 @@ import secrets
 import select
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -115,7 +114,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _env import package_version  # benchmarks/_env.py (this script's folder)
+from _common import log, med, package_version  # benchmarks/_common.py (this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -142,14 +141,6 @@ def parse_nbytes(text: str) -> int:
     if m is None or m.group(2) not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"{text!r}: a size such as 512MiB, 32MiB, 1GiB or a number of bytes")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # -- workers (inside the namespace hosts) ------------------------------------------------

@@ -52,11 +52,9 @@ import cProfile
 import gc
 import io
 import json
-import platform
 import pstats
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +68,8 @@ from tensorferry import packing as tf_layout
 
 from ray.experimental.rdt import nixl_memory_pool as ray_pool
 
-from _env import package_version  # benchmarks/_env.py (this script's folder)
+from _common import check_peak_reset, environment as common_environment, peak_rss_growth, results_dir, write_result
+from _pool_report import compute_targets, plot, print_tables
 
 MIB = 1 << 20
 # 256 MiB of float32: the storage every "views" case slices up.
@@ -110,17 +109,8 @@ MIXED_DTYPES = (
     (torch.uint8, 4),
     (torch.bool, 3),
 )
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = results_dir()
 
-TARGETS = (
-    # (key, description, required ratio, how the ratio reads)
-    ("pack_10k_vs_ray", "pack 10k views vs Ray allocate_group", 4.0, "Ray / tensorferry >= 4"),
-    ("pack_10k_vs_copy", "pack 10k views vs one plain copy", 2.5, "tensorferry / copy <= 2.5"),
-    ("pack_100k_vs_ray", "pack 100k views vs Ray allocate_group", 10.0, "Ray / tensorferry >= 10"),
-    ("layout_100k_vs_ray", "offsets + grouping, 100k tensors vs Ray pair", 20.0, "Ray / tensorferry >= 20"),
-    ("rss_256mib_1", "peak RSS growth, first pack of 256 MiB as 1 tensor", 5.0, "<= 5 % of packed bytes"),
-    ("rss_256mib_100k", "peak RSS growth, first pack of 256 MiB as 100k views", 5.0, "<= 5 % of packed bytes"),
-)
 
 
 # -- cases ---------------------------------------------------------------------
@@ -400,86 +390,6 @@ def measure_layout_only(count: int) -> dict[str, Any]:
 # -- memory --------------------------------------------------------------------
 
 
-def status_kib(name: str) -> int:
-    with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith(name.encode() + b":"):
-                return int(line.split()[1])
-    raise KeyError(name)
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def check_peak_reset_works() -> bool:
-    """Prove the VmHWM reset and read-out see a short-lived 64 MiB allocation."""
-    reset_peak_rss()
-    base = status_kib("VmRSS")
-    t = touched_bytes(64 * MIB)
-    del t
-    seen = status_kib("VmHWM") - base
-    reset_peak_rss()
-    after = status_kib("VmHWM") - status_kib("VmRSS")
-    return seen >= 60 * 1024 and after <= 1024
-
-
-class RssSampler(threading.Thread):
-    """Samples RSS from /proc/self/statm every ~0.2 ms: a cross-check of VmHWM.
-
-    torch's copy kernels release the GIL, so the sampler runs during copies;
-    it can miss a peak inside pure-Python stretches (VmHWM cannot).
-    """
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.max_bytes = 0
-        self.samples = 0
-        self._stop_event = threading.Event()
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-
-    def rss_bytes(self) -> int:
-        return int(os.pread(self._fd, 128, 0).split()[1]) * self.page
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.max_bytes = max(self.max_bytes, self.rss_bytes())
-            self.samples += 1
-            time.sleep(0.0002)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-        os.close(self._fd)
-
-
-def peak_rss_growth(fn: Callable[[], Any], nbytes: int) -> dict[str, Any]:
-    """RSS growth (peak and retained) during one call, beyond what was resident."""
-    gc.collect()
-    sampler = RssSampler()
-    sampler.start()
-    time.sleep(0.005)
-    reset_peak_rss()
-    rss0 = status_kib("VmRSS") * 1024
-    out = fn()
-    hwm = status_kib("VmHWM") * 1024
-    rss1 = status_kib("VmRSS") * 1024
-    sampler.stop()
-    peak = hwm - rss0
-    return {
-        "packed_nbytes": nbytes,
-        "peak_growth_nbytes": peak,
-        "peak_growth_pct": 100.0 * peak / nbytes,
-        "retained_growth_nbytes": rss1 - rss0,
-        "sampled_peak_growth_nbytes": sampler.max_bytes - rss0,
-        "sampler_samples": sampler.samples,
-        "_out": out,
-    }
-
-
 MEMORY_CASES = ("views_1", "views_100000", "mixed_10000")
 
 
@@ -497,7 +407,7 @@ def memory_child(impl: str, case_key: str) -> dict[str, Any]:
         del storage
         tensors = make_mixed(MIXED_COUNT, MIXED_NBYTES)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    out: dict[str, Any] = {"hwm_reset_works": check_peak_reset_works()}
+    out: dict[str, Any] = {"hwm_reset_works": check_peak_reset()}
     if impl == "tensorferry":
         pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
         for phase in ("cold", "warm"):
@@ -558,167 +468,8 @@ def profile_tf(views: list[torch.Tensor], mixed: list[torch.Tensor], pool: tenso
     return buf.getvalue()
 
 
-# -- report --------------------------------------------------------------------
-
-
-def ms(s: float) -> str:
-    return f"{s * 1e3:,.2f}" if s < 10 else f"{s * 1e3:,.0f}"
-
-
-def med(case: Case, key: str) -> float:
-    return case.results[key]["median_s"]
-
-
-def compute_targets(cases: dict[str, Case], layout_only: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
-    c10k, c100k = cases["views_10000"], cases["views_100000"]
-
-    measured = {
-        "pack_10k_vs_ray": med(c10k, "ray_alloc") / med(c10k, "tf_pack"),
-        "pack_10k_vs_copy": med(c10k, "tf_pack") / med(c10k, "copy"),
-        "pack_100k_vs_ray": med(c100k, "ray_alloc") / med(c100k, "tf_pack"),
-        "layout_100k_vs_ray": med(c100k, "ray_layout") / med(c100k, "tf_layout"),
-        "rss_256mib_1": memory["views_1"]["tensorferry"]["cold"]["peak_growth_pct"],
-        "rss_256mib_100k": memory["views_100000"]["tensorferry"]["cold"]["peak_growth_pct"],
-    }
-    warm_100k = memory["views_100000"]["tensorferry"]["warm"]["peak_growth_pct"]
-    ray_100k = memory["views_100000"]["ray"]["cold"]["peak_growth_pct"]
-    extra = {
-        "pack_10k_vs_copy": f"vs memcpy (np.copyto): {med(c10k, 'tf_pack') / med(c10k, 'memcpy'):.2f}x",
-        "rss_256mib_100k": f"second pack {warm_100k:.2f} %; Ray's first {ray_100k:.2f} %",
-        "layout_100k_vs_ray": (
-            "mixed dtypes (with padding): "
-            f"{layout_only['ray_layout']['median_s'] / layout_only['tf_layout']['median_s']:.1f}x"
-        ),
-    }
-    out = []
-    for key, desc, need, reads in TARGETS:
-        value = measured[key]
-        met = value <= need if key == "pack_10k_vs_copy" or key.startswith("rss_") else value >= need
-        out.append({"key": key, "target": desc, "required": reads, "measured": value, "met": bool(met),
-                    "note": extra.get(key, "")})
-    return out
-
-
-def print_tables(cases: list[Case], layout_only: dict[str, Any], memory: dict[str, Any],
-                 targets: list[dict[str, Any]], env: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console(width=200)
-    con.print(f"[bold]tensorferry pool benchmark[/] — {env['date']} — {env['machine']} — "
-              f"commit {env['git_commit'][:7]}{' (pool sources modified)' if env['src_modified'] else ''}")
-    con.print(f"medians in ms; pack excludes release (timed separately); pools and destinations pre-touched; "
-              f"torch threads {env['torch_threads']}; load average {env['loadavg_1min_start_end']} (start, end)")
-
-    t = Table(title="pack: copy the views' bytes into a pool")
-    for col in ("case", "tensors", "MiB", "runs", "plain copy_", "memcpy", "tf pack", "Ray alloc_group",
-                "Ray/tf", "tf/copy_", "tf/memcpy", "tf GB/s", "tf release", "Ray free", "ok"):
-        t.add_column(col, justify="left" if col == "case" else "right")
-    for c in cases:
-        r = c.results
-        t.add_row(
-            c.label, f"{r['num_tensors']:,}", f"{c.nbytes / MIB:,.1f}", f"{r['tf_copy_runs']:,}",
-            ms(med(c, "copy")), ms(med(c, "memcpy")), ms(med(c, "tf_pack")), ms(med(c, "ray_alloc")),
-            f"{med(c, 'ray_alloc') / med(c, 'tf_pack'):.2f}x", f"{med(c, 'tf_pack') / med(c, 'copy'):.2f}x",
-            f"{med(c, 'tf_pack') / med(c, 'memcpy'):.2f}x",
-            f"{c.nbytes / med(c, 'tf_pack') / 1e9:.2f}", ms(med(c, "tf_release")), ms(med(c, "ray_free")),
-            "yes" if r["ok"] else "[red]NO[/]",
-        )
-    con.print(t)
-
-    t = Table(title="receiver side: offsets + grouping (layout math), and unpack (views)")
-    for col in ("case", "tensors", "tf offsets+group", "Ray pair", "Ray/tf", "tf unpack", "unpack/copy"):
-        t.add_column(col, justify="left" if col == "case" else "right")
-    for c in cases:
-        r = c.results
-        t.add_row(c.label, f"{r['num_tensors']:,}", ms(med(c, "tf_layout")), ms(med(c, "ray_layout")),
-                  f"{med(c, 'ray_layout') / med(c, 'tf_layout'):.1f}x", ms(med(c, "tf_unpack")),
-                  f"{med(c, 'tf_unpack') / med(c, 'copy'):.2f}x")
-    lo = layout_only
-    t.add_row(f"{lo['num_tensors']:,} mixed dtypes (metadata only)", f"{lo['num_tensors']:,}",
-              ms(lo["tf_layout"]["median_s"]), ms(lo["ray_layout"]["median_s"]),
-              f"{lo['ray_layout']['median_s'] / lo['tf_layout']['median_s']:.1f}x", "-", "-")
-    con.print(t)
-
-    t = Table(title="peak RSS growth during one pack beyond the touched pool and sources "
-              "(fresh process each; VmHWM after a clear_refs reset; KiB)")
-    for col in ("case", "MiB packed", "impl", "cold peak", "cold %", "cold sampled", "cold retained",
-                "warm peak", "warm %"):
-        t.add_column(col, justify="left" if col in ("case", "impl") else "right")
-    by_key = {c.key: c for c in cases}
-    for key in MEMORY_CASES:
-        for impl in ("tensorferry", "ray"):
-            cold, warm = memory[key][impl]["cold"], memory[key][impl]["warm"]
-            t.add_row(by_key[key].label, f"{cold['packed_nbytes'] / MIB:,.1f}", impl,
-                      f"{cold['peak_growth_nbytes'] / 1024:,.0f}", f"{cold['peak_growth_pct']:.2f}",
-                      f"{cold['sampled_peak_growth_nbytes'] / 1024:,.0f}",
-                      f"{cold['retained_growth_nbytes'] / 1024:,.0f}",
-                      f"{warm['peak_growth_nbytes'] / 1024:,.0f}", f"{warm['peak_growth_pct']:.2f}")
-    con.print(t)
-    if not memory["hwm_reset_works"]:
-        con.print("[red]warning: resetting VmHWM through /proc/self/clear_refs did not work here[/]")
-
-    t = Table(title="targets")
-    for col in ("target", "required", "measured", "met", "note"):
-        t.add_column(col)
-    for tg in targets:
-        unit = " %" if tg["key"].startswith("rss_") else "x"
-        t.add_row(tg["target"], tg["required"], f"{tg['measured']:.2f}{unit}",
-                  "[green]yes[/]" if tg["met"] else "[red]no[/]", tg["note"])
-    con.print(t)
-
-
-def plot(cases: list[Case], path: Path, env: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    views = [c for c in cases if c.num_views is not None]
-    x = [c.num_views for c in views]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.4))
-    ser = lambda key: [med(c, key) * 1e3 for c in views]  # noqa: E731
-    ax1.plot(x, ser("tf_pack"), "o-", color="tab:blue", lw=2, label="tensorferry pack")
-    ax1.plot(x, ser("ray_alloc"), "s-", color="tab:red", lw=2, label="Ray MemoryPoolManager.allocate_group")
-    ax1.plot(x, ser("copy"), "--", color="black", lw=1.5, label="one plain copy of the same 256 MiB")
-    ax1.plot(x, ser("memcpy"), ":", color="gray", lw=1.5, label="memcpy of the same 256 MiB (np.copyto)")
-    ax1.set_title("sender: pack 256 MiB split into N float32 views")
-    ax2.plot(x, ser("tf_layout"), "o-", color="tab:blue", lw=2, label="tensorferry packed_offsets + group_by_block")
-    ax2.plot(x, ser("ray_layout"), "s-", color="tab:red", lw=2, label="Ray packed_offsets + group_tensors_by_desc")
-    ax2.plot(x, ser("tf_unpack"), "^-", color="tab:green", lw=2, label="tensorferry unpack (build N views)")
-    ax2.plot(x, ser("copy"), "--", color="black", lw=1.5, label="one plain copy of the same 256 MiB")
-    ax2.set_title("receiver: layout math and views for N tensors")
-    # Ray / tensorferry ratio at each point, next to Ray's marker.
-    for ax, ray_key, tf_key in ((ax1, "ray_alloc", "tf_pack"), (ax2, "ray_layout", "tf_layout")):
-        for xi, r, t in zip(x, ser(ray_key), ser(tf_key)):
-            ax.annotate(f"{r / t:.1f}x", (xi, r), textcoords="offset points", xytext=(-6, 7), ha="right",
-                        fontsize=8, color="tab:red",
-                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
-    for ax in (ax1, ax2):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("number of views N")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    ax1.set_ylabel("median time per call (ms, log)")
-    fig.text(0.5, 0.005, "red labels: Ray time / tensorferry time", ha="center", fontsize=8, color="tab:red")
-    fig.suptitle(f"tensorferry vs Ray 2.60 pool — {env['date']}, {env['machine']}, torch threads {env['torch_threads']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def environment() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    ncpu = len(os.sched_getaffinity(0))
-
-
+    """_common's record, plus this checkout's commit and whether the pool's sources differ from it."""
     import subprocess
 
     def git(*a: str) -> str:
@@ -728,22 +479,12 @@ def environment() -> dict[str, Any]:
         except OSError:
             return "unknown"
 
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "git_commit": git("rev-parse", "HEAD"),
-        "src_modified": git("status", "--porcelain", "--", "../src/tensorferry/pool.py",
-                            "../src/tensorferry/packing.py", "../src/tensorferry/_tensors.py",
-                            "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
-        "machine": f"{cpu}, {ncpu} cores, {mem_gib:.0f} GiB, Linux {platform.release()}",
-        "cpus": ncpu,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "ray": package_version("ray"),
-        "nixl": package_version("nixl"),
-        "numpy": np.__version__,
-        "tensorferry": tensorferry.__version__,
-    }
+    return common_environment(
+        git_commit=git("rev-parse", "HEAD"),
+        src_modified=git("status", "--porcelain", "--", "../src/tensorferry/pool.py", "../src/tensorferry/packing.py",
+                         "../src/tensorferry/_tensors.py", "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -808,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if profile_text:
         doc["profile"] = profile_text
-    (args.out / "bench_pool.json").write_text(json.dumps(doc, indent=1, default=float))
+    # Every ratio of the targets reads "tensorferry against Ray or the copy, same run".
+    write_result(args.out / "bench_pool.json", doc,
+                 {f"pool:{t['key']}": t["measured"] for t in targets if not t["key"].startswith("rss_")})
     plot(cases, args.out / "bench_pool.png", env)
     print(f"wrote {args.out / 'bench_pool.json'} and {args.out / 'bench_pool.png'} "
           f"({doc['wall_seconds']:.0f} s)")

@@ -109,7 +109,8 @@ from typing import Any
 
 import torch
 
-from _env import package_version  # benchmarks/_env.py (this script's folder)
+# benchmarks/_common.py (this script's folder): the one peak-RSS helper of every benchmark.
+from _common import package_version, peak_rss as vm_hwm, results_dir
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -148,7 +149,7 @@ MODEL_SYNC_WARMUPS = 1
 # The object store last: its plasma memory (OBJECT_STORE_NBYTES) stays
 # resident after its objects are freed, which leaves less for what runs next.
 MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"), ("objstore", "Ray object store"))
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = results_dir(Path(__file__).resolve().parent / "results")
 # The consumer's prefaulted receive pool for "tensorferry + receive pool" (the
 # counterpart of Ray's NIXL memory pool on the producer): room for one 1 GiB
 # object plus alignment.
@@ -564,18 +565,6 @@ class MemWatch:
         self._stop.set()
 
 
-def vm_hwm(pid: int) -> int | None:
-    """Peak resident set of a local process (VmHWM; shared pool pages count in every mapper)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _kill(ray: Any, actors: list) -> None:
     for a in actors:
         try:
@@ -792,22 +781,24 @@ def run_weight_sync(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any,
 
 # Plans section: the same bytes as few and as many tensors. WeightSync keeps a
 # plan on the trainer and on each worker from its first sync on, so from the
-# second sync the tensor count should cost (almost) nothing.
+# second sync the tensor count should cost (almost) nothing. The schedule and
+# the ratio are bench_plans.py's (the plans benchmark between two processes).
 PLANS_TENSOR_COUNTS = (100, 100_000)
 PLANS_TARGET = 1.2  # time(100k tensors) / time(100 tensors), from the second sync on
 
 
 def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: MemWatch) -> dict:
     """WeightSync of SYNC_NBYTES as 100 and as 100k tensors to SYNC_WORKERS
-    workers each, interleaved: both trainers and their workers live at once
-    and each round syncs one then the other (the order alternating), so
-    load that drifts over seconds weighs on both alike (run one after the
-    other, the same 100-tensor case took 0.14 s in one run and 0.18 s in
-    the next). The warm-ups include the first sync, which makes the plans.
-    Then the same pair with the workers' weights made under
-    ``torch.inference_mode()`` (``-inference`` cases): such tensors have no
-    autograd version counter, so a get marks none of them written; the
-    target is judged on the plain weights."""
+    workers each, in bench_plans' interleaved rounds: both trainers and
+    their workers live at once and each round syncs one then the other (the
+    order rotated), so load that drifts over seconds weighs on both alike
+    (run one after the other, the same 100-tensor case took 0.14 s in one
+    run and 0.18 s in the next). The warm-ups include the first sync, which makes the plans (and waits
+    for the trainer's pool). Then the same pair with the workers' weights
+    made under ``torch.inference_mode()`` (``-inference`` cases): such
+    tensors have no autograd version counter, so a get marks none of them
+    written; the target is judged on the plain weights."""
+    import bench_plans
     import tensorferry.ray as tfr
 
     opts = {"runtime_env": {"env_vars": dict(LO_ENV)}}
@@ -824,21 +815,22 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
                 spec = {"kind": "synthetic", "nbytes": SYNC_NBYTES, "num_tensors": count, "worker_inference": inference}
                 workers = [Worker.options(**opts).remote(spec) for _ in range(SYNC_WORKERS)]
                 trainer = Trainer.options(**opts).remote(spec, 0)
-                setups.append({"key": f"{count}{suffix}", "spec": spec, "trainer": trainer, "workers": workers, "runs": []})
+                setups.append({"key": f"{count}{suffix}", "spec": spec, "trainer": trainer, "workers": workers})
                 ray.get([w.ready.remote() for w in workers], timeout=CALL_TIMEOUT_SECONDS)
                 setups[-1]["state_dict"] = ray.get(trainer.meta.remote(), timeout=CALL_TIMEOUT_SECONDS)
                 setups[-1]["sync"] = tfr.WeightSync(trainer, workers)
-                ray.get(setups[-1]["sync"]._prepared, timeout=CALL_TIMEOUT_SECONDS)
-            for r in range(SYNC_WARMUPS + repeats):
-                for st in setups if r % 2 == 0 else setups[::-1]:
-                    ray.get(st["trainer"].step.remote(), timeout=CALL_TIMEOUT_SECONDS)
-                    st["runs"].append({**_timed_sync(st["sync"]), "loadavg_1min": os.getloadavg()[0]})
-            for st in setups:
+
+            def sync(i: int, r: int) -> dict:
+                st = setups[i]
+                ray.get(st["trainer"].step.remote(), timeout=CALL_TIMEOUT_SECONDS)
+                return {**_timed_sync(st["sync"]), "loadavg_1min": os.getloadavg()[0]}
+
+            rounds = bench_plans.sync_rounds(len(setups), SYNC_WARMUPS, repeats, sync)
+            for st, rr in zip(setups, rounds):
                 equal = _digests_equal(ray, st["trainer"], st["workers"])
-                timed = st["runs"][SYNC_WARMUPS:]
-                res = {"label": "tensorferry WeightSync", "warmup": st["runs"][:SYNC_WARMUPS], "runs": timed,
-                       "repeats": len(timed), "seconds": statistics.median(r["seconds"] for r in timed),
-                       "loadavg_1min": statistics.median(r["loadavg_1min"] for r in timed),
+                res = {"label": "tensorferry WeightSync", "warmup": rr["warmup"], "runs": rr["records"],
+                       "repeats": len(rr["records"]), "seconds": rr["seconds"],
+                       "loadavg_1min": statistics.median(r["loadavg_1min"] for r in rr["records"]),
                        "ok": all(equal), "digests_equal": equal}
                 cases[st["key"]] = {"spec": st["spec"], "num_workers": SYNC_WORKERS, "state_dict": st["state_dict"],
                                     "interleaved": True, "methods": {"tf": res}}
@@ -854,17 +846,19 @@ def run_plans(ray: Any, Trainer: Any, Worker: Any, repeats: int, log: Any, mem: 
 
     def ratio_of(suffix: str) -> float | None:
         few, many = (cases.get(f"{c}{suffix}", {}).get("methods", {}).get("tf", {}) for c in PLANS_TENSOR_COUNTS)
-        return many["seconds"] / few["seconds"] if few.get("ok") and many.get("ok") else None
+        return bench_plans.count_ratio(few, many)
 
     ratio = ratio_of("")
     return {"cases": cases, "ratio": ratio, "ratio_inference": ratio_of("-inference"), "target": PLANS_TARGET,
-            "met": ratio is not None and ratio <= PLANS_TARGET, "min_mem_available_nbytes": mins}
+            "met": ratio is not None and ratio <= PLANS_TARGET, "min_mem_available_nbytes": mins,
+            "ratios": {"plans:WeightSync 100k/100 tensors": ratio,
+                       "plans:WeightSync 100k/100 tensors, workers in inference_mode": ratio_of("-inference")}}
 
 
 def print_plans_report(plans: dict) -> None:
     if not plans:
         return
-    print(f"\nWeightSync with plans: {SYNC_NBYTES / GIB:.0f} GiB float32 to {SYNC_WORKERS} workers, medians after "
+    print(f"\nWeightSync with plans: {SYNC_NBYTES / MIB:,.0f} MiB float32 to {SYNC_WORKERS} workers, medians after "
           f"{SYNC_WARMUPS} warm-ups, 100 and 100k interleaved round by round")
     for key, out in plans["cases"].items():
         count, _, inference = key.partition("-")
@@ -1198,6 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
     env["loadavg_end"] = os.getloadavg()[0]
     env["min_mem_available_nbytes"] = mem.lowest()
     targets, ratios = compute_ratios(results, sync)
+    ratios.update(plans.get("ratios", {}))
     if sync or any(r.get("cases") for r in results.values()):
         print_report(results, sync, targets, env)
     else:

@@ -1,0 +1,210 @@
+"""Peers benchmark: what a user would do instead of tensorferry, the same
+float32 data between two processes, against one libc memcpy measured in the
+same run.
+
+* a ``torch.multiprocessing`` queue of the tensors (fresh, not yet shared
+  tensors each time: the queue moves them to shared memory, the receiver
+  maps them), as 1 and as 10k views;
+* ``torch.save`` of a state dict into a buffer, sent over a loopback socket
+  (the one socket tuning of ``_common.tune``), ``torch.load`` on the other
+  side, as 1, 10k and 100k tensors (100k costs about a minute a round trip
+  at 1 GiB: one timed run, no warm-up).
+
+Timed from the sender's first step to the receiver holding the tensors;
+the last run of each is verified bit for bit; the receiver's peak RSS growth
+is recorded. Run alone: ``.venv/bin/python benchmarks/bench_peers.py``
+(``--quick``: 64 MiB). Writes ``benchmarks/results/bench_peers.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["UCX_NET_DEVICES"] = "lo"
+
+import argparse
+import gc
+import io
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+from _common import GIB, MIB, environment, log, med, peak_rss, recv_exact, reset_peak_rss, results_dir, tune, \
+    write_result
+from _pair import Peer, Workers, job, limits_again, measure_limits, print_limits, print_targets, verify, views_of
+
+QUEUE_COUNTS = (1, 10_000)
+SAVE_COUNTS = (1, 10_000, 100_000)
+LIMITS = ("memcpy_libc",)
+
+
+@job
+def tmpq(p: Peer, job: dict) -> dict:
+    """A ``torch.multiprocessing`` queue of fresh tensors."""
+    count, total = job["count"], job["warmup"] + job["repeats"]
+    if p.sends:
+        for _ in range(total):
+            if p.recv() != "ready":
+                raise RuntimeError("out of step with the receiver")
+            fresh = p.data.clone()
+            obj = views_of(fresh, count)
+            gc.collect()
+            p.queue.put((time.monotonic(), obj))
+            if p.recv() != "done":  # the tensors live until the receiver is done with them
+                raise RuntimeError("out of step with the receiver")
+            del obj, fresh
+        return {}
+    ref = views_of(p.data, count)
+    times, growths, problem = [], [], "not verified"
+    for r in range(total):
+        gc.collect()
+        base = reset_peak_rss()
+        p.send("ready")
+        t0, obj = p.queue.get(timeout=600)
+        times.append(time.monotonic() - t0)
+        growths.append(peak_rss() - base)
+        if r == total - 1:
+            problem = verify(obj, ref)
+        del obj
+        p.send("done")
+    w = job["warmup"]
+    return {"seconds": times[w:], "receiver_rss_growth_nbytes": growths[w:], "verified": problem is None,
+            "problem": problem}
+
+
+@job
+def tsave(p: Peer, job: dict) -> dict:
+    """``torch.save`` into a buffer, a loopback socket, ``torch.load``."""
+    import torch
+
+    count, total = job["count"], job["warmup"] + job["repeats"]
+    if p.sends:
+        sock = socket.create_connection(("127.0.0.1", p.recv()))
+        tune(sock)
+        state = {f"layers.{i}.weight": v for i, v in enumerate(views_of(p.data, count))}
+        for _ in range(total):
+            if sock.recv(1) != b"G":
+                raise ConnectionError("torch.save peer: the receiver went away")
+            gc.collect()
+            t0 = time.monotonic()
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = buf.getbuffer()
+            sock.sendall(struct.pack("<dQ", t0, len(data)))
+            sock.sendall(data)
+            del data, buf
+        sock.close()
+        return {}
+    ref = views_of(p.data, count)
+    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    p.send(lst.getsockname()[1])
+    sock, _ = lst.accept()
+    tune(sock)
+    lst.close()
+    times, growths, problem = [], [], "not verified"
+    for r in range(total):
+        gc.collect()
+        base = reset_peak_rss()
+        sock.sendall(b"G")
+        t0, n = struct.unpack("<dQ", recv_exact(sock, 16))
+        data = bytearray(n)
+        view = memoryview(data)
+        got = 0
+        while got < n:
+            got += sock.recv_into(view[got:])
+        del view
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        times.append(time.monotonic() - t0)
+        del data
+        growths.append(peak_rss() - base)
+        if r == total - 1:
+            problem = verify(list(state.values()), ref)
+        del state
+    sock.close()
+    w = job["warmup"]
+    return {"seconds": times[w:], "receiver_rss_growth_nbytes": growths[w:], "verified": problem is None,
+            "problem": problem}
+
+
+def measure(w: Workers, doc: dict, repeats: int) -> None:
+    for count in QUEUE_COUNTS:
+        _, r = w.run({"job": "tmpq", "count": count, "warmup": 1, "repeats": repeats})
+        doc["peers"].append({"peer": "torch.multiprocessing queue", "count": count, "kind": "views", **r})
+        log(f"torch mp queue {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
+    for count in SAVE_COUNTS:
+        slow = count == 100_000
+        _, r = w.run({"job": "tsave", "count": count, "warmup": 0 if slow else 1, "repeats": 1 if slow else repeats},
+                     timeout=900)
+        doc["peers"].append({"peer": "torch.save/socket/torch.load", "count": count, "kind": "views", **r})
+        log(f"torch.save {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
+
+
+def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
+    """Each peer's median, GB/s and ratio against one libc memcpy (limit / peer)."""
+    if not doc.get("peers"):
+        return {}
+    lim = doc["limits"].get("memcpy_libc")
+    ratios: dict[str, float | None] = {}
+    for p in doc["peers"]:
+        p["median_seconds"] = med(p["seconds"])
+        p["gbps"] = nbytes / p["median_seconds"] / 1e9
+        if lim and lim.get("seconds"):
+            p["vs_memcpy"] = med(lim["seconds"]) / p["median_seconds"]
+        ratios[f"peers:{p['peer']}:{p['count']} vs memcpy_libc"] = p.get("vs_memcpy")
+    bad = [f"{p['peer']} {p['count']}: {p['problem']}" for p in doc["peers"] if not p.get("verified")]
+    doc.setdefault("targets", []).append({"target": "every peer case verified bit-exact after timing", "required": "all",
+                                          "measured": None, "unit": "", "met": not bad, "note": "; ".join(bad) or "all equal"})
+    return ratios
+
+
+def print_table(con: Any, doc: dict) -> None:
+    from rich.table import Table
+
+    if not doc["peers"]:
+        return
+    t = Table(title="peers (what a user would otherwise do), the same bytes, separate processes")
+    for col in ("peer", "tensors", "median ms", "GB/s", "vs memcpy", "rx RSS +MiB", "runs", "verified"):
+        t.add_column(col, justify="left" if col == "peer" else "right")
+    for p in doc["peers"]:
+        t.add_row(p["peer"], f"{p['count']:,}", f"{p['median_seconds'] * 1e3:,.0f}", f"{p['gbps']:.2f}",
+                  f"{p.get('vs_memcpy', float('nan')):.2f}x", f"{max(p['receiver_rss_growth_nbytes']) / MIB:,.1f}",
+                  str(len(p["seconds"])), "yes" if p["verified"] else f"[red]NO {p['problem']}[/]")
+    con.print(t)
+
+
+def main() -> int:
+    from rich.console import Console
+
+    from bench_transports import common_args
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap)
+    args = ap.parse_args()
+    nbytes = 64 * MIB if args.quick else GIB
+    repeats = 2 if args.quick else args.repeats
+    doc: dict[str, Any] = {"limits": {}, "peers": [], "errors": []}
+    started = time.monotonic()
+    env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads)
+    w = Workers(nbytes, args.threads, ["bench_peers"])
+    try:
+        measure_limits(w, doc["limits"], LIMITS, max(3, repeats))
+        measure(w, doc, repeats)
+        limits_again(w, doc["limits"], max(3, repeats))
+    finally:
+        w.close()
+    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started}
+    ratios = summarize(doc, nbytes)
+    con = Console(width=200)
+    print_limits(con, doc["limits"], lambda k: nbytes, "limit (start and end pooled)")
+    print_table(con, doc)
+    print_targets(con, doc["targets"])
+    log(f"wrote {write_result(results_dir(args.out) / 'bench_peers.json', doc, ratios)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
