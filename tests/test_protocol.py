@@ -172,10 +172,10 @@ def test_the_frame_length_is_bounded_before_the_payload_is_read(pair):
     a, b = pair
     # Only the header is sent: reading a payload would wait for the deadline.
     a.sendall(header(P.MsgType.HELLO, P.MAX_FRAME_NBYTES + 1))
-    t0 = time.monotonic()
+    # A ProtocolError, not a TransferTimeoutError at the deadline: the length
+    # was refused before any payload byte was waited for.
     with pytest.raises(ProtocolError, match="limit is 16,777,216"):
         P.recv_msg(b, deadline=time.monotonic() + 5.0)
-    assert time.monotonic() - t0 < 1.0
 
 
 def test_a_frame_of_exactly_the_limit_is_read(pair):
@@ -233,12 +233,11 @@ def test_one_deadline_bounds_a_dripped_frame(pair):
 
     t = threading.Thread(target=drip, daemon=True)
     t.start()
-    t0 = time.monotonic()
     # Either the deadline passes between two bytes or a receive times out at
-    # it: both mean the frame as a whole ran out of time.
+    # it: both mean the frame as a whole ran out of time (a deadline per
+    # receive would let the drip complete the frame, and nothing would raise).
     with pytest.raises(TransferTimeoutError, match=r"(after|sent) \d+ of 12 bytes"):
         P.recv_msg(b, deadline=time.monotonic() + 0.3)
-    assert time.monotonic() - t0 < 1.0
     stop.set()
     t.join(2.0)
 

@@ -141,11 +141,10 @@ def test_sender_killed_before_during_and_after_a_get(transport):
             assert torch.equal(c_slice, build("state", 41)["head"][10:20])
 
         # A ticket never fetched: the warm receiver and a cold one both raise in time.
+        # PeerGoneError, not TransferTimeoutError: the loss was seen, not waited out.
         for r in (receiver, Receiver(transport, timeout=20.0)):
-            t0 = time.monotonic()
             with pytest.raises(PeerGoneError):
                 r.get(tb, timeout=5.0)
-            assert time.monotonic() - t0 < 8.0
             if r is not receiver:
                 r.close()
 
@@ -210,10 +209,9 @@ def test_receiver_killed_mid_read(transport):
             assert wait_until(lambda: sender.stats()["bytes_moved"] > moved, 10.0), "the receiver read no piece"
             assert sender.pool.stats().used_nbytes > 0
             rcv.kill()
-            t0 = time.monotonic()
             if held is not None:
-                sender.wait_released(held, timeout=5.0)  # by the connection drop, not a lease
-                assert time.monotonic() - t0 < 5.0
+                # Raises TransferTimeoutError unless the connection drop released it (the lease is longer).
+                sender.wait_released(held, timeout=5.0)
             assert _sender_idle(sender, timeout=10.0), sender.pool.stats()
             # The sender keeps serving.
             with Receiver(transport, timeout=10.0) as r:
@@ -389,14 +387,12 @@ def test_hostile_ticket_fields(field):
             probe.close()
             forged = rep(t, transport="tcp", address=f"127.0.0.1:{port}")
         rss = rss_bytes()
-        t0 = time.monotonic()
         try:
             receiver.get(Ticket.from_bytes(forged.to_bytes()), timeout=3.0)
         except TensorferryError:
             pass
         else:
             raise AssertionError(f"a forged ticket ({field}) was redeemed")
-        assert time.monotonic() - t0 < 8.0
         assert rss_bytes() - rss < 32 * MiB, "the forged ticket made the receiver allocate"
         assert_same(receiver.get(t), obj)  # the one slot is still there
         sender.wait_released(t, timeout=10.0)
