@@ -352,7 +352,6 @@ class PagemapWalk:
             budget = self.slice_pages
             page = PAGE_NBYTES
             counter = self._counter
-            assert counter is not None  # set whenever there is something to do
             todo = self._todo
             while budget > 0 and todo:
                 lo, end = todo[0]
@@ -406,7 +405,6 @@ class PagemapWalk:
             self._walked = union(self._walked, added)
             return
         counter = self._counter
-        assert counter is not None
         walked_nbytes = counter.present * PAGE_NBYTES
         added_nbytes = sum(e - s for s, e in added)
         if added_nbytes > max(CHANGE_FLOOR_NBYTES, CHANGE_TOLERANCE * walked_nbytes):
