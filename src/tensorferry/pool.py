@@ -94,6 +94,11 @@ class Packed:
         host = self.pool.buffer.numpy()
         return [memoryview(host[b.offset : b.offset + b.nbytes]) for b in self.blocks]
 
+    def runs(self) -> None:
+        """None: the bytes are in the pool, which readers map or fetch (the
+        ``Held`` protocol a server serves by; a sourced piece has runs)."""
+        return None
+
     def __enter__(self) -> "Packed":
         return self
 
@@ -240,6 +245,8 @@ class MemoryPool:
 
         Runs on the sender. Copies each view's own bytes only, one copy per
         run of adjacent tensors. Atomic: on any error nothing stays allocated.
+        The same packing as a fresh ``Sender.put`` that fits (its one-shot
+        plan places the object with :meth:`place`).
 
         Args:
             obj: a tensor, a numpy array, or any nesting of lists, tuples and
@@ -254,11 +261,19 @@ class MemoryPool:
         """
         self._check_open()
         with gc_paused():
-            return self._pack(obj)
+            leaves, ops, counts, keys, staged = flatten(obj)
+            return self.place(leaves, inspect_leaves(obj, leaves, ops, counts, keys), staged=staged)
 
-    def _pack(self, obj: Any) -> Packed:
-        leaves, ops, counts, keys, staged = flatten(obj)
-        info = inspect_leaves(obj, leaves, ops, counts, keys)
+    def place(self, leaves: Sequence[torch.Tensor], info: LeafInfo, *, staged: int = 0) -> Packed:
+        """Copy inspected leaves into as few blocks as the free space allows
+        (sender side): the allocator places the packed layout atomically,
+        then the copy plan for that placement is built and executed.
+        ``staged``: numpy arrays the flatten copied (counted as strided copies).
+
+        Raises:
+            PoolExhaustedError: the object does not fit; nothing allocated.
+        """
+        self._check_open()
         lay = info.layout
         nbytes = lay.nbytes
         blocks, groups = self._allocator.place_packed(nbytes, lay.alignments)
@@ -293,25 +308,10 @@ class MemoryPool:
             dst[lo:hi] = groups.offsets[lo:hi] + blk.offset
         return pack_leaves(leaves, info, dst, self.buffer)
 
-    def pack_range(self, leaves: Sequence[torch.Tensor], info: LeafInfo, offsets: np.ndarray, start: int, nbytes: int) -> Packed:
-        """Pack bytes ``[start, start + nbytes)`` of an object's one-block
-        layout (tensor ``i`` at ``offsets[i]``) into one block: a piece of a
-        streamed object (sender side). Runs of adjacent tensors are one copy
-        each, as in :meth:`pack`. Atomic.
-
-        Raises:
-            PoolExhaustedError: no free block of ``nbytes``; nothing allocated.
-        """
-        n = info.layout.nbytes
-        count = int(((offsets < start + nbytes) & (offsets + n > start) & (n > 0)).sum())
-        return self.pack_with(
-            info.layout, nbytes, lambda out: pack_leaves(leaves, info, offsets, out, start, start + nbytes), num_tensors=count
-        )
-
     def pack_with(self, layout: Layout, nbytes: int, fill: Callable[[torch.Tensor], tuple[int, int]], *, num_tensors: int) -> Packed:
         """One block of ``nbytes`` that ``fill(view of the block)`` writes
         and returns ``(copy runs, value-by-value copies)`` of: a piece of a
-        streamed object, or the put of a kept plan. Atomic: if ``fill``
+        streamed put, or a plan placed in one block. Atomic: if ``fill``
         raises, the block is free again.
 
         Raises:
