@@ -72,7 +72,23 @@ def _leaf_problem(t: torch.Tensor) -> str | None:
         return "is a nested tensor; send its .unbind() components"
     if t.dtype not in _CODE_BY_TORCH:
         return f"has dtype {t.dtype}, which tensorferry cannot send; convert it with .to(...)"
+    if t.numel() and _address(t) == 0:
+        # A copy by address would read address 0 (a segmentation fault).
+        if hasattr(t, "device_mesh") and hasattr(t, "to_local"):
+            return (
+                "is a DTensor (sharded over a device mesh): it has no memory of its own to send; send its local shard "
+                "(.to_local()) or the whole tensor (.full_tensor()); sending shards as such is not supported yet"
+            )
+        return f"is a {type(t).__name__} whose memory cannot be addressed (data_ptr() is 0); send a plain tensor of its values"
     return None
+
+
+def _address(t: torch.Tensor) -> int:
+    """``t.data_ptr()``, or -1 where it raises (no memory to read either way)."""
+    try:
+        return t.data_ptr()
+    except (RuntimeError, TypeError):
+        return -1
 
 
 def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[Any], int]:
