@@ -17,8 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from ._allocator import Allocator, Block
 from ._copy import pack_leaves, vectored_io
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
 from ._memory import pool_buffer, pool_device
+from ._packed import Packed, PoolStats
 from ._views import owned_view, unpack
 from .errors import ConfigurationError, PoolExhaustedError
 from .layout import Layout
@@ -36,74 +36,6 @@ __all__ = ["Block", "Lease", "Packed", "PoolStats", "MemoryPool", "unpack", "DEF
 
 # The size of a pool a Sender or a Receiver makes for itself.
 DEFAULT_CAPACITY_NBYTES = 256 << 20
-
-
-class PoolStats(NamedTuple):
-    """A snapshot of a pool. Bytes, except the counts."""
-
-    capacity_nbytes: int
-    used_nbytes: int
-    free_nbytes: int
-    largest_free_nbytes: int
-    free_blocks: int
-    live_objects: int
-    packs: int
-    packed_nbytes: int
-    leases: int = 0  # raw-byte reservations alive (staging buffers, receive blocks)
-
-
-@dataclass(eq=False)
-class Packed:
-    """An object packed into a pool: its blocks, its layout, its costs.
-
-    Attributes:
-        blocks: where the object's bytes are in the pool, in tensor order.
-        layout: dtypes, shapes and nesting; what a receiver needs.
-        nbytes: bytes of tensor data (without alignment padding).
-        num_tensors: number of leaf tensors.
-        copy_runs: contiguous copies issued for the runs of adjacent tensors.
-        strided_copies: tensors that were not contiguous (transposed,
-            strided, expanded, conjugated) and were copied element-wise into
-            the pool instead of as raw bytes, plus numpy arrays torch cannot
-            share (negative strides, read-only) that were staged through a copy.
-    """
-
-    blocks: tuple[Block, ...]
-    layout: Layout
-    nbytes: int
-    num_tensors: int
-    copy_runs: int
-    strided_copies: int
-    pool: "MemoryPool" = field(repr=False)
-    _released: bool = field(default=False, repr=False)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def block_nbytes(self) -> list[int]:
-        return [b.nbytes for b in self.blocks]
-
-    def release(self) -> None:
-        """Return the blocks to the pool. Releasing twice is harmless."""
-        self.pool.free(self)
-
-    def buffers(self) -> list[memoryview]:
-        """The blocks' bytes, in order, as buffers (host pools; a server sends them)."""
-        host = self.pool.buffer.numpy()
-        return [memoryview(host[b.offset : b.offset + b.nbytes]) for b in self.blocks]
-
-    def runs(self) -> None:
-        """None: the bytes are in the pool, which readers map or fetch (the
-        ``Held`` protocol a server serves by; a sourced piece has runs)."""
-        return None
-
-    def __enter__(self) -> "Packed":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Lease:
