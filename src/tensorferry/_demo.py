@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from .errors import ConfigurationError, TransferError
+from ._synthetic import verify_same
 from .ticket import TRANSPORTS
 
-__all__ = ["run_demo", "check_demo_args", "verify_same"]
+__all__ = ["run_demo", "check_demo_args"]
 
 # The scenarios -t accepts; "pool" runs in-process, the rest are transports.
 _SCENARIOS = ("pool", *TRANSPORTS)
@@ -73,32 +74,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
     args.transport_list = list(dict.fromkeys(t for t in names if t != "pool"))
 
 
-def verify_same(expected: Any, got: Any, path: str = "obj") -> None:
-    """Raise :class:`TransferError` naming the first tensor that differs."""
-    import torch
-
-    if isinstance(expected, dict):
-        if not isinstance(got, dict) or list(expected) != list(got):
-            raise TransferError(f"verification failed: {path}: keys differ")
-        for k in expected:
-            verify_same(expected[k], got[k], f"{path}[{k!r}]")
-    elif isinstance(expected, (list, tuple)):
-        if type(expected) is not type(got) or len(expected) != len(got):
-            raise TransferError(
-                f"verification failed: {path}: {type(expected).__name__} of {len(expected)} became {type(got).__name__}"
-            )
-        for i, (e, g) in enumerate(zip(expected, got)):
-            verify_same(e, g, f"{path}[{i}]")
-    else:
-        if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
-            raise TransferError(f"verification failed: {path}: expected {expected.dtype}{tuple(expected.shape)}, got {got!r:.80}")
-        if not torch.equal(got, expected):
-            raise TransferError(f"verification failed: {path}: values differ")
-
-
 def _pool_scenario(sd: dict, repeats: int, progress: Any) -> dict:
-    import torch
-
     from .pool import MemoryPool, unpack
     from .layout import Layout
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import time
 from typing import Any
 
@@ -28,8 +27,7 @@ def _worker(transport: str, size: int, tensors: int, tickets: Any, results: Any)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
 
-    from ._demo import verify_same
-    from ._synthetic import synthetic_state_dict
+    from ._synthetic import synthetic_state_dict, verify_same
     from .receiver import Receiver
 
     expected = synthetic_state_dict(size, tensors)
@@ -43,7 +41,6 @@ def _worker(transport: str, size: int, tensors: int, tickets: Any, results: Any)
                 if item is None:
                     return
                 version, wire = item
-                t0 = time.perf_counter()
                 receiver.get(wire, into=weights, timeout=120)
                 # CLOCK_MONOTONIC is one clock for every process on the host.
                 done_at = time.monotonic()

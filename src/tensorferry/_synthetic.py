@@ -1,4 +1,5 @@
-"""A synthetic model state dict for the demo and the benchmarks.
+"""A synthetic model state dict for the demo and the benchmarks, and the
+check that a received one equals what was sent.
 
 Shaped like a real one: named layers, 2-D weights and 1-D biases, mixed
 dtypes (float32, bfloat16, float16, int64 scalars), and a share of the
@@ -8,12 +9,13 @@ parameters as views into one flat buffer, as FSDP and RL trainers keep them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, TransferError
 
-__all__ = ["synthetic_state_dict"]
+__all__ = ["synthetic_state_dict", "verify_same"]
 
 
 def synthetic_state_dict(total_nbytes: int, num_tensors: int, *, seed: int = 0, view_fraction: float = 0.5) -> dict[str, torch.Tensor]:
@@ -54,3 +56,24 @@ def synthetic_state_dict(total_nbytes: int, num_tensors: int, *, seed: int = 0, 
         out[f"{prefix}.steps"] = torch.tensor(i, dtype=torch.int64)
     out["model.embed.weight"] = torch.empty(7, d // 2 + 3, dtype=torch.float16).uniform_(-1, 1, generator=gen)
     return out
+
+
+def verify_same(expected: Any, got: Any, path: str = "obj") -> None:
+    """Raise :class:`TransferError` naming the first tensor that differs."""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or list(expected) != list(got):
+            raise TransferError(f"verification failed: {path}: keys differ")
+        for k in expected:
+            verify_same(expected[k], got[k], f"{path}[{k!r}]")
+    elif isinstance(expected, (list, tuple)):
+        if type(expected) is not type(got) or len(expected) != len(got):
+            raise TransferError(
+                f"verification failed: {path}: {type(expected).__name__} of {len(expected)} became {type(got).__name__}"
+            )
+        for i, (e, g) in enumerate(zip(expected, got)):
+            verify_same(e, g, f"{path}[{i}]")
+    else:
+        if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or got.shape != expected.shape:
+            raise TransferError(f"verification failed: {path}: expected {expected.dtype}{tuple(expected.shape)}, got {got!r:.80}")
+        if not torch.equal(got, expected):
+            raise TransferError(f"verification failed: {path}: values differ")

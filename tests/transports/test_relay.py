@@ -21,15 +21,18 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
+import tensorferry
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, wait_until
-from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError
+from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError, TransferTimeoutError
 from tensorferry import _protocol as P
 from tensorferry.transports._tcp import connect
 
@@ -122,9 +125,9 @@ def test_a_relay_that_never_sends_is_given_up_after_stall_seconds(receivers):
         P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, relay=fake))
         assert P.recv_msg(ctl, expect=(P.Located,)).source == ""
         (child,) = receivers(1, stall_seconds=0.5)
-        t0 = time.monotonic()
         assert_same(child.get(ticket), want)  # from the sender, after the stall
-        assert 0.5 <= time.monotonic() - t0 < 20
+        silent.settimeout(0)
+        silent.accept()[0].close()  # the child did try the silent relay first
         ctl.close()  # the fake's slot is dropped with its connection
         sender.wait_released(ticket, timeout=10.0)
         assert wait_until(lambda: pool_empty(sender.pool), 5.0)
@@ -245,13 +248,24 @@ _spec.loader.exec_module(workers)
 NBYTES = 32 * MiB
 
 
+class Files(NamedTuple):
+    """What a worker process runs: the interpreter, the worker file, the
+    folder tensorferry is imported from, and its working folder (None: ours)."""
+
+    python: str
+    workers: Path
+    src: Path
+    cwd: Path | None
+
+
 class Proc:
     """A bc_receiver process on loopback, spoken to in JSON lines."""
 
-    def __init__(self, token: str, *, relay: bool, guarded: bool = False, prefix: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-        argv = [*prefix, sys.executable, str(_WORKERS_PATH), "bc_receiver", "127.0.0.1", token, str(int(relay)), "5", "60", "memory", str(int(guarded))]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    def __init__(self, token: str, *, relay: bool, guarded: bool = False, prefix: tuple[str, ...] = (), files: "Files | None" = None) -> None:
+        files = files or Files(sys.executable, _WORKERS_PATH, Path(tensorferry.__file__).parents[1], None)
+        env = {**os.environ, "PYTHONPATH": str(files.src)}
+        argv = [*prefix, files.python, str(files.workers), "bc_receiver", "127.0.0.1", token, str(int(relay)), "5", "60", "memory", str(int(guarded))]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=files.cwd)
         self.ready = self.fact()
 
     def fact(self) -> dict:
@@ -356,14 +370,41 @@ def test_a_child_the_kernel_refuses_maps_the_relays_memory_file(procs):
         assert "over tcp" not in log, log
 
 
-def _other_user_prefix() -> tuple[str, ...]:
-    """setpriv as user and group nobody (65534), no capabilities."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to start a process as another user")
-    return ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--")
+@pytest.fixture
+def other_user():
+    """How to start a worker as user and group nobody (65534), with no
+    capabilities, reading nothing below the checkout or the interpreter's
+    prefix, either of which may be under a folder only we can enter (a
+    clone in ``mktemp -d``, its venv inside it): the worker file and the
+    tensorferry package this test imports are copied into a fresh folder
+    (folders 755, files 644), and the prefix (its site-packages: torch) is
+    bind-mounted into that folder in a mount namespace of the child's own.
+    The prefix and the Files to pass to Proc."""
+    if os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")):
+        pytest.skip("needs root, setpriv and unshare to start a process as another user")
+    if not Path(sys.executable).is_relative_to(sys.prefix):
+        pytest.skip(f"the interpreter {sys.executable} is not below its prefix {sys.prefix}: nothing to bind-mount")
+    root = Path(tempfile.mkdtemp(prefix="tensorferry-other-user-"))
+    try:
+        shutil.copy(_WORKERS_PATH, root / "_workers.py")
+        shutil.copytree(Path(tensorferry.__file__).parent, root / "src" / "tensorferry", ignore=shutil.ignore_patterns("__pycache__"))
+        (root / "prefix").mkdir()
+        for folder, _, names in os.walk(root):
+            os.chmod(folder, 0o755)
+            for name in names:
+                os.chmod(os.path.join(folder, name), 0o644)
+        prefix = (
+            "unshare", "--mount", "--propagation", "private", "--",
+            "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", sys.prefix, str(root / "prefix"),
+            "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--",
+        )
+        python = root / "prefix" / Path(sys.executable).relative_to(sys.prefix)
+        yield prefix, Files(str(python), root / "_workers.py", root / "src", root)
+    finally:
+        shutil.rmtree(root)
 
 
-def test_a_child_of_another_user_takes_the_stream_and_says_why(procs):
+def test_a_child_of_another_user_takes_the_stream_and_says_why(procs, other_user):
     """A child of another user may neither read the relay's memory
     (process_vm_readv: EPERM) nor have its file (the relay checks the
     peer's uid on its Unix socket): it takes the tcp stream from the byte
@@ -372,7 +413,8 @@ def test_a_child_of_another_user_takes_the_stream_and_says_why(procs):
     want = workers.make_object(1919, NBYTES)
     with Sender("tcp", capacity_nbytes=2 * NBYTES, token=token) as sender:
         relay = procs(token, relay=True)
-        child = procs(token, relay=False, prefix=_other_user_prefix())
+        prefix, files = other_user
+        child = procs(token, relay=False, prefix=prefix, files=files)
         t = _relay_then_child_twice(sender, relay, child, want)
         got, lent = child.call(cmd="stats"), relay.call(cmd="stats")
         assert got["memory_read_nbytes"] == 0 and got["stream_nbytes"] == 2 * t
@@ -413,10 +455,8 @@ def test_a_lent_stream_that_stops_growing_is_given_up_after_stall_seconds(lendin
     server, stream, held = lending
     held.progress(3 * MiB)
     reached: list[int] = []
-    t0 = time.monotonic()
     with pytest.raises(TransferError, match="stalled"):
         _pull_lent(server, stream, reached, stall_seconds=0.5)
-    assert 0.5 <= time.monotonic() - t0 < 10
     assert reached[-1] == 3 * MiB  # what had arrived, read out of the relay's memory
     assert wait_until(lambda: server.bytes_lent == 3 * MiB, 5.0)  # the child said how far it read
 
@@ -438,11 +478,11 @@ def test_a_closing_relay_ends_its_lent_streams_and_keeps_the_memory_until_the_ch
     t.start()
     assert wait_until(lambda: reached and reached[-1] == 2 * MiB, 10.0)
     assert server._lending  # the child's connection is open: the memory stays
-    t0 = time.monotonic()
     server.close()
-    t.join(timeout=10)
-    assert not t.is_alive() and time.monotonic() - t0 < 5  # told at once, not after stall_seconds
-    assert len(failed) == 1 and isinstance(failed[0], TransferError), failed
+    t.join(timeout=60)
+    assert not t.is_alive()
+    # Told by the relay (its stream ended), not given up after stall_seconds.
+    assert len(failed) == 1 and isinstance(failed[0], TransferError) and not isinstance(failed[0], TransferTimeoutError), failed
     assert wait_until(lambda: not server._lending, 5.0)  # let go once the child closed
     assert reached[-1] == 2 * MiB
 

@@ -208,10 +208,8 @@ def test_a_nixl_relay_that_stops_announcing_is_given_up_after_stall_seconds():
     relay = FakeRelay(4 * MiB)
     thread = relay.serve(relay.region.addr, 4 * MiB, [MiB])  # a quarter, then silence
     with Receiver("nixl", capacity_nbytes=8 * MiB) as child:
-        t0 = time.monotonic()
         with pytest.raises(TransferTimeoutError, match="stalled"):
             _pull_from(relay, child, 4 * MiB, stall_seconds=0.5)
-        assert 0.5 <= time.monotonic() - t0 < 5
         got = child._context.ensure_pool().buffer[: 4 * MiB]
         assert torch.equal(got[:MiB], relay.memory[:MiB])  # what was announced was READ
     thread.join(timeout=10)

@@ -1,7 +1,9 @@
 """Transports, picked by name: ``shm``, ``tcp``, ``nixl``.
 
 Implementations are private modules behind the small contract of
-:mod:`tensorferry.transports._base`; this module only maps names to them.
+:mod:`tensorferry.transports._base`; this module maps names to them, and
+exports the relay's parts (:mod:`tensorferry.transports._relay`) that a
+receiver uses.
 """
 
 from __future__ import annotations
@@ -10,9 +12,13 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["TRANSPORTS", "TransportName", "make_server", "channel_class", "available"]
-
 from ..ticket import TRANSPORTS, TransportName
+from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
+
+__all__ = [
+    "TRANSPORTS", "TransportName", "make_server", "channel_class", "available",
+    "CHUNK_NBYTES", "RelayBook", "RelayServer", "SameHostReads", "pull",
+]
 
 
 def _check(name: str) -> None:

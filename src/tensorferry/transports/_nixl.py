@@ -27,7 +27,8 @@ from .._copy import StagedCopy
 from ..errors import TransferError
 from ._base import Channel
 from ._connections import ReceiveContext
-from ._nixl_agent import NixlEndpoint, ReadPipeline
+from ._nixl_agent import NixlEndpoint
+from ._nixl_reads import ReadPipeline
 from ._tcp import TcpControlServer, connect
 
 __all__ = ["NixlServer", "NixlChannel", "serving_endpoint"]

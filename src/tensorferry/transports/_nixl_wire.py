@@ -12,17 +12,18 @@ here, and NIXL is imported here, on first use only.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import numpy as np
 
 from .. import packing
-from ..errors import BackendUnavailableError, ConfigurationError, PeerGoneError, ProtocolError, TransferError
+from ..errors import BackendUnavailableError, ConfigurationError, PeerGoneError, ProtocolError, TensorferryError, TransferError
 
-__all__ = ["Region", "Regions", "as_ranges", "encode", "decode", "merged_descs"]
+__all__ = ["Region", "Regions", "as_ranges", "encode", "decode", "merged_descs", "nixl_errors"]
 
 # Envelope around NIXL's agent metadata:
 #   magic, version, name length, region count, NIXL metadata length
@@ -214,3 +215,20 @@ def _translate(exc: BaseException, what: str, peer: str | None = None) -> Transf
             "or sent metadata taken before registering; ask the peer for fresh metadata"
         )
     return TransferError(f"{what}: NIXL raised {kind}: {exc}")
+
+
+@contextlib.contextmanager
+def nixl_errors(what: str = "", peer: str | None = None, *, error: Callable[[Exception], TensorferryError | None] | None = None) -> Iterator[None]:
+    """Raise what NIXL's bindings raise in the block as a tensorferry error,
+    chained ``from`` it (:func:`_translate` of ``what`` and ``peer``, or
+    ``error(exc)`` where the caller words it itself); other exceptions pass
+    through. ``error`` returning None means the caller dealt with it (a
+    failure it only logs): the block's exception is then swallowed."""
+    try:
+        yield
+    except Exception as exc:
+        if not _nixl_error(exc):
+            raise
+        out = _translate(exc, what, peer) if error is None else error(exc)
+        if out is not None:
+            raise out from exc

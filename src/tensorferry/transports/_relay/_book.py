@@ -1,0 +1,192 @@
+"""What a relay holds: the tickets it receives (:class:`RelayBook`), each
+one's stream as it arrives (:class:`_Held`), kept for late and resuming
+children, then let go. See :mod:`tensorferry.transports._relay`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import _protocol as P
+from ...errors import PeerGoneError
+
+__all__ = ["CHUNK_NBYTES", "RelayBook"]
+
+# Bytes a relay receives before it passes them on: each hop of a chain
+# adds one chunk's time (1 MiB: 8.4 ms at 1 Gbit/s; 4 MiB made a chain of 8
+# 0.24 s slower), and a chunk still costs far more than its bookkeeping
+# (a condition notify and a loop turn, tens of µs).
+CHUNK_NBYTES = 1 << 20
+
+
+class _Held:
+    """One ticket's stream in a relay, and how much of it has arrived."""
+
+    def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview, fd: int) -> None:
+        self.book, self.ticket_id, self.digest, self.buf = book, ticket_id, digest, buf
+        # The memfd whose bytes from 0 on are ``buf`` (-1: none), open as
+        # long as ``buf`` is alive (ReceiveCache.take_shared).
+        self.fd = fd
+        self.total = len(buf)
+        # Where same-host children read it: ``buf`` (held here) keeps it there.
+        self.address = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if self.total else 0
+        self.arrived = 0
+        self.state = "receiving"  # then "complete" or "failed"
+        self.pulls = 0
+        self.idle_since = time.monotonic()
+        self.dropped = False  # let go by the book: no new pull may start on it
+        # Its memory registered with the relay's NIXL exposer, while it is
+        # (a tensor over ``buf``; RelayServer._expose, let go on drop).
+        self.exposed: Any = None
+
+    def progress(self, end: int) -> None:
+        with self.book.cond:
+            self.arrived = max(self.arrived, end)
+            self.book.cond.notify_all()
+
+    def finish(self, ok: bool) -> None:
+        with self.book.cond:
+            self.state = "complete" if ok else "failed"
+            self.idle_since = time.monotonic()
+            self.book.cond.notify_all()
+        self.book.expire_later()
+
+    def wait_beyond(self, pos: int, timeout: float) -> int:
+        """Bytes arrived, once more than ``pos`` have (or ``pos`` after
+        ``timeout``). Raises PeerGoneError if the relay's own receive failed."""
+        deadline = time.monotonic() + timeout
+        with self.book.cond:
+            while self.arrived <= pos and self.state == "receiving":
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self.arrived
+                self.book.cond.wait(left)
+            if self.arrived <= pos and self.state == "failed":
+                raise PeerGoneError(f"the relay lost ticket {self.ticket_id} after {self.arrived:,} of {self.total:,} bytes")
+            return self.arrived
+
+
+class RelayBook:
+    """The tickets a relaying receiver can serve, each kept ``linger_seconds``
+    after it arrived (or after its last child's pull) so that late children
+    and children resuming after a fault find it, or until the next ticket
+    starts; then its memory is let go."""
+
+    def __init__(self, linger_seconds: float, on_drop: Callable[[_Held], None] | None = None) -> None:
+        self.cond = threading.Condition()
+        self.linger_seconds = linger_seconds
+        # Called (outside the lock, perhaps twice: it must not mind) with
+        # each ticket let go, once no child pulls it.
+        self.on_drop = on_drop
+        self._held: dict[int, _Held] = {}
+        self._timer: threading.Timer | None = None
+        self._closed = False
+
+    def add(self, ticket_id: int, digest: bytes, buf: memoryview, fd: int = -1) -> _Held:
+        """A ticket this receiver starts to receive (into ``buf``, which is
+        bytes 0 on of the memfd ``fd`` if not -1). Tickets it finished
+        that no child is pulling are let go now: a weight sync sends a new
+        version every few seconds, and a child that still wants an old one
+        is sent elsewhere by the sender (its pull here fails)."""
+        held = _Held(self, ticket_id, digest, buf, fd)
+        with self.cond:
+            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls]
+            self._drop(gone)
+            self._held[ticket_id] = held
+            self.cond.notify_all()
+        self._dropped(gone)
+        return held
+
+    def _drop(self, gone: list[_Held]) -> None:
+        """Under the lock: forget these tickets (no pull starts on them)."""
+        for h in gone:
+            h.dropped = True
+            if self._held.get(h.ticket_id) is h:
+                del self._held[h.ticket_id]
+
+    def _dropped(self, gone: list[_Held]) -> None:
+        """After :meth:`_drop`: ``on_drop`` for each ticket no child pulls
+        (one that is pulled goes when its last pull ends)."""
+        if self.on_drop is not None:
+            for h in gone:
+                if not h.pulls:
+                    self.on_drop(h)
+
+    def find(self, ticket_id: int, timeout: float) -> _Held | None:
+        """The ticket's stream; waits up to ``timeout`` for the receive to
+        start (a child may ask a moment before its relay acquired)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while ticket_id not in self._held and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(left)
+            return self._held.get(ticket_id)
+
+    def begin_pull(self, held: _Held) -> bool:
+        """Count a child's pull; False if the ticket was let go meanwhile."""
+        with self.cond:
+            if held.dropped:
+                return False
+            held.pulls += 1
+            return True
+
+    def end_pull(self, held: _Held) -> None:
+        with self.cond:
+            held.pulls -= 1
+            held.idle_since = time.monotonic()
+            last = held.dropped and not held.pulls
+        if last and self.on_drop is not None:
+            self.on_drop(held)
+        self.expire_later()
+
+    def expire_later(self) -> None:
+        with self.cond:
+            if self._timer is not None or self._closed:
+                return
+            self._timer = threading.Timer(self.linger_seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.cond:
+            self._timer = None
+            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls and now - h.idle_since >= self.linger_seconds]
+            self._drop(gone)
+            pending = any(h.state != "receiving" for h in self._held.values())
+        self._dropped(gone)
+        if pending:
+            self.expire_later()
+
+    def held_nbytes(self) -> int:
+        with self.cond:
+            return sum(h.total for h in self._held.values())
+
+    def close(self) -> None:
+        with self.cond:
+            self._closed = True
+            gone = list(self._held.values())
+            self._drop(gone)
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self.cond.notify_all()
+        self._dropped(gone)
+
+    # What a control server asks of its "ledger": a relay keeps no slots.
+    def acquire(self, conn: Any, msg: Any) -> P.Failure:
+        return P.Failure(kind="relay", message="this is a relaying receiver: acquire slots from the sender")
+
+    def release(self, conn: Any, ticket_id: int, piece: int, send: Any = None) -> P.Failure:
+        reply = P.Failure(kind="relay", message="this is a relaying receiver: release slots at the sender")
+        if send is not None:
+            send(reply)
+        return reply
+
+    def drop_connection(self, conn: Any) -> None:
+        """Nothing to give back: children hold their slots at the sender."""

@@ -1,0 +1,262 @@
+"""The pull: a child's side of a relay, the ticket's bytes as a stream,
+by same-host reads of the relay's memory, or by NIXL READs of what it
+exposes. See :mod:`tensorferry.transports._relay`."""
+
+from __future__ import annotations
+
+import functools
+import select
+import socket
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import _protocol as P
+from ...errors import AuthenticationError, ConfigurationError, PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
+from .._tcp import connect
+from ._book import CHUNK_NBYTES
+from ._same_host import LEND_READ_NBYTES, SameHostReads, _LentReader, _VmReadRefused, host_identity
+
+__all__ = ["pull"]
+
+def pull(
+    address: str,
+    *,
+    token: bytes,
+    ticket_id: int,
+    digest: bytes,
+    buf: memoryview,
+    start: int,
+    progress: Callable[[int], None],
+    stall_seconds: float,
+    deadline: float,
+    chunk_nbytes: int = CHUNK_NBYTES,
+    reads: SameHostReads | None = None,
+    nixl: Any = None,
+) -> None:
+    """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
+    relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
+
+    A relay on this host (``reads`` enabled) lends its memory and the child
+    copies out of it (process_vm_readv); else, or where the kernel refuses
+    that copy (recorded in ``reads``, logged once per relay), a nixl child
+    (``nixl``: its NixlEndpoint, with ``buf`` registered) READs the relay's
+    exposed memory, and any other child takes the relay's tcp stream.
+
+    Raises:
+        PeerGoneError: the relay is gone, or does not hold the ticket.
+        TransferTimeoutError: no chunk arrived within ``stall_seconds`` (a
+            stalled relay), or the get's deadline passed.
+        AuthenticationError: the relay refused the token.
+    """
+    reached = [start]
+
+    def advance(end: int) -> None:
+        reached[0] = end
+        progress(end)
+
+    session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf, progress=advance,
+                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl)
+    if reads is not None and reads.wanted(address):
+        try:
+            session(start, host_identity())
+            return
+        except _VmReadRefused as exc:
+            reads.refuse(address, str(exc))
+    session(reached[0], b"")
+
+
+def _pull_session(
+    address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
+    nixl: Any,
+) -> None:
+    """One connection to the relay: a Pull from ``start`` (naming this
+    ``host`` when not b"", asking for NIXL READs with ``nixl``), then the
+    bytes as a stream or by reads of its memory, whichever it answers."""
+    total = len(buf)
+    sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
+    try:
+        sock.settimeout(stall_seconds)
+        P.send_msg(sock, P.Hello(token=token, transport="tcp"))
+        welcome = P.recv_msg(sock, expect=(P.Welcome,), deadline=time.monotonic() + stall_seconds)
+        if isinstance(welcome, P.Failure):
+            if welcome.kind == "auth":
+                raise AuthenticationError(f"relay at {address} refused us: {welcome.message}; pass the sender's token")
+            raise PeerGoneError(f"relay at {address} refused us: {welcome.message}")
+        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None))
+        reply = P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
+        if isinstance(reply, P.Failure):
+            raise PeerGoneError(f"relay at {address}: {reply.message}")
+        if isinstance(reply, P.Lend) and host:
+            if reply.nbytes != total:
+                raise ProtocolError(f"relay at {address} lends a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            _read_lent(sock, address, _LentReader(address, reply, buf, reads, min(stall_seconds, 2.0)), start, total, progress, stall_seconds, deadline, reads)
+            return
+        if isinstance(reply, P.Exposed) and nixl is not None:
+            if reply.nbytes != total:
+                raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            _read_lent(sock, address, _NixlReader(nixl, address, reply, buf, reads, stall_seconds), start, total, progress, stall_seconds, deadline, reads)
+            return
+        if not (isinstance(reply, tuple) and reply[0] == "DATA") or reply[1] != total - start:
+            raise ProtocolError(f"relay at {address} answered a Pull of {total - start:,} bytes with {reply!r:.80}")
+        pos = start
+        while pos < total:
+            k = min(chunk_nbytes, total - pos)
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}")
+            try:
+                P.recv_exact_into(sock, buf[pos : pos + k], deadline=min(deadline, time.monotonic() + stall_seconds))
+            except TransferTimeoutError as exc:
+                raise TransferTimeoutError(f"the relay at {address} stalled: no {k:,}-byte chunk within {stall_seconds} s ({exc})") from exc
+            pos += k
+            if reads is not None:
+                reads.count(stream=k)
+            progress(pos)
+    except (OSError, socket.timeout) as exc:
+        if isinstance(exc, TransferError):
+            raise
+        raise PeerGoneError(f"lost the relay at {address} ({exc})") from exc
+    finally:
+        # Closing is what tells a lending relay it may let its memory go.
+        sock.close()
+
+
+def _read_lent(
+    sock: socket.socket, address: str, reader: Any, pos: int, total: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """Copy ``buf[pos:total]`` out of a relay's memory (``reader``: a
+    same-host lend's, or a nixl relay's exposed memory) as its Arrived
+    frames say the bytes are there. Every range is read while our
+    connection is open, so the relay still holds that memory.
+
+    Raises:
+        _VmReadRefused: neither process_vm_readv nor the relay's file
+            could be had (the reason in the message): take the stream.
+    """
+    at, refused = [pos], False
+    follow = _copy_exposed if isinstance(reader, _NixlReader) else _copy_lent
+    try:
+        follow(sock, address, reader, at, total, progress, stall_seconds, deadline, reads)
+    except _VmReadRefused:
+        refused = True
+        raise
+    finally:
+        reader.close()
+        if not refused:
+            # How far we read, which the relay counts; when complete, its
+            # answer (after which it may let the memory go) lets the
+            # relay's counters include us before our get returns.
+            try:
+                P.send_msg(sock, P.Arrived(end=at[0]))
+                if at[0] == total:
+                    P.recv_msg(sock, expect=(P.Released,), deadline=time.monotonic() + min(stall_seconds, 1.0))
+            except TransferError:
+                pass
+
+
+class _NixlReader:
+    """Where a nixl relay's exposed stream is (its agent, loaded here, and
+    the address) and where it goes (``buf``, registered with ``endpoint``).
+    The relay's metadata is loaded on construction and forgotten on close
+    (a relay's next ticket comes with new metadata)."""
+
+    def __init__(self, endpoint: Any, address: str, exposed: P.Exposed, buf: memoryview, reads: SameHostReads | None, stall_seconds: float) -> None:
+        self.endpoint, self.exposed = endpoint, exposed
+        self.here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+        try:
+            self.remote = endpoint.add_remote(exposed.metadata)
+        except TensorferryError as exc:
+            raise ProtocolError(f"relay at {address} exposed NIXL metadata we cannot load ({exc})") from exc
+
+    def close(self) -> None:
+        self.endpoint.remove_remote(self.remote)
+
+
+# A nixl child READs a relay's announced bytes this much at a time, two
+# READs in flight (see NixlEndpoint.post_read), as the relay READs its own
+# source (transports._nixl.RELAY_CHUNK_NBYTES).
+EXPOSED_READ_NBYTES = 2 << 20
+
+
+def _copy_exposed(
+    sock: socket.socket, address: str, reader: _NixlReader, at: list[int], total: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """As :func:`_copy_lent`, for a nixl relay: READs of the announced
+    ranges, two in flight, each published (``progress``) once in place. The
+    ranges are checked against the regions the relay's metadata names
+    before NIXL moves a byte. ``at[0]``: how far it has read."""
+    from .._nixl_reads import ReadPipeline
+
+    pipe = ReadPipeline(reader.endpoint, reader.remote)
+    known = posted = at[0]  # announced by the relay; READ or being READ
+    last_news = time.monotonic()  # the last Arrived, or READ done
+    pause = 50e-6
+    try:
+        while at[0] < total:
+            if pipe.inflight and (end := pipe.poll()) is not None:
+                if reads is not None:
+                    reads.count(nixl=end - at[0])
+                at[0] = end
+                progress(end)
+                pause, last_news = 50e-6, time.monotonic()  # progress: the stall clock starts again
+                continue
+            while posted < known and not pipe.full:
+                k = min(EXPOSED_READ_NBYTES, known - posted)
+                try:
+                    pipe.post(reader.exposed.address + posted, reader.here + posted, k, posted + k, timeout=stall_seconds)
+                except ConfigurationError as exc:  # a range outside what the relay registered
+                    raise ProtocolError(f"the relay at {address}'s exposed stream does not hold bytes {posted:,}+{k:,}: {exc}") from exc
+                posted += k
+            # Wait for news from the relay: while a READ is in flight only a
+            # moment (then poll it again), else until the stall limit.
+            idle = not pipe.inflight
+            limit = min(deadline, last_news + stall_seconds)
+            if not select.select([sock], [], [], max(limit - time.monotonic(), 0.0) if idle else pause)[0]:
+                if not idle:
+                    pause = min(pause * 2, 1e-3)
+                    continue
+                raise _stalled(address, at[0], total, deadline, stall_seconds)
+            known, last_news = _next_arrived(sock, address, known, at[0], total, limit, deadline, stall_seconds), time.monotonic()
+    finally:
+        pipe.close()
+
+
+def _stalled(address: str, pos: int, total: int, deadline: float, stall_seconds: float) -> TransferTimeoutError:
+    if time.monotonic() > deadline:
+        return TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}")
+    return TransferTimeoutError(f"the relay at {address} stalled: no bytes arrived there within {stall_seconds} s")
+
+
+def _next_arrived(sock: socket.socket, address: str, known: int, pos: int, total: int, limit: float, deadline: float, stall_seconds: float) -> int:
+    """Where the relay's next Arrived frame (waited for until ``limit``)
+    says its bytes end: past ``known`` (what it announced before), at most
+    ``total``. ``pos``: how far we have read, for the messages."""
+    try:
+        msg = P.recv_msg(sock, expect=(P.Arrived,), deadline=limit)
+    except TransferTimeoutError as exc:
+        raise _stalled(address, pos, total, deadline, stall_seconds) from exc
+    if isinstance(msg, P.Failure):
+        raise PeerGoneError(f"relay at {address}: {msg.message}")
+    if not known < msg.end <= total:
+        raise ProtocolError(f"relay at {address} says bytes up to {msg.end:,} arrived; it announced {known:,}, we hold {pos:,} of {total:,}")
+    return msg.end
+
+
+def _copy_lent(
+    sock: socket.socket, address: str, reader: _LentReader, at: list[int], total: int,
+    progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
+) -> None:
+    """The Arrived frames and the copies; ``at[0]``: how far it has read."""
+    pos = at[0]
+    while pos < total:
+        end = _next_arrived(sock, address, pos, pos, total, min(deadline, time.monotonic() + stall_seconds), deadline, stall_seconds)
+        while pos < end:
+            k = min(LEND_READ_NBYTES, end - pos)
+            reader.copy(pos, k)
+            pos += k
+            at[0] = pos
+            progress(pos)
