@@ -85,7 +85,7 @@ def choose(plan: SendPlan, opts: PutOptions, servers: Iterable[Any]) -> Executio
     total = plan.total_nbytes
     if opts.fanout is not None and not opts.snapshot:
         raise ConfigurationError(
-            "put(fanout=...) broadcasts a snapshot in the pool through relaying receivers, and snapshot=False serves "
+            "put(fanout=...) broadcasts a snapshot in the pool through relaying receivers over tcp or nixl, and snapshot=False serves "
             "the tensors themselves: use snapshot=True"
         )
     if not opts.snapshot:

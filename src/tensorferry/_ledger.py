@@ -21,6 +21,7 @@ from . import _protocol as P
 from ._broadcast import SENDER, Tree
 from .errors import PlanBusyError, PoolExhaustedError
 from .pool import MemoryPool, Packed
+from .transports._base import Holdings
 
 if TYPE_CHECKING:
     from .transports._base import Held
@@ -64,7 +65,7 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class Ledger:
+class Ledger(Holdings):
     """The sender's book of tickets and reader slots. Thread-safe.
 
     The :class:`~tensorferry.transports._base.Holdings` a sender's servers

@@ -23,6 +23,7 @@ server keeps serving everyone else.
 
 from __future__ import annotations
 
+import abc
 import hmac
 import logging
 import os
@@ -91,26 +92,27 @@ class Held(Protocol):
         ...
 
 
-class Holdings(Protocol):
-    """What a :class:`ControlServer` serves from: the sender's ``Ledger``
-    (tickets, pieces, reader slots) or a relay's book (what it holds of the
-    tickets it relays). Called on the server's connection threads."""
+class Holdings(abc.ABC):
+    """What a :class:`ControlServer` serves from, written once: the
+    sender's ``Ledger`` (tickets, pieces, reader slots) and a relay's
+    ``RelayBook`` (the tickets it relays; its children take their slots at
+    the sender) implement it. Called on the server's connection threads."""
 
+    @abc.abstractmethod
     def acquire(self, conn: "Connection", msg: P.Acquire) -> P.Located | P.Failure:
         """Take a reader slot of a piece (waiting for a streamed piece to be packed)."""
-        ...
 
+    @abc.abstractmethod
     def held(self, conn: "Connection", ticket_id: int, piece: int) -> Held | None:
         """What holds a piece ``conn`` acquired, or None if it holds none."""
-        ...
 
+    @abc.abstractmethod
     def release(self, conn: "Connection", ticket_id: int, piece: int, send: Any = None) -> P.Released | P.Failure:
         """A reader is done with a piece; ``send(reply)`` answers it first."""
-        ...
 
+    @abc.abstractmethod
     def drop_connection(self, conn: "Connection") -> None:
         """``conn`` went away: every slot it held is finished."""
-        ...
 
 
 def check_same_user(sock: socket.socket, what: str) -> None:
