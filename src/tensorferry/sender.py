@@ -7,9 +7,15 @@ release the slot. Blocks are freed when every reader released them, when a
 reader's connection drops (it died mid-read), or when the lease of slots
 nobody acquired expires.
 
-An object larger than the free space (or the whole pool) is streamed: it is
-cut into byte ranges of its one-block layout ("pieces"), each packed when
-space frees up and freed once every reader has read it (backpressure).
+Every put executes a plan: ``put(obj)`` a one-shot :class:`SendPlan` of
+``obj`` (inspected once, nothing kept), ``put(plan)`` a kept one. How it
+executes (resident in the pool, streamed, served from the tensors' own
+memory, broadcast) is decided once, by :func:`._execution.choose`, from
+the plan and what the servers declare they can do. An object larger than
+the free space (or the whole pool) is streamed: it is cut into byte ranges
+of its one-block layout ("pieces"), each packed when space frees up (the
+window of the plan's runs in its range) and freed once every reader has
+read it (backpressure).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from ._ledger import Ledger, _Entry
 from .errors import ConfigurationError, TransferTimeoutError
 from .plans import SendPlan
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
-from .transports import TransportName
+from .transports import TransportName, make_server
 from .ticket import Ticket
 
 __all__ = ["Sender"]
@@ -87,8 +93,6 @@ class Sender:
         prefault: bool = False,
         extra_transports: tuple[str, ...] = (),
     ) -> None:
-        from .transports import make_server
-
         lease_seconds = positive_seconds("Sender(lease_seconds)", lease_seconds, allow_inf=True)
         self.transport = transport
         self._own_pool = pool is None
@@ -160,12 +164,14 @@ class Sender:
         snapshot: bool = True,
         fanout: int | None = None,
     ) -> Ticket:
-        """Pack ``obj`` (or replay a plan's copy) and return its ticket at once.
+        """Execute a plan of ``obj`` (a one-shot plan of a fresh object, or
+        the kept plan given) and return its ticket at once.
 
         Copies each view's bytes into the pool (only its own bytes). An object
         that does not fit in the free space is streamed in pieces, unless
         ``one_shot`` is set. The caller must not change the tensors of a
-        streamed object until :meth:`wait_released` returns.
+        streamed object until :meth:`wait_released` returns. ``readers=1``
+        by default, for a plan too.
 
         Args:
             obj: a tensor or any nesting of lists, tuples and dicts of tensors;
