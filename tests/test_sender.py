@@ -271,3 +271,32 @@ def test_a_streamed_put_inspects_once_and_runs_windows_of_one_copy_plan(monkeypa
         assert calls == {"flatten": 1, "build": 1}
         assert all(torch.equal(a, b) for a, b in zip(got, views)) and len(got) == len(views)
         assert idle(s)
+
+
+def test_a_fresh_put_keeps_nothing_of_the_object_once_it_is_in_the_pool():
+    # A one-shot plan skips what only a kept plan needs: the caller's
+    # tensors are free to go as soon as put returned (resident), or once
+    # the ticket is done (streamed: its pieces are packed later).
+    import weakref
+
+    with Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=256 << 10) as s:
+        small = torch.ones(1000)
+        gone = weakref.ref(small)
+        t = s.put([small, torch.arange(10)])
+        del small
+        gc.collect()
+        assert gone() is None and s.stats()["live_tickets"] == 1
+        big = torch.ones(2 * MiB // 4)
+        gone = weakref.ref(big)
+        t2 = s.put([big])
+        assert t2.streamed
+        del big
+        gc.collect()
+        assert gone() is not None  # its later pieces are still to be packed
+        for ticket in (t, t2):
+            s.discard(ticket)
+            s.wait_released(ticket, timeout=5.0)
+        # A piece the packer was copying when the ticket ended is let go
+        # when that copy returns.
+        assert wait_until(lambda: gc.collect() >= 0 and gone() is None, 5.0)
+        assert wait_until(lambda: idle(s), 5.0)

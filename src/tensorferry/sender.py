@@ -243,7 +243,7 @@ class Sender:
             return ticket  # nothing to read: done already
         entry = _Entry(
             ticket_id, readers, lease, deadline, ex.pieces, streamed=ex.kind != "resident", pack=ex.pack,
-            digest=ticket.digest, sourced=ex.kind == "sourced", source=plan, tree=ex.tree,
+            digest=ticket.digest, sourced=ex.kind == "sourced", source=plan if ex.kind == "sourced" else None, tree=ex.tree,
         )
         try:
             self.ledger.add(entry)

@@ -66,7 +66,6 @@ def _split_stretches(stretches: list[tuple[int, int, list[torch.Tensor]]], k: in
     return [o for o in out if o]
 
 
-
 class SendPlan:
     """A sender's plan of one object, kept (``Sender.plan``) or one-shot
     (``Sender.put(obj)``); sender side.
@@ -223,9 +222,15 @@ class SendPlan:
         falls in ``[voffset, voffset + nbytes)`` (no per-piece rebuild)."""
         nbytes, offsets = self.layout.nbytes, self.offsets
         self._runs()
+        # Starts and ends both ascend (packed offsets): a piece's tensors
+        # are counted by two binary searches, not a pass over all of them.
+        ends = offsets + nbytes
+        nonempty = np.concatenate([[0], np.cumsum(nbytes > 0)])
 
         def pack(voffset: int, size: int) -> "Packed":
-            count = int(((offsets < voffset + size) & (offsets + nbytes > voffset) & (nbytes > 0)).sum())
+            first = int(np.searchsorted(ends, voffset, side="right"))
+            last = int(np.searchsorted(offsets, voffset + size, side="left"))
+            count = int(nonempty[max(last, first)] - nonempty[first])
             return self.pool.pack_with(self.layout, size, lambda out: self.fill(out, voffset, voffset + size), num_tensors=count)
 
         return pack
