@@ -115,6 +115,9 @@ class Holdings(abc.ABC):
         """``conn`` went away: every slot it held is finished."""
 
 
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
 def check_same_user(sock: socket.socket, what: str) -> None:
     """Refuse a Unix-socket peer of another user (root excepted): it may
     not read this process's memory (``what``, e.g. "map this sender's pool").
@@ -125,9 +128,6 @@ def check_same_user(sock: socket.socket, what: str) -> None:
     pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
     if uid != os.getuid() and uid != 0:
         raise AuthenticationError(f"process {pid} of user {uid} may not {what}")
-
-
-_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
 class Connection:
