@@ -12,10 +12,16 @@ processes on the host):
   what it costs is the inspection of the object);
 * ``end_to_end_seconds``: from the sender calling ``put`` to the receiver
   holding the data (``get`` returned);
+* ``sender_seconds``: the sender's share alone, in the sender process: from
+  ``put`` until every piece was packed, with a reader that takes and gives
+  back each piece's slot at once (a receiver-side channel speaking the
+  protocol, moving no bytes), so the time is the sender's inspection and
+  its packing of the pieces (each one copy of its bytes into the pool);
 * the limit: one libc ``memcpy`` (``np.copyto``) of the object's bytes into
   touched memory, in the sender process, between the cases. Streaming moves
-  every byte at least twice (into the pool, out of it), so a ratio of about 2
-  is the floor.
+  every byte at least twice (into the pool, out of it), so an end-to-end
+  ratio of about 2 is the floor; the sender's share copies each byte once,
+  so about 1.
 
 Objects: a list of float32 tensors totalling ``--nbytes``: 1 tensor, and
 100k views of one flat buffer (half of them 2-D), where a per-piece cost
@@ -78,10 +84,11 @@ def sender_main(conn, result, args: dict) -> None:
 
     torch.set_num_threads(1)
     from tensorferry import Sender
+    from tensorferry.transports import channel_class
 
     nbytes = args["nbytes"]
     flat = torch.arange(nbytes // 4, dtype=torch.float32)
-    out: dict[str, Any] = {"cases": {}, "memcpy_seconds": []}
+    out: dict[str, Any] = {"cases": {}, "memcpy_seconds": [], "sender_seconds": {}}
     with Sender(args["transport"], capacity_nbytes=nbytes // 4, prefault=True) as sender:
         for count in COUNTS:
             out["memcpy_seconds"].append(memcpy_seconds(nbytes, 3))
@@ -99,6 +106,22 @@ def sender_main(conn, result, args: dict) -> None:
                 if r:
                     recs.append({"put_seconds": t_put - t0, "end_to_end_seconds": t_end - t0, "pieces": ticket.num_pieces})
             out["cases"][str(count)] = recs
+        out["memcpy_seconds"].append(memcpy_seconds(nbytes, 3))
+        ch = channel_class(sender.transport)(sender.address, timeout=60.0)
+        for count in COUNTS:
+            times = []
+            for r in range(args["repeats"] + 1):
+                obj = views_of(flat, count)
+                gc.collect()
+                t0 = time.monotonic()
+                ticket = sender.put(obj)
+                for piece in range(ticket.num_pieces):
+                    ch.acquire(ticket.id, piece, timeout=60.0, digest=ticket.digest)
+                    ch.release(ticket.id, piece, timeout=60.0)
+                times.append(time.monotonic() - t0)
+                sender.wait_released(ticket, timeout=60)
+            out["sender_seconds"][str(count)] = times[1:]
+        ch.close()
         out["memcpy_seconds"].append(memcpy_seconds(nbytes, 3))
     conn.send(None)
     result.send(out)
@@ -152,13 +175,15 @@ def main() -> int:
         return 1
     memcpy = statistics.median(out["memcpy_seconds"])
     print(f"object {a.nbytes / 2**20:.0f} MiB, pool {a.nbytes / 4 / 2**20:.0f} MiB, {a.transport}; memcpy {memcpy * 1e3:.1f} ms")
-    print(f"{'tensors':>8} {'pieces':>6} {'put ms':>8} {'end-to-end ms':>14} {'x memcpy':>9}")
+    print(f"{'tensors':>8} {'pieces':>6} {'put ms':>8} {'end-to-end ms':>14} {'x memcpy':>9} {'sender ms':>10} {'x memcpy':>9}")
     table = {}
     for count, recs in out["cases"].items():
         put = statistics.median(r["put_seconds"] for r in recs)
         e2e = statistics.median(r["end_to_end_seconds"] for r in recs)
-        table[count] = {"put_seconds": put, "end_to_end_seconds": e2e, "ratio_to_memcpy": e2e / memcpy, "pieces": recs[0]["pieces"]}
-        print(f"{count:>8} {recs[0]['pieces']:>6} {put * 1e3:>8.1f} {e2e * 1e3:>14.1f} {e2e / memcpy:>9.2f}")
+        snd = statistics.median(out["sender_seconds"][count])
+        table[count] = {"put_seconds": put, "end_to_end_seconds": e2e, "ratio_to_memcpy": e2e / memcpy, "pieces": recs[0]["pieces"],
+                        "sender_seconds": snd, "sender_ratio_to_memcpy": snd / memcpy}
+        print(f"{count:>8} {recs[0]['pieces']:>6} {put * 1e3:>8.1f} {e2e * 1e3:>14.1f} {e2e / memcpy:>9.2f} {snd * 1e3:>10.1f} {snd / memcpy:>9.2f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     with open(Path(a.out) / "bench_streamed_put.json", "w") as f:
         json.dump({"args": args, "memcpy_seconds": memcpy, "cases": table, "raw": out}, f, indent=1)
