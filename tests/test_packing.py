@@ -67,7 +67,7 @@ def ref_group_by_block(nbytes, alignments, blocks):
     return bounds, offsets
 
 
-def ref_merge_ranges(offsets, lengths):
+def ref_merge_touching(offsets, lengths):
     runs = []  # [offset, length, first index]
     for i, (o, n) in enumerate(zip(offsets, lengths)):
         if runs and runs[-1][0] + runs[-1][1] == o:
@@ -379,14 +379,22 @@ def test_group_by_block_many_blocks_large():
     assert got.offsets.tolist() == offsets
 
 
-# -- merge_ranges -----------------------------------------------------------------
+# -- merge_runs over one side: ranges that touch ------------------------------------
+
+
+def merge_touching(offsets, lengths):
+    """Byte ranges merged where one ends where the next starts: merge_runs
+    with the same ranges as destinations and sources."""
+    off = np.asarray(offsets, dtype=np.int64)
+    runs = L.merge_runs(off, off, np.asarray(lengths, dtype=np.int64))
+    return runs.dst, runs.nbytes, runs.heads
 
 
 @settings(max_examples=300, deadline=None)
 @given(
     pieces=st.lists(st.tuples(st.booleans(), st.integers(0, 64), st.integers(1, 100)), max_size=80),
 )
-def test_merge_ranges_matches_reference(pieces):
+def test_merge_runs_of_ranges_matches_reference(pieces):
     # Each range either touches the previous one or starts after a gap.
     offsets, lengths = [], []
     cur = 0
@@ -395,8 +403,8 @@ def test_merge_ranges_matches_reference(pieces):
         offsets.append(start)
         lengths.append(length)
         cur = start + length
-    ro, rl, rs = L.merge_ranges(offsets, lengths)
-    eo, el, es = ref_merge_ranges(offsets, lengths)
+    ro, rl, rs = merge_touching(offsets, lengths)
+    eo, el, es = ref_merge_touching(offsets, lengths)
     assert ro.tolist() == eo and rl.tolist() == el and rs.tolist() == es
     assert int(rl.sum()) == sum(lengths)
 
@@ -406,23 +414,23 @@ def test_merge_ranges_matches_reference(pieces):
     offsets=st.lists(st.integers(0, 200), max_size=40),
     data=st.data(),
 )
-def test_merge_ranges_any_order(offsets, data):
+def test_merge_runs_of_ranges_in_any_order(offsets, data):
     # Unsorted and overlapping ranges only merge when one ends where the next starts.
     lengths = data.draw(st.lists(st.integers(1, 50), min_size=len(offsets), max_size=len(offsets)))
-    ro, rl, rs = L.merge_ranges(offsets, lengths)
-    eo, el, es = ref_merge_ranges(offsets, lengths)
+    ro, rl, rs = merge_touching(offsets, lengths)
+    eo, el, es = ref_merge_touching(offsets, lengths)
     assert ro.tolist() == eo and rl.tolist() == el and rs.tolist() == es
 
 
-def test_merge_ranges_of_a_packing_is_one_run():
+def test_merge_runs_of_a_packing_is_one_run():
     n = np.full(500, 4, dtype=np.int64)
     off, total = L.packed_offsets(n, np.full(500, 4))
-    ro, rl, rs = L.merge_ranges(off, n)
+    ro, rl, rs = merge_touching(off, n)
     assert ro.tolist() == [0] and rl.tolist() == [total] and rs.tolist() == [0]
-    empty = L.merge_ranges([], [])
+    empty = merge_touching([], [])
     assert all(x.size == 0 for x in empty)
     with pytest.raises(ValueError):
-        L.merge_ranges([0, 1], [1])
+        merge_touching([0, 1], [1])
 
 
 # -- fit_prefix: the sender's half of group_by_block --------------------------------

@@ -192,3 +192,111 @@ def test_close_frees_everything_and_is_idempotent():
     s.close()
     gc.collect()
     assert open_fds() <= fds
+
+
+# -- what cannot be addressed is refused before any copy -------------------------------------
+
+
+@pytest.fixture
+def dtensor():
+    """A real DTensor: a one-process gloo group on loopback, a CPU mesh."""
+    import socket
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built in")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        yield distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_is_refused_by_put_and_plan_before_any_copy(dtensor):
+    # Its data_ptr() is 0: a copy by address would end the process.
+    assert dtensor.data_ptr() == 0
+    with Sender("shm", capacity_nbytes=1 * MiB) as s:
+        before = s.pool.stats()
+        for attempt in (lambda: s.put({"w": torch.ones(8), "d": dtensor}), lambda: s.plan({"w": torch.ones(8), "d": dtensor})):
+            with pytest.raises(UnsupportedTensorError, match=r"obj\['d'\] is a DTensor.*\.to_local\(\).*\.full_tensor\(\)"):
+                attempt()
+            assert s.pool.stats() == before and idle(s)
+        with pytest.raises(UnsupportedTensorError, match="DTensor"):
+            s.pool.pack([dtensor])
+        assert s.pool.stats() == before
+        # What the error advises works.
+        t = s.put({"d": dtensor.to_local()})
+        assert t.total_nbytes == 64
+        s.discard(t)
+
+
+def test_a_streamed_put_inspects_once_and_runs_windows_of_one_copy_plan(monkeypatch):
+    # Each piece executes the part of the plan's runs in its byte range:
+    # the object is flattened once and its runs are built once, whatever
+    # the number of pieces.
+    from tensorferry import Receiver
+    from tensorferry.plans import _send
+
+    calls = {"flatten": 0, "build": 0}
+    real_flatten, real_build = _send.flatten, _send.CopyPlan.build
+
+    def flatten(obj):
+        calls["flatten"] += 1
+        return real_flatten(obj)
+
+    class CountingPlan(_send.CopyPlan):
+        @classmethod
+        def build(cls, *args, **kwargs):
+            calls["build"] += 1
+            return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(_send, "flatten", flatten)
+    monkeypatch.setattr(_send, "CopyPlan", CountingPlan)
+    flat = torch.arange(3 * MiB // 4, dtype=torch.float32)  # 3 MiB
+    views = [v.view(2, -1) if i % 2 else v for i, v in enumerate(flat.split(786))]
+    views.append(torch.arange(100.0)[::3])  # strided: copied value by value, in its piece
+    with Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=256 << 10) as s, Receiver("shm") as r:
+        t = s.put(views)
+        assert t.streamed and t.num_pieces == -(-t.total_nbytes // (256 << 10)) >= 12
+        got = r.get(t, timeout=60)
+        s.wait_released(t, timeout=10)
+        assert calls == {"flatten": 1, "build": 1}
+        assert all(torch.equal(a, b) for a, b in zip(got, views)) and len(got) == len(views)
+        assert idle(s)
+
+
+def test_a_fresh_put_keeps_nothing_of_the_object_once_it_is_in_the_pool():
+    # A one-shot plan skips what only a kept plan needs: the caller's
+    # tensors are free to go as soon as put returned (resident), or once
+    # the ticket is done (streamed: its pieces are packed later).
+    import weakref
+
+    with Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=256 << 10) as s:
+        small = torch.ones(1000)
+        gone = weakref.ref(small)
+        t = s.put([small, torch.arange(10)])
+        del small
+        gc.collect()
+        assert gone() is None and s.stats()["live_tickets"] == 1
+        big = torch.ones(2 * MiB // 4)
+        gone = weakref.ref(big)
+        t2 = s.put([big])
+        assert t2.streamed
+        del big
+        gc.collect()
+        assert gone() is not None  # its later pieces are still to be packed
+        for ticket in (t, t2):
+            s.discard(ticket)
+            s.wait_released(ticket, timeout=5.0)
+        # A piece the packer was copying when the ticket ended is let go
+        # when that copy returns.
+        assert wait_until(lambda: gc.collect() >= 0 and gone() is None, 5.0)
+        assert wait_until(lambda: idle(s), 5.0)

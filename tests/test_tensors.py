@@ -1,4 +1,4 @@
-"""Tensors <-> layout (_tensors.py): flatten, inspect_leaves, unflatten,
+"""Tensors <-> layout (_tensors.py: _flatten, _rebuild): flatten, inspect_leaves, unflatten,
 match_into and the dtype codes.
 
 The Layout's encoding is tests/test_layout.py's; packing into a pool is
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tensorferry import LayoutMismatchError, UnsupportedTensorError
-from tensorferry import _tensors
+from tensorferry import _flatten, _rebuild
 from tensorferry._tensors import data_ptrs, dtype_code, first_replaced, flatten, gc_paused, inspect_leaves, match_into, torch_dtype, unflatten
 from tensorferry.layout import DTYPES, TreeOp
 
@@ -311,13 +311,13 @@ def test_match_into_pauses_the_collector_and_restores_it_when_it_refuses(monkeyp
     # otherwise collections over everything alive); a refusal turns it back on.
     lay = layout_of({"a": torch.zeros(2, 3)})
     seen = []
-    real = _tensors._type_problems
+    real = _rebuild._type_problems
 
     def spy(*args):
         seen.append(gc.isenabled())
         return real(*args)
 
-    monkeypatch.setattr(_tensors, "_type_problems", spy)
+    monkeypatch.setattr(_rebuild, "_type_problems", spy)
     match_into(lay, {"a": torch.zeros(2, 3)})
     with pytest.raises(LayoutMismatchError):
         match_into(lay, {"a": torch.zeros(3, 2)})
@@ -330,7 +330,7 @@ def test_match_into_pauses_the_collector_and_restores_it_when_it_refuses(monkeyp
 def test_the_check_loops_are_native_here():
     # This install has a C++ compiler and this torch exports its reader: the
     # plans' checks run as C++ loops (the Python fallback is 3 to 5x slower).
-    assert _tensors._native is not None and _tensors._READER != 0
+    assert _flatten._native is not None and _flatten._READER != 0
 
 
 def _every_kind_of_dense_tensor() -> list[torch.Tensor]:
@@ -360,7 +360,7 @@ def test_data_ptrs_raise_what_data_ptr_raises(monkeypatch, native):
     # what is not a tensor: caught in the loop, the Python pass raises the
     # usual error (never a crash), wherever the bad one sits.
     if not native:
-        monkeypatch.setattr(_tensors, "_READER", 0)
+        monkeypatch.setattr(_flatten, "_READER", 0)
     ok = [torch.ones(3)] * 5
     with pytest.raises(RuntimeError, match="storage"):
         data_ptrs(ok + [torch.ones(3).to_sparse()] + ok)
@@ -372,7 +372,7 @@ def test_data_ptrs_raise_what_data_ptr_raises(monkeypatch, native):
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_first_replaced_finds_the_first_slot_that_changed(monkeypatch, native):
     if not native:
-        monkeypatch.setattr(_tensors, "_native", None)
+        monkeypatch.setattr(_flatten, "_native", None)
     a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
     d1, d2 = {"w": a, "b": b}, {"w": c}
     dicts, names, objs = [d1, d1, d2], ["w", "b", "w"], [a, b, c]

@@ -15,12 +15,16 @@ import hmac
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import _protocol as P
 from ._broadcast import SENDER, Tree
-from .errors import PoolExhaustedError
+from .errors import PlanBusyError, PoolExhaustedError
 from .pool import MemoryPool, Packed
+from .transports._base import Holdings
+
+if TYPE_CHECKING:
+    from .transports._base import Held
 
 __all__ = ["Ledger"]
 
@@ -30,7 +34,7 @@ class _Piece:
     voffset: int
     nbytes: int
     readers: int
-    packed: Packed | None = None
+    packed: "Held | None" = None  # a pool block group, or a sourced piece; None until packed
     unclaimed: int = 0  # reader slots not yet acquired
     holding: int = 0  # acquired, not yet released
     finished: int = 0  # released, dropped or expired
@@ -48,22 +52,26 @@ class _Entry:
     pieces: list[_Piece]
     streamed: bool
     # Only for streamed objects: pack(voffset, nbytes) -> Packed packs a
-    # later piece (its tensors are kept alive through it).
+    # later piece (its plan, and so its tensors, kept alive through it).
     pack: Callable[[int, int], Packed] | None = None
     digest: bytes = b""  # Ticket.digest of the ticket put() returned
     # Served from the tensors' own memory (a plan put with snapshot=False):
-    # only a transport that sends from any address (tcp) may serve it.
+    # only a server that serves_source_memory may serve it. ``source`` is
+    # the plan: one such ticket of a plan is read at a time.
     sourced: bool = False
+    source: object = None
     # A broadcast ticket (put with fanout=): who pulls from whom.
     tree: Tree | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class Ledger:
+class Ledger(Holdings):
     """The sender's book of tickets and reader slots. Thread-safe.
 
-    Transports call :meth:`acquire`, :meth:`release`, :meth:`held`
-    and :meth:`drop_connection` from their connection threads.
+    The :class:`~tensorferry.transports._base.Holdings` a sender's servers
+    serve from: they call :meth:`acquire`, :meth:`release`, :meth:`held`,
+    :meth:`drop_connection` and :meth:`count_sent` from their connection
+    threads.
     """
 
     def __init__(self, pool: MemoryPool) -> None:
@@ -74,6 +82,7 @@ class Ledger:
         self.transfers = 0
         self.bytes_served = 0
         self.bytes_sent = 0  # bytes a server sent itself (tcp Fetch); relays send the rest of a broadcast
+        self._sent_lock = threading.Lock()  # connection threads add to bytes_sent at once
         self._reaper = threading.Thread(target=self._reap_loop, name="tensorferry-lease-reaper", daemon=True)
         self._reaper.start()
         self._packer = threading.Thread(target=self._pack_loop, name="tensorferry-stream-packer", daemon=True)
@@ -82,9 +91,28 @@ class Ledger:
     # -- sender side -------------------------------------------------------------
 
     def add(self, entry: _Entry) -> None:
+        """Serve ``entry`` from now on.
+
+        Raises:
+            PlanBusyError: a ``snapshot=False`` entry whose plan's previous
+                such ticket is still being read (its bytes are the same
+                tensors); nothing added.
+        """
         with self._cond:
+            if entry.sourced:
+                busy = next((e.ticket_id for e in self._entries.values() if e.sourced and e.source is entry.source), None)
+                if busy is not None:
+                    raise PlanBusyError(
+                        f"put(plan, snapshot=False): ticket {busy} of this plan is still being read, and its bytes are the "
+                        "tensors this put would send; call sender.wait_released(ticket) first (or use snapshot=True)"
+                    )
             self._entries[entry.ticket_id] = entry
             self._cond.notify_all()
+
+    def count_sent(self, nbytes: int) -> None:
+        """A server sent ``nbytes`` itself (tcp's Fetch); any connection thread."""
+        with self._sent_lock:
+            self.bytes_sent += nbytes
 
     def wait_released(self, ticket_id: int, timeout: float | None) -> bool:
         with self._cond:
@@ -143,10 +171,10 @@ class Ledger:
                 return P.Failure(kind="altered", message=(
                     f"this ticket {msg.ticket_id} does not match what the sender put (its layout, blocks or sizes "
                     "were altered on the way); nothing was taken: redeem the ticket's original bytes"))
-            if entry.sourced and getattr(conn, "transport", "") not in ("tcp", "shm"):
+            if entry.sourced and not conn.server.serves_source_memory:
                 return P.Failure(kind="unsupported", message=(
                     f"ticket {msg.ticket_id} was put with snapshot=False: its bytes are the sender's tensors, "
-                    "which only the tcp and shm transports serve; redeem it over those, or put it with snapshot=True"))
+                    f"which the {conn.transport} transport does not serve (tcp and shm do); redeem it over those, or put it with snapshot=True"))
             piece = entry.pieces[msg.piece]
             key = (msg.ticket_id, msg.piece)
             if msg.failed_source:
@@ -169,16 +197,16 @@ class Ledger:
             piece.holding += 1
             entry.deadline = max(entry.deadline, time.monotonic() + entry.lease_seconds)
             conn.holds[key] = conn.holds.get(key, 0) + 1
-            # Only tcp and nixl readers join the tree: shm readers on the
-            # sender's host map its pool.
-            source = entry.tree.join(msg.relay, getattr(conn, "remote_host", "")) if entry.tree is not None and getattr(conn, "transport", "") in ("tcp", "nixl") else SENDER
+            # Only readers of a broadcasting server join the tree: shm
+            # readers on the sender's host map its pool.
+            source = entry.tree.join(msg.relay, conn.remote_host) if entry.tree is not None and conn.server.broadcasts else SENDER
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
     def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
-        """What holds the bytes of a piece ``conn`` acquired: a ``Packed``
-        (``buffers()``: its pool blocks) or, for a snapshot=False plan, a
-        ``SourcedPiece`` (``buffers()`` and ``runs()`` of the tensors
-        themselves); None if ``conn`` does not hold it."""
+        """What holds the bytes of a piece ``conn`` acquired (a ``Held``): a
+        ``Packed`` (its pool blocks) or, for a snapshot=False plan, a
+        ``SourcedPiece`` (the tensors themselves); None if ``conn`` does
+        not hold it."""
         with self._cond:
             if not conn.holds.get((ticket_id, piece_idx)):
                 return None
@@ -233,7 +261,6 @@ class Ledger:
         if piece.finished >= piece.readers and piece.packed is not None:
             piece.packed.release()
             piece.packed = None
-            piece.nbytes = piece.nbytes  # keep the size for stats
             piece.unclaimed = 0
             piece.voffset = -1 if entry.streamed else piece.voffset
         if all(p.finished >= p.readers for p in entry.pieces):

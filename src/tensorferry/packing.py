@@ -7,8 +7,8 @@ compute the same byte layout without exchanging per-tensor offsets:
   of its own alignment (its element size), with no trailing pad;
 * :func:`group_by_block` is the receiver's inverse: given only the byte count of
   each received block, it finds which consecutive tensors each block holds;
-* :func:`merge_runs` merges copies adjacent on both sides (and
-  :func:`merge_ranges` adjacent byte ranges), so one copy or one transfer
+* :func:`merge_runs` merges copies adjacent on both sides (byte ranges
+  that touch: the same ranges as both sides), so one copy or one transfer
   descriptor covers a whole run of tensors.
 
 Zero-size tensors take no space and never move the cursor: their offset is the
@@ -30,7 +30,6 @@ __all__ = [
     "align_up",
     "packed_offsets",
     "group_by_block",
-    "merge_ranges",
     "merge_runs",
     "Runs",
     "fit_prefix",
@@ -305,23 +304,6 @@ def merge_runs(dst, src, nbytes, breaks=None) -> Runs:
     if heads.size == n.size:
         return Runs(d, s, n, heads)
     return Runs(d[heads], s[heads], np.add.reduceat(n, heads), heads)
-
-
-def merge_ranges(offsets, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge byte ranges that touch (``offset[i] + length[i] == offset[i+1]``).
-
-    One-sided :func:`merge_runs`. Callers leave zero-length ranges out.
-
-    Returns:
-        ``(run_offsets, run_lengths, run_starts)``: each merged run's start and
-        byte count, and the index of the first input range of each run.
-    """
-    off = _as_int64("offsets", offsets)
-    ln = _as_int64("lengths", lengths)
-    if off.shape != ln.shape:
-        raise ConfigurationError(f"offsets has {off.size} entries but lengths has {ln.size}")
-    runs = merge_runs(off, off, ln)
-    return runs.dst, runs.nbytes, runs.heads
 
 
 def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:

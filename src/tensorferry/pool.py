@@ -17,8 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from ._allocator import Allocator, Block
 from ._copy import pack_leaves, vectored_io
 from ._tensors import LeafInfo, flatten, gc_paused, inspect_leaves
 from ._memory import pool_buffer, pool_device
+from ._packed import Packed, PoolStats
 from ._views import owned_view, unpack
 from .errors import ConfigurationError, PoolExhaustedError
 from .layout import Layout
@@ -36,69 +36,6 @@ __all__ = ["Block", "Lease", "Packed", "PoolStats", "MemoryPool", "unpack", "DEF
 
 # The size of a pool a Sender or a Receiver makes for itself.
 DEFAULT_CAPACITY_NBYTES = 256 << 20
-
-
-class PoolStats(NamedTuple):
-    """A snapshot of a pool. Bytes, except the counts."""
-
-    capacity_nbytes: int
-    used_nbytes: int
-    free_nbytes: int
-    largest_free_nbytes: int
-    free_blocks: int
-    live_objects: int
-    packs: int
-    packed_nbytes: int
-    leases: int = 0  # raw-byte reservations alive (staging buffers, receive blocks)
-
-
-@dataclass(eq=False)
-class Packed:
-    """An object packed into a pool: its blocks, its layout, its costs.
-
-    Attributes:
-        blocks: where the object's bytes are in the pool, in tensor order.
-        layout: dtypes, shapes and nesting; what a receiver needs.
-        nbytes: bytes of tensor data (without alignment padding).
-        num_tensors: number of leaf tensors.
-        copy_runs: contiguous copies issued for the runs of adjacent tensors.
-        strided_copies: tensors that were not contiguous (transposed,
-            strided, expanded, conjugated) and were copied element-wise into
-            the pool instead of as raw bytes, plus numpy arrays torch cannot
-            share (negative strides, read-only) that were staged through a copy.
-    """
-
-    blocks: tuple[Block, ...]
-    layout: Layout
-    nbytes: int
-    num_tensors: int
-    copy_runs: int
-    strided_copies: int
-    pool: "MemoryPool" = field(repr=False)
-    _released: bool = field(default=False, repr=False)
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def block_nbytes(self) -> list[int]:
-        return [b.nbytes for b in self.blocks]
-
-    def release(self) -> None:
-        """Return the blocks to the pool. Releasing twice is harmless."""
-        self.pool.free(self)
-
-    def buffers(self) -> list[memoryview]:
-        """The blocks' bytes, in order, as buffers (host pools; a server sends them)."""
-        host = self.pool.buffer.numpy()
-        return [memoryview(host[b.offset : b.offset + b.nbytes]) for b in self.blocks]
-
-    def __enter__(self) -> "Packed":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Lease:
@@ -240,6 +177,8 @@ class MemoryPool:
 
         Runs on the sender. Copies each view's own bytes only, one copy per
         run of adjacent tensors. Atomic: on any error nothing stays allocated.
+        The same packing as a fresh ``Sender.put`` that fits (its one-shot
+        plan places the object with :meth:`place`).
 
         Args:
             obj: a tensor, a numpy array, or any nesting of lists, tuples and
@@ -254,11 +193,19 @@ class MemoryPool:
         """
         self._check_open()
         with gc_paused():
-            return self._pack(obj)
+            leaves, ops, counts, keys, staged = flatten(obj)
+            return self.place(leaves, inspect_leaves(obj, leaves, ops, counts, keys), staged=staged)
 
-    def _pack(self, obj: Any) -> Packed:
-        leaves, ops, counts, keys, staged = flatten(obj)
-        info = inspect_leaves(obj, leaves, ops, counts, keys)
+    def place(self, leaves: Sequence[torch.Tensor], info: LeafInfo, *, staged: int = 0) -> Packed:
+        """Copy inspected leaves into as few blocks as the free space allows
+        (sender side): the allocator places the packed layout atomically,
+        then the copy plan for that placement is built and executed.
+        ``staged``: numpy arrays the flatten copied (counted as strided copies).
+
+        Raises:
+            PoolExhaustedError: the object does not fit; nothing allocated.
+        """
+        self._check_open()
         lay = info.layout
         nbytes = lay.nbytes
         blocks, groups = self._allocator.place_packed(nbytes, lay.alignments)
@@ -293,25 +240,10 @@ class MemoryPool:
             dst[lo:hi] = groups.offsets[lo:hi] + blk.offset
         return pack_leaves(leaves, info, dst, self.buffer)
 
-    def pack_range(self, leaves: Sequence[torch.Tensor], info: LeafInfo, offsets: np.ndarray, start: int, nbytes: int) -> Packed:
-        """Pack bytes ``[start, start + nbytes)`` of an object's one-block
-        layout (tensor ``i`` at ``offsets[i]``) into one block: a piece of a
-        streamed object (sender side). Runs of adjacent tensors are one copy
-        each, as in :meth:`pack`. Atomic.
-
-        Raises:
-            PoolExhaustedError: no free block of ``nbytes``; nothing allocated.
-        """
-        n = info.layout.nbytes
-        count = int(((offsets < start + nbytes) & (offsets + n > start) & (n > 0)).sum())
-        return self.pack_with(
-            info.layout, nbytes, lambda out: pack_leaves(leaves, info, offsets, out, start, start + nbytes), num_tensors=count
-        )
-
     def pack_with(self, layout: Layout, nbytes: int, fill: Callable[[torch.Tensor], tuple[int, int]], *, num_tensors: int) -> Packed:
         """One block of ``nbytes`` that ``fill(view of the block)`` writes
         and returns ``(copy runs, value-by-value copies)`` of: a piece of a
-        streamed object, or the put of a kept plan. Atomic: if ``fill``
+        streamed put, or a plan placed in one block. Atomic: if ``fill``
         raises, the block is free again.
 
         Raises:

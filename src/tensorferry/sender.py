@@ -7,14 +7,19 @@ release the slot. Blocks are freed when every reader released them, when a
 reader's connection drops (it died mid-read), or when the lease of slots
 nobody acquired expires.
 
-An object larger than the free space (or the whole pool) is streamed: it is
-cut into byte ranges of its one-block layout ("pieces"), each packed when
-space frees up and freed once every reader has read it (backpressure).
+Every put executes a plan: ``put(obj)`` a one-shot :class:`SendPlan` of
+``obj`` (inspected once, nothing kept), ``put(plan)`` a kept one. How it
+executes (resident in the pool, streamed, served from the tensors' own
+memory, broadcast) is decided once, by :func:`._execution.choose`, from
+the plan and what the servers declare they can do. An object larger than
+the free space (or the whole pool) is streamed: it is cut into byte ranges
+of its one-block layout ("pieces"), each packed when space frees up (the
+window of the plan's runs in its range) and freed once every reader has
+read it (backpressure).
 """
 
 from __future__ import annotations
 
-import functools
 import secrets
 import time
 from typing import Any
@@ -24,13 +29,12 @@ import torch
 
 from . import packing
 from ._args import positive_seconds, reader_count
-from ._broadcast import Tree
-from ._ledger import Ledger, _Entry, _Piece
-from ._tensors import flatten, gc_paused, inspect_leaves
-from .errors import ConfigurationError, PlanBusyError, PoolExhaustedError, TransferTimeoutError
-from .plans import SendPlan, SourcedPiece
+from ._execution import PutOptions, choose
+from ._ledger import Ledger, _Entry
+from .errors import ConfigurationError, TransferTimeoutError
+from .plans import SendPlan
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
-from .transports import TransportName
+from .transports import TransportName, make_server
 from .ticket import Ticket
 
 __all__ = ["Sender"]
@@ -89,8 +93,6 @@ class Sender:
         prefault: bool = False,
         extra_transports: tuple[str, ...] = (),
     ) -> None:
-        from .transports import make_server
-
         lease_seconds = positive_seconds("Sender(lease_seconds)", lease_seconds, allow_inf=True)
         self.transport = transport
         self._own_pool = pool is None
@@ -150,7 +152,7 @@ class Sender:
                 sender is closed.
         """
         self._check_open()
-        return SendPlan(self, obj, dtype=dtype)
+        return SendPlan(self.pool, obj, dtype=dtype, owner=self.ledger)
 
     def put(
         self,
@@ -162,12 +164,14 @@ class Sender:
         snapshot: bool = True,
         fanout: int | None = None,
     ) -> Ticket:
-        """Pack ``obj`` (or replay a plan's copy) and return its ticket at once.
+        """Execute a plan of ``obj`` (a one-shot plan of a fresh object, or
+        the kept plan given) and return its ticket at once.
 
         Copies each view's bytes into the pool (only its own bytes). An object
         that does not fit in the free space is streamed in pieces, unless
         ``one_shot`` is set. The caller must not change the tensors of a
-        streamed object until :meth:`wait_released` returns.
+        streamed object until :meth:`wait_released` returns. ``readers=1``
+        by default, for a plan too.
 
         Args:
             obj: a tensor or any nesting of lists, tuples and dicts of tensors;
@@ -204,136 +208,50 @@ class Sender:
         self._check_open()
         readers = reader_count(readers)
         lease = self.lease_seconds if lease_seconds is None else positive_seconds("put(lease_seconds)", lease_seconds, allow_inf=True)
-        planned = obj if isinstance(obj, SendPlan) else None
-        if not snapshot and planned is None:
+        if not snapshot and not isinstance(obj, SendPlan):
             raise ConfigurationError("put(snapshot=False) needs a plan: put(sender.plan(obj), snapshot=False)")
-        if fanout is not None:
-            if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
-                raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
-            if not {"tcp", "nixl"} & set(self.servers) or not snapshot:
-                raise ConfigurationError(
-                    f"put(fanout=...) broadcasts through relaying receivers over tcp or nixl; this sender serves {', '.join(self.servers)}"
-                    + ("" if snapshot else " and snapshot=False serves the tensors themselves") + ": use a tcp or nixl Sender and snapshot=True"
-                )
-            if planned is None:
-                planned = self.plan(obj)  # one block: a relay passes on one stream
-            one_shot = True
+        if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
+            raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
         if readers is None:
             # Any number of gets until discard(); the lease does not apply.
             readers, deadline = _UNLIMITED, float("inf")
-        if planned is not None:
-            layout, layout_bytes, count = planned.layout, planned.layout_bytes, planned.num_tensors
-            total = planned.total_nbytes
+        if isinstance(obj, SendPlan):
+            plan = obj
             # A snapshot put of some bytes checks the tensors as they move
             # into the pool (SendPlan.fill_checked); any other, before.
-            planned.check(self, tensors=not (snapshot and total))
-            if not snapshot:
-                return self._put_sourced(planned, ticket_id, readers, lease, deadline)
-        try:
-            if planned is None:
-                packed = self.pool.pack(obj)
-                layout, layout_bytes = packed.layout, packed.layout.to_bytes()
-            else:
-                packed = self.pool.pack_with(layout, total, planned.fill_checked, num_tensors=count) if total else None
-        except PoolExhaustedError as exc:
-            if planned is not None:
-                # No block, so fill_checked never ran: a stale plan says so
-                # (not that the pool is full), and streamed pieces are packed later.
-                planned.check(self)
-            if fanout is not None:
-                raise PoolExhaustedError(
-                    exc.requested_nbytes, exc.free_nbytes, exc.largest_free_nbytes, exc.capacity_nbytes,
-                    detail="put(fanout=...) sends the object as one block of the free pool (relays pass on one stream; "
-                    "it is not streamed in pieces): wait for older tickets' readers (wait_released, discard), make the Sender "
-                    f"with capacity_nbytes of at least {exc.requested_nbytes:,}, or put without fanout",
-                ) from exc
-            if one_shot:
-                raise
-            if planned is None:
-                return self._put_streamed(obj, ticket_id, readers, lease, deadline)
-            return self._add_streamed(planned.layout, planned.layout_bytes, total, planned.fill_piece(self.pool), ticket_id, readers, lease, deadline)
-        blocks = list(packed.blocks) if packed is not None else []
-        if planned is None:
-            total = packing.packed_offsets(layout.nbytes, layout.alignments)[1]
-        piece = _Piece(voffset=0, nbytes=sum(b.nbytes for b in blocks), readers=readers, packed=packed)
-        entry = _Entry(ticket_id, readers, lease, deadline, [piece], streamed=False, tree=Tree(fanout) if fanout else None)
-        ticket = self._ticket(ticket_id, layout_bytes, [(b.offset, b.nbytes) for b in blocks], total, 0, 1, readers, lease)
-        entry.digest = ticket.digest
-        if not blocks:
-            piece.finished = readers  # nothing to read: done already
-            if packed is not None:
-                packed.release()  # no ledger entry will: drop it from the pool's live set
-            entry.done.set()
-            return ticket
-        self.ledger.add(entry)
-        return ticket
-
-    def _ticket(self, ticket_id: int, layout_bytes: bytes, blocks: list[tuple[int, int]], total: int, piece_nbytes: int, num_pieces: int, readers: int, lease: float) -> Ticket:
-        return Ticket(
+            plan.check(self.ledger, tensors=not (snapshot and plan.total_nbytes))
+        else:
+            plan = SendPlan(self.pool, obj, kept=False, owner=self.ledger)
+        opts = PutOptions(readers, one_shot, snapshot, fanout, self.piece_nbytes)
+        ex = choose(plan, opts, self.servers.values())
+        ticket = Ticket(
             id=ticket_id,
             transport=self.transport,
             address=self.address,
             pool_generation=self.pool.generation,
-            layout_bytes=layout_bytes,
-            blocks=blocks,
-            total_nbytes=total,
-            piece_nbytes=piece_nbytes,
-            num_pieces=num_pieces,
+            layout_bytes=plan.layout_bytes,
+            blocks=ex.blocks,
+            total_nbytes=plan.total_nbytes,
+            piece_nbytes=ex.piece_nbytes,
+            num_pieces=ex.num_pieces,
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
         )
-
-    def _put_streamed(self, obj: Any, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
-        with gc_paused():
-            leaves, ops, counts, keys, _ = flatten(obj)
-            info = inspect_leaves(obj, leaves, ops, counts, keys)
-        offsets, total = packing.packed_offsets(info.layout.nbytes, info.layout.alignments)
-        pack = functools.partial(self.pool.pack_range, list(leaves), info, offsets)
-        return self._add_streamed(info.layout, info.layout.to_bytes(), total, pack, ticket_id, readers, lease, deadline)
-
-    def _add_streamed(self, layout: Any, layout_bytes: bytes, total: int, pack: Any, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
-        """A ticket of pieces of the one-block layout, each packed by
-        ``pack(voffset, nbytes)`` when the pool has room for it."""
-        size = self.piece_nbytes
-        pieces = [_Piece(voffset=s, nbytes=min(size, total - s), readers=readers) for s in range(0, total, size)]
-        entry = _Entry(ticket_id, readers, lease, deadline, pieces, streamed=True, pack=pack)
-        ticket = self._ticket(ticket_id, layout_bytes, [], total, size, len(pieces), readers, lease)
-        entry.digest = ticket.digest
-        self.ledger.add(entry)
-        return ticket
-
-    def _put_sourced(self, plan: SendPlan, ticket_id: int, readers: int, lease: float, deadline: float) -> Ticket:
-        """A plan served from its tensors' own memory, in pieces (tcp sends
-        from any address; the pool holds nothing of it)."""
-        if self.transport not in ("tcp", "shm"):
-            raise ConfigurationError(
-                f"put(plan, snapshot=False) serves the tensors' own memory, which the tcp transport sends and shm "
-                f"readers copy (process_vm_readv); this sender is {self.transport}: use snapshot=True"
-            )
-        with plan.lock:
-            busy = plan.last_unsnapshotted
-            if busy is not None and not self.ledger.is_done(busy):
-                raise PlanBusyError(
-                    f"put(plan, snapshot=False): ticket {busy} of this plan is still being read, and its bytes are the "
-                    "tensors this put would send; call sender.wait_released(ticket) first (or use snapshot=True)"
-                )
-            plan.source_buffers(0, 0)  # built now: refused here, not mid-transfer, if it cannot be
-            total = plan.total_nbytes
-            size = self.piece_nbytes
-            pieces = [
-                _Piece(voffset=s, nbytes=min(size, total - s), readers=readers, packed=SourcedPiece(plan, s, min(s + size, total)))
-                for s in range(0, total, size)
-            ]
-            entry = _Entry(ticket_id, readers, lease, deadline, pieces, streamed=True, sourced=True)
-            ticket = self._ticket(ticket_id, plan.layout_bytes, [], total, size, max(1, len(pieces)), readers, lease)
-            entry.digest = ticket.digest
-            if not pieces:
-                entry.done.set()
-                return ticket
+        if ex.kind == "empty":
+            return ticket  # nothing to read: done already
+        entry = _Entry(
+            ticket_id, readers, lease, deadline, ex.pieces, streamed=ex.kind != "resident", pack=ex.pack,
+            digest=ticket.digest, sourced=ex.kind == "sourced", source=plan if ex.kind == "sourced" else None, tree=ex.tree,
+        )
+        try:
             self.ledger.add(entry)
-            plan.last_unsnapshotted = ticket_id
+        except BaseException:
+            for piece in ex.pieces:
+                if piece.packed is not None:
+                    piece.packed.release()
+            raise
         return ticket
 
     def discard(self, ticket: Ticket) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from ._convert import copy_converting
 from ._memmove import Batches, batches, copy_bytes, destinations_apart, many_small_runs, memmove_runs, vectored_io
-from ._pack import copy_values, pack_leaves
+from ._pack import copy_values, leaf_runs, pack_leaves
 from ._plan import CopyPlan
 from ._targets import StagedCopy, copy_from_blocks, copy_staged, dense_host_mask, fill_aliases, scatter_segments, target_addresses
 from ._threads import PARALLEL_MIN_NBYTES, copy_threads, executor, finish, run_parts
@@ -52,6 +52,7 @@ __all__ = [
     "executor",
     "fill_aliases",
     "finish",
+    "leaf_runs",
     "many_small_runs",
     "memmove_runs",
     "pack_leaves",

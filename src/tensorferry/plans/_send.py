@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import packing
-from .._copy import PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, copy_values, many_small_runs, pack_leaves, run_parts
+from .._copy import PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, copy_values, leaf_runs, many_small_runs, pack_leaves, run_parts
 from .._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, torch_dtype
-from ..errors import ConfigurationError, UnsupportedTensorError
+from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorError
 from ..layout import DTYPES, Layout
+from ..pool import Block
 from ._buffers import BufferList, buffer_at
 from ._watch import PUT, Watch
 
 if TYPE_CHECKING:
-    from ..sender import Sender
+    from ..pool import MemoryPool, Packed
 
 __all__ = ["SendPlan", "SourcedPiece"]
 
@@ -66,15 +66,30 @@ def _split_stretches(stretches: list[tuple[int, int, list[torch.Tensor]]], k: in
     return [o for o in out if o]
 
 
-
 class SendPlan:
-    """A sender's kept plan of one object (``Sender.plan``); sender side.
+    """A sender's plan of one object, kept (``Sender.plan``) or one-shot
+    (``Sender.put(obj)``); sender side.
 
-    Holds the planned tensors (they stay alive as long as the plan does)
-    and replays their copy into the pool on every ``Sender.put(plan)``.
-    Where they are views of a few storages, it holds those storages too:
-    memory a tensor leaves (``.data =``, ``module.to()``) stays allocated
-    until the plan is dropped or a put finds it stale.
+    Every put executes a plan. A kept plan holds the planned tensors (they
+    stay alive as long as the plan does) and replays their copy into the
+    pool on every ``Sender.put(plan)``; it watches them (a put checks they
+    did not move), and where they are views of a few storages it holds
+    those storages too: memory a tensor leaves (``.data =``,
+    ``module.to()``) stays allocated until the plan is dropped or a put
+    finds it stale. A one-shot plan (``kept=False``) is made by a fresh put
+    and used once: it inspects the object once and skips the watch and the
+    held storages; its copy runs are built for the placement it gets (a
+    fragmented pool may take it in several blocks), or once over its
+    one-block layout when it is streamed.
+
+    Args:
+        pool: the pool the plan fills (the plan never reaches the sender).
+        obj: a tensor, any nesting of lists, tuples and dicts of them, or
+            an ``nn.Module`` (planned over its ``state_dict()``).
+        dtype: send floating-point tensors as this dtype (see ``Sender.plan``).
+        kept: a kept plan (watched, replayed) or a one-shot one.
+        owner: what a put checks the plan against (the sender's ledger): a
+            plan serves only the sender that made it.
 
     Attributes:
         source: the object planned (an ``nn.Module``, or the tensors' nesting).
@@ -85,129 +100,191 @@ class SendPlan:
         num_tensors: planned tensors (tied names counted once each).
     """
 
-    def __init__(self, sender: "Sender", obj: Any, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, pool: "MemoryPool", obj: Any, *, dtype: torch.dtype | None = None, kept: bool = True, owner: object = None) -> None:
         # Planning makes Python objects per tensor (shapes, storages): with
         # the collector paused, 100k of them set off no collections over
         # everything alive.
         with gc_paused():
-            self._make(sender, obj, dtype)
+            self._make(pool, obj, dtype, kept, owner)
 
-    def _make(self, sender: "Sender", obj: Any, dtype: torch.dtype | None) -> None:
-        self._sender = sender
+    def _make(self, pool: "MemoryPool", obj: Any, dtype: torch.dtype | None, kept: bool, owner: object) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.kept = kept
         self.source = obj  # what was planned (a module, or the object itself)
         module = obj if isinstance(obj, torch.nn.Module) else None
         src = module.state_dict(keep_vars=True) if module is not None else obj
         leaves, ops, counts, keys, staged = flatten(src)
         info = inspect_leaves(src, leaves, ops, counts, keys)
-        if staged:
+        if staged and kept:
             raise UnsupportedTensorError(
                 f"{staged} numpy arrays are read-only or have negative strides, so torch cannot share their memory; "
                 "a plan would send the copy made now on every put: pass writable, C-ordered arrays (np.ascontiguousarray(a).copy())"
             )
+        self._staged = staged  # numpy arrays flatten copied (a one-shot plan sends the copy)
         sent, convert = _converted(info.layout, dtype)
         self.layout: Layout = sent
         self.layout_bytes: bytes = sent.to_bytes()
         self.offsets, self.total_nbytes = packing.packed_offsets(sent.nbytes, sent.alignments)
         self.num_tensors = len(leaves)
         self.dtype = dtype
+        self._convert = convert
         self._converting = bool(convert.any())
         self._leaves = leaves
-        self._keys = list(src.keys()) if isinstance(src, dict) else None
+        keys_of = list(src.keys()) if isinstance(src, dict) else None
         # The copy sees converted leaves as values (not raw bytes) and the
         # layout's dtype as their destination type.
         self._info = info._replace(layout=sent, raw=info.raw & ~convert)
-        self._host = info.all_cpu and sender.pool.device.type == "cpu"
-        self._watch = Watch(leaves, self._keys, module, ops, counts, keys, hold=self._host)
+        self._inspected = info  # as found: what the conversions read
+        self._host = info.all_cpu and pool.device.type == "cpu"
+        self._watch = Watch(leaves, keys_of, module, ops, counts, keys, hold=self._host) if kept else None
+        self._copy: CopyPlan | None = None
         self._sources: BufferList | None = None
         self._gather: list[list[tuple[int, int, list[torch.Tensor]]]] | None = None
-        self.last_unsnapshotted: int | None = None  # ticket id of the last snapshot=False put
-        self.lock = threading.Lock()
-        if self._host:
-            self._copy = CopyPlan.build(self.offsets, info.data_ptrs, sent.nbytes, raw=self._info.raw)
-            self._conversions, converted = _conversion_runs(leaves, info, sent, self.offsets, convert)
-            self._values = np.setdiff1d(self._copy.elementwise, converted)
-            self._vectored = many_small_runs(self._copy.nbytes)
+        self._vectored = False
+        if kept:
+            self._runs()  # a kept plan pays for its runs once, when made
+
+    def _runs(self) -> CopyPlan:
+        """The copy runs over the one-block layout (built once): by address
+        on the host (with the conversions and value copies apart), by
+        storage on a device."""
+        if self._copy is None:
+            if not self._host:
+                self._copy = leaf_runs(self._leaves, self._info, self.offsets, host=False)
+                return self._copy
+            copy = CopyPlan.build(self.offsets, self._info.data_ptrs, self.layout.nbytes, raw=self._info.raw)
+            self._conversions, converted = _conversion_runs(self._leaves, self._inspected, self.layout, self.offsets, self._convert)
+            self._values = np.setdiff1d(copy.elementwise, converted)
+            # Vectored writes pay for a buffer per run once: only a kept plan gains.
+            self._vectored = self.kept and many_small_runs(copy.nbytes)
+            self._copy = copy
+        return self._copy
 
     def __repr__(self) -> str:
-        return (
-            f"SendPlan(num_tensors={self.num_tensors:,}, total_nbytes={self.total_nbytes:,}, "
-            f"dtype={self.dtype}, copy_runs={self.copy_runs if self._host else 'device'})"
-        )
+        kind = "kept" if self.kept else "one-shot"
+        runs = self.copy_runs if self._host and self._copy is not None else "device" if not self._host else "unbuilt"
+        return f"SendPlan({kind}, num_tensors={self.num_tensors:,}, total_nbytes={self.total_nbytes:,}, dtype={self.dtype}, copy_runs={runs})"
 
     @property
     def copy_runs(self) -> int:
         """Copies one snapshot put issues (merged runs, conversion runs, value copies)."""
         if not self._host:
             return self.num_tensors
-        return self._copy.num_runs + len(self._conversions) + int(self._values.size)
+        copy = self._runs()
+        return copy.num_runs + len(self._conversions) + int(self._values.size)
 
     # -- what put() calls ------------------------------------------------------------------
 
-    def check(self, sender: "Sender", *, tensors: bool = True) -> None:
-        """Raise unless this plan belongs to ``sender`` and (``tensors``)
-        its tensors are still where it found them: the same objects in the
-        module (if one was planned), at the same addresses, of the same
-        sizes. A few C-level passes over the tensors, no Python per tensor
-        but for a module's slots. A snapshot put leaves the tensors to
-        :meth:`fill_checked`, which checks them while the bytes move.
+    def check(self, owner: object, *, tensors: bool = True) -> None:
+        """Raise unless this plan belongs to ``owner`` (the putting sender's
+        ledger) and (``tensors``, kept plans) its tensors are still where it
+        found them: the same objects in the module (if one was planned), at
+        the same addresses, of the same sizes. A few C-level passes over the
+        tensors, no Python per tensor but for a module's slots. A snapshot
+        put leaves the tensors to :meth:`fill_checked`, which checks them
+        while the bytes move.
 
         Raises:
             ConfigurationError: another sender's plan.
             PlanStaleError: a tensor moved, was replaced or resized.
         """
-        if sender is not self._sender:
+        if owner is not self.owner:
             raise ConfigurationError("put(plan): this plan was made by another Sender; make one with this sender's plan()")
-        if tensors:
+        if tensors and self._watch is not None:
             self._watch.check(*PUT)
+
+    def place(self, *, one_block: bool) -> "Packed":
+        """The whole object in the pool now (sender side). A kept plan, or
+        ``one_block`` (a broadcast: relays pass on one stream), takes one
+        block of the one-block layout, filled from the kept runs; a one-shot
+        plan takes as few blocks as the free space allows (the pool places
+        it and copies it by the runs of that placement).
+
+        Raises:
+            PoolExhaustedError: it does not fit now; nothing held (a kept
+                plan checks its tensors first: a stale plan says so).
+            PlanStaleError: a kept plan's tensor moved (the block is free again).
+        """
+        try:
+            if self.kept or one_block or self._converting:
+                return self.pool.pack_with(self.layout, self.total_nbytes, self.fill_checked, num_tensors=self.num_tensors)
+            return self.pool.place(self._leaves, self._info, staged=self._staged)
+        except PoolExhaustedError:
+            # No block, so fill_checked never ran: a stale plan says so (not
+            # that the pool is full), before its pieces are streamed.
+            self.check(self.owner)
+            raise
+
+    def piece_packer(self) -> Callable[[int, int], "Packed"]:
+        """``pack(voffset, nbytes) -> Packed``: one piece of a streamed put,
+        a block of the pool filled with the window of the plan's runs that
+        falls in ``[voffset, voffset + nbytes)`` (no per-piece rebuild)."""
+        nbytes, offsets = self.layout.nbytes, self.offsets
+        self._runs()
+        # Starts and ends both ascend (packed offsets): a piece's tensors
+        # are counted by two binary searches, not a pass over all of them.
+        ends = offsets + nbytes
+        nonempty = np.concatenate([[0], np.cumsum(nbytes > 0)])
+
+        def pack(voffset: int, size: int) -> "Packed":
+            first = int(np.searchsorted(ends, voffset, side="right"))
+            last = int(np.searchsorted(offsets, voffset + size, side="left"))
+            count = int(nonempty[max(last, first)] - nonempty[first])
+            return self.pool.pack_with(self.layout, size, lambda out: self.fill(out, voffset, voffset + size), num_tensors=count)
+
+        return pack
 
     def fill_checked(self, out: torch.Tensor) -> tuple[int, int]:
         """:meth:`fill` of the whole object into ``out``, with the check of
-        :meth:`check`: before the copy, or, when the tensors live in a few
-        storages (views of flat buffers), while it runs. Those storages are
-        checked first (the plan holds them, so every byte the copy reads by
-        the planned addresses is theirs, whatever the tensors show; tensors
-        copied value by value are read through the tensors as they are),
-        then the tensors one by one on
-        another thread as the bytes move: the pass over 100k tensors (10 to
-        25 ms, most of it cache misses after a training step touched GiBs)
-        takes no time of its own where a core is free for it (on 2 cores,
-        both copying, it gains nothing measurable). A stale tensor raises
-        after the copy; the caller frees the block, nothing was sent.
+        :meth:`check` (kept plans): before the copy, or, when the tensors
+        live in a few storages (views of flat buffers), while it runs. Those
+        storages are checked first (the plan holds them, so every byte the
+        copy reads by the planned addresses is theirs, whatever the tensors
+        show; tensors copied value by value are read through the tensors as
+        they are), then the tensors one by one on another thread as the
+        bytes move: the pass over 100k tensors (10 to 25 ms, most of it
+        cache misses after a training step touched GiBs) takes no time of
+        its own where a core is free for it (on 2 cores, both copying, it
+        gains nothing measurable). A stale tensor raises after the copy;
+        the caller frees the block, nothing was sent.
 
         Raises:
             PlanStaleError: a tensor moved, was replaced or resized.
         """
+        if self._watch is None:
+            return self.fill(out, 0, self.total_nbytes)
         return self._watch.guarded(lambda: self.fill(out, 0, self.total_nbytes), *PUT, overlap=self._host)
 
     def matches(self, obj: Any) -> bool:
         """Whether ``obj`` is made of the planned tensors' memory, nested
         the same way (a fresh ``state_dict()`` of the same model is): its
         tensors may then be sent by this plan. One flatten of ``obj`` and a
-        few C-level passes."""
-        return self._watch.matches(obj)
+        few C-level passes. A one-shot plan matches nothing (it keeps no watch)."""
+        return self._watch is not None and self._watch.matches(obj)
 
     def fill(self, out: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
         """Write bytes ``[lo, hi)`` of the packed object into ``out`` (a pool
-        block of ``hi - lo`` bytes): the kept runs by address, conversions
-        a run at a time, the rest value by value. Returns ``(copies, value copies)``."""
+        block of ``hi - lo`` bytes): the runs by address, conversions a run
+        at a time, the rest value by value. Returns ``(copies, value copies)``."""
+        copy = self._runs()
         if not self._host:
-            return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi)
-        copy = self._copy
-        pool = self._sender.pool
-        if self._vectored and lo == 0 and hi >= self.total_nbytes:
+            return pack_leaves(self._leaves, self._info, self.offsets, out, lo, hi, runs=copy)
+        whole = lo == 0 and hi >= self.total_nbytes
+        if self._vectored and whole:
             # Many small runs, the whole object: torch.cat of the runs (a
             # C++ loop of memcpy; 100k runs of 10 KiB: 102 ms here against
             # 193 ms for a memmove a run and 143 ms for pwritev, and 78 ms
             # for one memcpy), a part per copy thread (cat runs without the GIL).
             run_parts(_cat_into, [(out, part) for part in self._gathers()])
             runs = copy.num_runs
-        elif self._vectored and pool.fd is not None:
+        elif self._vectored and self.pool.fd is not None:
             # A piece of a streamed put: the window of the runs by pwritev.
             # Gaps (and the places of converted or value-copied tensors,
             # written below) get zeros: every byte of [lo, hi) is written.
-            pool.write_buffers(out.data_ptr() - pool.data_ptr, self._run_buffers().window(lo, hi))
+            self.pool.write_buffers(out.data_ptr() - self.pool.data_ptr, self._run_buffers().window(lo, hi))
             runs = copy.num_runs
-        elif lo == 0 and hi >= self.total_nbytes:
+        elif whole:
             runs = copy.execute(dst_base=out.data_ptr())
         else:
             runs = copy.execute_window(lo, hi, out.data_ptr() - lo, 0, by_dst=True)
@@ -223,16 +300,17 @@ class SendPlan:
         values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
         return runs + len(self._conversions), values
 
-    def fill_piece(self, pool: Any) -> Any:
-        """``pack(voffset, nbytes) -> Packed``: one piece of a streamed put,
-        packed into ``pool`` from the kept runs."""
-        nbytes, offsets = self.layout.nbytes, self.offsets
+    def sourced_pieces(self, piece_nbytes: int) -> list["SourcedPiece"]:
+        """The object in pieces of ``piece_nbytes`` served from the tensors'
+        own memory (a ``snapshot=False`` put); the buffers are built now, so
+        a plan that cannot be served so is refused here, not mid-transfer.
 
-        def pack(voffset: int, size: int) -> Any:
-            count = int(((offsets < voffset + size) & (offsets + nbytes > voffset) & (nbytes > 0)).sum())
-            return pool.pack_with(self.layout, size, lambda out: self.fill(out, voffset, voffset + size), num_tensors=count)
-
-        return pack
+        Raises:
+            ConfigurationError: as :meth:`source_buffers`.
+        """
+        self.source_buffers(0, 0)
+        total = self.total_nbytes
+        return [SourcedPiece(self, s, min(s + piece_nbytes, total)) for s in range(0, total, piece_nbytes)]
 
     def source_buffers(self, lo: int, hi: int) -> list[memoryview]:
         """Bytes ``[lo, hi)`` of the packed object as buffers of the
@@ -243,7 +321,7 @@ class SendPlan:
             ConfigurationError: the plan converts dtypes, or has tensors
                 that are not dense host memory (their bytes are not their values).
         """
-        if not self._host or self._converting or self._values.size:
+        if not self._host or self._converting or self._runs().elementwise.size:
             why = (
                 "it converts dtypes (dtype=)" if self._converting else
                 "some tensors are not dense host memory (strided, conjugated, negated or on a device)"
@@ -260,7 +338,7 @@ class SendPlan:
         order, alignment gaps left out (what a snapshot=False put tells shm
         readers, which copy them with process_vm_readv)."""
         self.source_buffers(0, 0)  # the same conditions as the buffers
-        d, s, n, _ = self._copy.window(lo, hi, by_dst=True)
+        d, s, n, _ = self._runs().window(lo, hi, by_dst=True)
         return d, s, n
 
     def _gathers(self) -> list[list[tuple[int, int, list[torch.Tensor]]]]:
@@ -272,7 +350,7 @@ class SendPlan:
         bridged with zeros, so a state dict of mixed dtypes is a few cats,
         not one per run (a cat costs ~10 us to start)."""
         if self._gather is None:
-            c = self._copy
+            c = self._runs()
             stretches: list[tuple[int, int, list[torch.Tensor]]] = []
             zeros = torch.zeros(_BRIDGE_NBYTES, dtype=torch.uint8)
             for d, s, n in zip(c.dst.tolist(), c.src.tolist(), c.nbytes.tolist()):
@@ -292,19 +370,19 @@ class SendPlan:
     def _run_buffers(self) -> "BufferList":
         """The packed object as buffers of the raw runs' memory, zeros between (made once)."""
         if self._sources is None:
-            c = self._copy
+            c = self._runs()
             self._sources = BufferList(c.dst, c.src, c.nbytes, self.total_nbytes)
         return self._sources
 
 
 class SourcedPiece:
     """A piece of a ``snapshot=False`` put: served from the tensors' own
-    memory, so it holds no pool block. Stands where a :class:`Packed` does
-    in the sender's ledger (``blocks``, ``buffers()``, ``release()``)."""
+    memory, so it holds no pool block. What a server serves, as a pool
+    :class:`~tensorferry.pool.Packed` is (the ``Held`` protocol of
+    :mod:`tensorferry.transports._base`: ``blocks``, ``buffers()``,
+    ``runs()``, ``release()``)."""
 
     def __init__(self, plan: SendPlan, lo: int, hi: int) -> None:
-        from ..pool import Block
-
         self.plan, self.lo, self.hi = plan, lo, hi
         # Offsets relative to the piece: the receiver checks them against
         # the sender's pool size, which a piece never exceeds.
@@ -314,7 +392,8 @@ class SourcedPiece:
         return self.plan.source_buffers(self.lo, self.hi)
 
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(position in the piece, address, length) of the piece's runs."""
+        """(position in the piece, address, length) of the piece's runs in
+        this process's memory (shm readers copy them out themselves)."""
         pos, addr, n = self.plan.source_runs(self.lo, self.hi)
         return pos - self.lo, addr, n
 

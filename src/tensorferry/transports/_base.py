@@ -4,9 +4,12 @@ A transport is a pair of small classes:
 
 * a :class:`ControlServer` subclass, run by a Sender: it accepts receivers,
   shakes hands (token, pool identity, whatever the transport must pass), and
-  answers Acquire / Release from the sender's ledger; a transport adds its
+  answers Acquire / Release from what the sender holds (its
+  :class:`Holdings`: the ledger, or a relay's book); a transport adds its
   own requests (tcp's Fetch) and handshake extras (shm's file descriptor,
-  nixl's agent metadata);
+  nixl's agent metadata), and declares what it can do as class attributes
+  (:attr:`ControlServer.serves_source_memory`, :attr:`ControlServer.broadcasts`):
+  the sender decides how a put executes from those, never from a name;
 * a :class:`Channel` subclass, used by a Receiver for one sender: it sends
   Acquire / Release, and moves the bytes of acquired blocks into destination
   memory with :meth:`Channel.read_into` (shm: one copy per block out of the
@@ -20,14 +23,17 @@ server keeps serving everyone else.
 
 from __future__ import annotations
 
+import abc
 import hmac
 import logging
 import os
 import socket
+import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from .. import _protocol as P
@@ -45,9 +51,9 @@ from ..errors import (
 from ._connections import ReceiveContext
 
 if TYPE_CHECKING:
-    from .._ledger import Ledger
+    from .._allocator import Block
 
-__all__ = ["ControlServer", "Channel", "Connection", "ReceiveContext"]
+__all__ = ["ControlServer", "Channel", "Connection", "Held", "Holdings", "ReceiveContext", "check_same_user"]
 
 log = logging.getLogger("tensorferry.transports")
 
@@ -64,13 +70,82 @@ _MAX_HANDSHAKING = 128
 _STREAM_ALIGNMENT = 4096
 
 
-class Connection:
-    """One accepted receiver connection and the reader slots it holds."""
+class Held(Protocol):
+    """What a server serves for one acquired piece: a pool block group
+    (:class:`~tensorferry.pool.Packed`) or the sender's own tensors
+    (:class:`~tensorferry.plans.SourcedPiece`, a ``snapshot=False`` put)."""
 
-    def __init__(self, sock: socket.socket, peer: Any, transport: str = "") -> None:
+    blocks: "tuple[Block, ...]"
+
+    def buffers(self) -> list[memoryview]:
+        """The piece's bytes, in order, as buffers of this process's memory."""
+        ...
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(position, address, length) of the piece's bytes in this
+        process's memory for a reader that copies them out itself
+        (process_vm_readv), or None when they are in the pool (map it)."""
+        ...
+
+    def release(self) -> None:
+        """Give the bytes back (a pool block is freed); idempotent."""
+        ...
+
+
+class Holdings(abc.ABC):
+    """What a :class:`ControlServer` serves from, written once: the
+    sender's ``Ledger`` (tickets, pieces, reader slots) and a relay's
+    ``RelayBook`` (the tickets it relays; its children take their slots at
+    the sender) implement it. Called on the server's connection threads."""
+
+    @abc.abstractmethod
+    def acquire(self, conn: "Connection", msg: P.Acquire) -> P.Located | P.Failure:
+        """Take a reader slot of a piece (waiting for a streamed piece to be packed)."""
+
+    @abc.abstractmethod
+    def held(self, conn: "Connection", ticket_id: int, piece: int) -> Held | None:
+        """What holds a piece ``conn`` acquired, or None if it holds none."""
+
+    @abc.abstractmethod
+    def release(self, conn: "Connection", ticket_id: int, piece: int, send: Any = None) -> P.Released | P.Failure:
+        """A reader is done with a piece; ``send(reply)`` answers it first."""
+
+    @abc.abstractmethod
+    def drop_connection(self, conn: "Connection") -> None:
+        """``conn`` went away: every slot it held is finished."""
+
+
+_UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+def check_same_user(sock: socket.socket, what: str) -> None:
+    """Refuse a Unix-socket peer of another user (root excepted): it may
+    not read this process's memory (``what``, e.g. "map this sender's pool").
+
+    Raises:
+        AuthenticationError: the peer runs as another user.
+    """
+    pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    if uid != os.getuid() and uid != 0:
+        raise AuthenticationError(f"process {pid} of user {uid} may not {what}")
+
+
+class Connection:
+    """One accepted receiver connection and the reader slots it holds.
+
+    Args:
+        sock: the accepted socket.
+        peer: its address, as accept returned it.
+        server: the server that accepted it: what it can do
+            (``serves_source_memory``, ``broadcasts``) is what the
+            holdings may offer this reader.
+    """
+
+    def __init__(self, sock: socket.socket, peer: Any, server: "ControlServer") -> None:
         self.sock = sock
         self.peer = str(peer)
-        self.transport = transport
+        self.server = server
+        self.transport = server.transport
         # A tcp receiver on another host than this server's: its address
         # (a broadcast places it below a relay of its own host); else "".
         self.remote_host = ""
@@ -85,16 +160,27 @@ class Connection:
 
 
 class ControlServer:
-    """Sender side: accept receivers and serve the ledger over the protocol.
+    """Sender side: accept receivers and serve holdings over the protocol.
+
+    A subclass provides :meth:`_listen` and :attr:`address`, and may
+    override :meth:`_authorize`, :meth:`_welcome` and :meth:`_handle_extra`.
 
     Args:
-        ledger: the sender's bookkeeping of tickets and reader slots.
+        ledger: what it serves from (:class:`Holdings`: the sender's
+            ledger, whose ``pool`` the welcome describes, or a relay's book).
         token: shared secret every receiver must present (empty: none).
     """
 
     transport: ClassVar[str] = ""
+    # Serves a snapshot=False put: pieces that are the sender's tensors,
+    # not its pool (tcp sends from any address; shm readers copy them out
+    # with process_vm_readv).
+    serves_source_memory: ClassVar[bool] = False
+    # Its readers may join a broadcast tree and pull from relaying
+    # receivers (put(fanout=)); readers that map the pool (shm) do not.
+    broadcasts: ClassVar[bool] = False
 
-    def __init__(self, ledger: "Ledger", *, token: bytes = b"") -> None:
+    def __init__(self, ledger: Holdings, *, token: bytes = b"") -> None:
         self.ledger = ledger
         self.token = token
         self.listener = self._listen()
@@ -119,14 +205,14 @@ class ControlServer:
         """Check the peer before the handshake (shm: same user)."""
 
     def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
-        pool = self.ledger.pool
+        pool = self.ledger.pool  # a sender's ledger; a relay's server welcomes otherwise
         return P.Welcome(pool_nbytes=pool.capacity_nbytes, pool_generation=pool.generation, pool_base_addr=pool.data_ptr), []
 
     def _handle_extra(self, conn: Connection, msg: Any) -> bool:
         """Handle a transport-specific request; False if it is not one."""
         return False
 
-    def _held(self, conn: Connection, msg: Any) -> Any:
+    def _held(self, conn: Connection, msg: Any) -> Held | None:
         """What holds the piece ``msg`` asks about (see ``Ledger.held``), or
         None after telling the receiver it does not hold it."""
         held = self.ledger.held(conn, msg.ticket_id, msg.piece)
@@ -145,7 +231,7 @@ class ControlServer:
                     return
                 time.sleep(0.01)
                 continue
-            conn = Connection(sock, addr, self.transport)
+            conn = Connection(sock, addr, self)
             with self._lock:
                 if self._handshaking >= _MAX_HANDSHAKING:
                     self.refused += 1

@@ -63,6 +63,7 @@ class NixlServer(TcpControlServer):
     READ); the pool registered with NIXL once, its metadata in the Welcome."""
 
     transport = "nixl"
+    broadcasts = True
 
     def __init__(
         self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None

@@ -16,7 +16,6 @@ import mmap
 import os
 import secrets
 import socket
-import struct
 
 import numpy as np
 import torch
@@ -25,15 +24,14 @@ from .. import _protocol as P
 from .._copy import CopyPlan, copy_bytes, vectored_io
 from .._views import owned_view
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
-from ._base import Channel, Connection, ControlServer
+from ._base import Channel, Connection, ControlServer, check_same_user
 
 __all__ = ["ShmServer", "ShmChannel"]
-
-_UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class ShmServer(ControlServer):
     transport = "shm"
+    serves_source_memory = True  # readers copy a sourced piece out with process_vm_readv
 
     def _listen(self) -> socket.socket:
         if self.ledger.pool.fd is None:
@@ -49,9 +47,7 @@ class ShmServer(ControlServer):
         return "@" + self._name
 
     def _authorize(self, sock: socket.socket) -> None:
-        pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        if uid != os.getuid() and uid != 0:
-            raise AuthenticationError(f"process {pid} of user {uid} may not map this sender's pool")
+        check_same_user(sock, "map this sender's pool")
 
     def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
         welcome, _ = super()._welcome(conn, hello)
@@ -63,10 +59,11 @@ class ShmServer(ControlServer):
         held = self._held(conn, msg)
         if held is None:
             return True
-        if not hasattr(held, "runs"):
+        runs = held.runs()
+        if runs is None:
             P.send_msg(conn.sock, P.Failure(kind="not-sourced", message=f"ticket {msg.ticket_id} piece {msg.piece} is in the pool (not a snapshot=False piece): map it"))
             return True
-        pos, addr, n = (np.ascontiguousarray(a, dtype="<i8").tobytes() for a in held.runs())
+        pos, addr, n = (np.ascontiguousarray(a, dtype="<i8").tobytes() for a in runs)
         P.send_msg(conn.sock, P.SourceRuns(pid=os.getpid(), pos=pos, address=addr, nbytes=n))
         return True
 

@@ -175,6 +175,8 @@ class TcpServer(TcpControlServer):
     """tcp: answers a Fetch of acquired blocks with their bytes."""
 
     transport = "tcp"
+    serves_source_memory = True  # sendmsg sends from any address
+    broadcasts = True
 
     def _handle_extra(self, conn: Connection, msg) -> bool:
         if not isinstance(msg, P.Fetch):
@@ -190,7 +192,7 @@ class TcpServer(TcpControlServer):
         # The frame timeout stays on: a receiver that stops reading for that
         # long (hung, stopped) must not pin the piece's blocks forever.
         P.send_all_views(conn.sock, buffers)
-        self.ledger.bytes_sent += total
+        self.ledger.count_sent(total)
         return True
 
 

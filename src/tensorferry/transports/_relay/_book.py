@@ -12,6 +12,7 @@ import numpy as np
 
 from ... import _protocol as P
 from ...errors import PeerGoneError
+from .._base import Holdings
 
 __all__ = ["CHUNK_NBYTES", "RelayBook"]
 
@@ -69,11 +70,16 @@ class _Held:
             return self.arrived
 
 
-class RelayBook:
+class RelayBook(Holdings):
     """The tickets a relaying receiver can serve, each kept ``linger_seconds``
     after it arrived (or after its last child's pull) so that late children
     and children resuming after a fault find it, or until the next ticket
-    starts; then its memory is let go."""
+    starts; then its memory is let go.
+
+    The :class:`~tensorferry.transports._base.Holdings` its server serves
+    from: a relay keeps no reader slots (its children take theirs at the
+    sender and Pull byte ranges here), so it refuses Acquire and Release
+    and holds no piece for any connection."""
 
     def __init__(self, linger_seconds: float, on_drop: Callable[[_Held], None] | None = None) -> None:
         self.cond = threading.Condition()
@@ -178,9 +184,12 @@ class RelayBook:
             self.cond.notify_all()
         self._dropped(gone)
 
-    # What a control server asks of its "ledger": a relay keeps no slots.
     def acquire(self, conn: Any, msg: Any) -> P.Failure:
         return P.Failure(kind="relay", message="this is a relaying receiver: acquire slots from the sender")
+
+    def held(self, conn: Any, ticket_id: int, piece: int) -> None:
+        """None: no connection holds a slot here."""
+        return None
 
     def release(self, conn: Any, ticket_id: int, piece: int, send: Any = None) -> P.Failure:
         reply = P.Failure(kind="relay", message="this is a relaying receiver: release slots at the sender")

@@ -10,14 +10,13 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from ... import _protocol as P
-from ...errors import PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
-from .._base import Connection
+from ...errors import AuthenticationError, PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
+from .._base import Connection, check_same_user
 from .._tcp import TcpControlServer
 from ._book import RelayBook, _Held
 from ._same_host import host_identity
@@ -26,7 +25,6 @@ __all__ = ["RelayServer"]
 
 log = logging.getLogger("tensorferry.transports")
 
-_UCRED = struct.Struct("3i")  # pid, uid, gid
 
 class RelayServer(TcpControlServer):
     """A relaying receiver's server: children present the token, then
@@ -87,9 +85,10 @@ class RelayServer(TcpControlServer):
         # The Hello first, also from a child we refuse: closing before it
         # arrived would fail the child's send, and it would never read why.
         hello = P.recv_msg(conn, expect=(P.Hello,), deadline=time.monotonic() + 2.0)
-        pid, uid, _gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        if uid != os.getuid() and uid != 0:
-            P.send_msg(conn, P.Failure(kind="auth", message=f"process {pid} of user {uid} may not map this relay's memory"))
+        try:
+            check_same_user(conn, "map this relay's memory")
+        except AuthenticationError as exc:
+            P.send_msg(conn, P.Failure(kind="auth", message=str(exc)))
             return
         with self._lock:
             held = self._files.get(hello.token) if isinstance(hello, P.Hello) else None
