@@ -138,7 +138,7 @@ def define_actors(ray: Any) -> tuple[Any, Any]:
         def keep_plans(self, on: bool) -> None:
             from tensorferry.ray import _transport as tft
 
-            tft._process().keep_plans = on
+            tft._process().kept.enabled = on
 
         @ray.method(tensor_transport="tensorferry")
         def same_tf(self) -> list:

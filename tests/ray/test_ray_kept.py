@@ -79,23 +79,44 @@ def test_fresh_tensors_at_recycled_addresses_never_make_a_plan(segments):
     assert kept.plans_made == 0 and kept.plan_puts == 0
 
 
-def test_another_shape_order_or_object_of_the_same_memory_takes_the_fresh_path(segments):
+def test_another_shape_or_order_of_the_same_memory_is_never_sent_by_the_plan(segments):
     kept = KeptPlan()
     base = torch.arange(64, dtype=torch.float32)
+
+    def send(t: torch.Tensor) -> None:
+        got = _roundtrip(kept, segments, receiver, [t])
+        assert got[0].shape == t.shape and torch.equal(got[0], t)
+
     with Receiver() as receiver:
         for _ in range(2):
-            _roundtrip(kept, segments, receiver, [base.view(8, 8)])
-        assert kept.plan_puts == 1
+            send(base.view(8, 8))
+        assert (kept.plans_made, kept.plan_puts) == (1, 1)
         # The same address and element count, another shape: not the plan's layout.
-        got = _roundtrip(kept, segments, receiver, [base.view(4, 16)])
-        assert got[0].shape == (4, 16) and torch.equal(got[0], base.view(4, 16))
-        assert kept.plan is None and kept.plan_puts == 1
-        # And another order of the same bytes (a transposed view).
+        send(base.view(4, 16))
+        assert kept.plan_puts == 1
+        send(base.view(8, 8))  # the plan stayed for the object it was made of
+        assert kept.plan_puts == 2
+        # Another order of the same bytes: the memory of a recent fresh put,
+        # so it gets a plan of its own, and the plain view no longer matches.
+        send(base.view(8, 8).t())
+        assert (kept.plans_made, kept.plan_puts) == (2, 3)
+        send(base.view(8, 8))
+        assert kept.plan_puts == 3
+
+
+def test_a_plan_survives_other_objects_between_its_sends_until_another_is_sent_twice(segments):
+    kept = KeptPlan()
+    weights = _weights(5)
+    with Receiver() as receiver:
+        for step in range(4):
+            _roundtrip(kept, segments, receiver, list(weights))
+            fresh = [torch.full((100,), float(step))]
+            assert H.mismatches(_roundtrip(kept, segments, receiver, fresh), fresh) == []
+        assert kept.plans_made == 1 and kept.plan_puts == 3  # the weights: fresh, then by the plan
+        other = _weights(6)
         for _ in range(2):
-            _roundtrip(kept, segments, receiver, [base.view(8, 8)])
-        got = _roundtrip(kept, segments, receiver, [base.view(8, 8).t()])
-        assert torch.equal(got[0], base.view(8, 8).t())
-        assert kept.plan is None
+            assert H.mismatches(_roundtrip(kept, segments, receiver, list(other)), other) == []
+        assert kept.plans_made == 2 and kept.plan.source[0] is other[0]
 
 
 def test_a_moved_tensor_drops_the_plan_and_is_sent_as_it_is_now(segments):
@@ -106,12 +127,11 @@ def test_a_moved_tensor_drops_the_plan_and_is_sent_as_it_is_now(segments):
             _roundtrip(kept, segments, receiver, list(weights))
         weights[1] = weights[1].clone() + 7  # the model's parameter replaced
         got = _roundtrip(kept, segments, receiver, list(weights))
-        assert H.mismatches(got, weights) == []
-        assert kept.plan is None
-        # Sent twice more as it is now: planned again, then replayed.
+        assert H.mismatches(got, weights) == [] and kept.plan_puts == 2
+        # Sent again as it is now: planned again, then replayed.
         for _ in range(2):
             assert H.mismatches(_roundtrip(kept, segments, receiver, list(weights)), weights) == []
-        assert kept.plans_made == 2
+        assert kept.plans_made == 2 and kept.plan_puts == 4
 
 
 def test_held_objects_that_fill_the_first_segment_send_the_next_fresh_and_keep_the_plan(segments):

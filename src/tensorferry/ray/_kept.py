@@ -8,14 +8,22 @@ time. The producer keeps one plan (``Sender.plan``) of what it sent:
 
 * a fresh put remembers the tensors' addresses and, weakly, the storages of
   the first and the last (a storage's Python object lives as long as its
-  memory), which costs no per-tensor Python work;
-* the next object with the same addresses whose first and last storages
-  are those very storages, still alive, is planned on the first segment
-  and sent by that plan;
+  memory), which costs no per-tensor Python work; the last two such
+  objects are remembered;
+* an object with the same addresses as one of those, whose first and last
+  storages are those very storages, still alive, is planned on the first
+  segment and sent by that plan;
 * later objects that the plan matches (``SendPlan.matches``: the same
   memory, nesting and dtypes; and here the same shapes and strides) replay
-  it; anything else drops the plan (and the tensors it held) and takes the
-  fresh path.
+  it; anything else takes the fresh path, and the plan stays for the next
+  call (a producer that returns its weights from one method and fresh
+  outputs from another keeps replaying the weights' plan) until another
+  object is sent twice in a row, which replaces it.
+
+The plan holds the tensors it was made of (and, for views of a few
+buffers, those buffers) until it is replaced or the process ends: the
+weights of a model are alive anyway; a transient object returned twice
+stays alive until another object is.
 
 A replay copies the tensors' current contents into the pool like a fresh
 put (a snapshot: the producer may change them as soon as the method has
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,6 +45,8 @@ from .._tensors import data_ptrs
 from ..errors import PlanStaleError, PoolExhaustedError, UnsupportedTensorError
 
 __all__ = ["KeptPlan"]
+
+_SEEN = 2
 
 
 class _Seen(NamedTuple):
@@ -92,7 +103,9 @@ class KeptPlan:
         self._plan: Any = None
         self._sender: Any = None
         self._shapes: _Shapes | None = None
-        self._seen: _Seen | None = None
+        # The last objects put fresh: two, so a producer alternating two
+        # methods (weights and fresh outputs) still finds its weights again.
+        self._seen: deque[_Seen] = deque(maxlen=_SEEN)
         self.plans_made = 0
         self.plan_puts = 0
 
@@ -126,48 +139,54 @@ class KeptPlan:
     # -- internals (the _busy lock held) -------------------------------------------------
 
     def _drop(self) -> None:
-        self._plan = self._sender = self._shapes = self._seen = None
+        self._plan = self._sender = self._shapes = None
+        self._seen.clear()
 
     def _put(self, segments: Any, tensors: list) -> tuple[Any, Any]:
-        if self._plan is not None:
-            if self._plan.matches(tensors) and self._shapes.same(tensors):
-                try:
-                    ticket = self._sender.put(self._plan, readers=None, one_shot=True)
-                    self.plan_puts += 1
-                    return self._sender, ticket
-                except PoolExhaustedError:
-                    # Earlier objects still fill the first segment: this one
-                    # goes where there is room; the plan stays for the next.
-                    return segments.put(tensors)
-                except PlanStaleError:
-                    pass  # a tensor moved between the match and the copy
-            self._drop()
+        if self._plan is not None and self._plan.matches(tensors) and self._shapes.same(tensors):
+            try:
+                ticket = self._sender.put(self._plan, readers=None, one_shot=True)
+                self.plan_puts += 1
+                return self._sender, ticket
+            except PoolExhaustedError:
+                # Earlier objects still fill the first segment: this one
+                # goes where there is room; the plan stays for the next.
+                return segments.put(tensors)
+            except PlanStaleError:
+                self._drop()  # a tensor moved between the match and the copy
         elif self._seen_again(tensors):
+            # Another object sent twice in a row: it replaces the plan.
             kept = self._keep(segments.first, tensors)
             if kept is not None:
                 return kept
         sender, ticket = segments.put(tensors)
-        self._seen = _seen(tensors)
+        seen = _seen(tensors)
+        if seen is not None:
+            self._seen.append(seen)
         return sender, ticket
 
     def _seen_again(self, tensors: list) -> bool:
-        seen = self._seen
-        if seen is None or len(tensors) != len(seen.ptrs):
-            return False
-        first, last = seen.first(), seen.last()
-        # Alive and the same storages: not new memory at recycled addresses.
-        if first is None or last is None:
-            return False
-        if tensors[0].untyped_storage() is not first or tensors[-1].untyped_storage() is not last:
-            return False
-        try:
-            return bool((data_ptrs(tensors) == seen.ptrs).all())
-        except (RuntimeError, TypeError):
-            return False
+        """Whether ``tensors`` are those of a recent fresh put (which is then forgotten)."""
+        for i, seen in enumerate(self._seen):
+            if len(tensors) != len(seen.ptrs) or not tensors:
+                continue
+            first, last = seen.first(), seen.last()
+            # Alive and the same storages: not new memory at recycled addresses.
+            if first is None or last is None:
+                continue
+            if tensors[0].untyped_storage() is not first or tensors[-1].untyped_storage() is not last:
+                continue
+            try:
+                same = bool((data_ptrs(tensors) == seen.ptrs).all())
+            except (RuntimeError, TypeError):
+                return False
+            if same:
+                del self._seen[i]
+                return True
+        return False
 
     def _keep(self, sender: Any, tensors: list) -> tuple[Any, Any] | None:
         """Plan ``tensors`` on ``sender`` (the first segment) and put them by it."""
-        self._seen = None
         try:
             plan = sender.plan(tensors)
         except UnsupportedTensorError:
