@@ -77,6 +77,10 @@ as separate tensors, since pickling a view serializes its whole storage).
 ``MODEL_SYNC_WARMUPS`` warm-up syncs, then ``--repeats`` timed; medians;
 every worker's weights are hashed and compared with the trainer's after.
 
+The transport's share of a transfer and repeated sends of the same
+tensors (``--share`` alone; part of a full run): see
+``benchmarks/_ray_share.py``.
+
 Run: ``.venv/bin/python benchmarks/bench_ray.py`` (``--quick`` for a small
 smoke run; ``--no-transports --repeats 2`` for the weight syncs alone).
 Writes ``benchmarks/results/bench_ray.json`` and ``.png``.
