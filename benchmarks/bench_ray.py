@@ -77,6 +77,10 @@ as separate tensors, since pickling a view serializes its whole storage).
 ``MODEL_SYNC_WARMUPS`` warm-up syncs, then ``--repeats`` timed; medians;
 every worker's weights are hashed and compared with the trainer's after.
 
+The transport's share of a transfer and repeated sends of the same
+tensors (``--share`` alone; part of a full run): see
+``benchmarks/_ray_share.py``.
+
 Run: ``.venv/bin/python benchmarks/bench_ray.py`` (``--quick`` for a small
 smoke run; ``--no-transports --repeats 2`` for the weight syncs alone).
 Writes ``benchmarks/results/bench_ray.json`` and ``.png``.
@@ -109,6 +113,7 @@ from typing import Any
 
 import torch
 
+import _ray_share  # benchmarks/_ray_share.py: the share and repeat sections
 # benchmarks/_common.py (this script's folder): the one peak-RSS helper of every benchmark.
 from _common import package_version, peak_rss as vm_hwm, results_dir
 
@@ -1135,6 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"weight sync of these model state dicts ({', '.join(MODELS)}; 'none' to skip; needs the bench extra)")
     ap.add_argument("--plans", action="store_true",
                     help="only the plans section: WeightSync of the same bytes as 100 and as 100k tensors")
+    ap.add_argument("--share", action="store_true",
+                    help="only the share section: what each transport adds to 10k fresh tensors, and the same tensors sent again")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     if args.quick:
@@ -1148,6 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import tensorferry.ray as tfr
 
+    # The share section's actors call its module's functions; workers cannot import it.
+    ray.cloudpickle.register_pickle_by_value(_ray_share)
     env = environment()
     env["loadavg_start"] = os.getloadavg()[0]
     ray.init(num_cpus=8, include_dashboard=False, object_store_memory=OBJECT_STORE_NBYTES,
@@ -1156,6 +1165,8 @@ def main(argv: list[str] | None = None) -> int:
     sync: dict = {}
     models: dict = {}
     plans: dict = {}
+    share: dict = {}
+    repeat: dict = {}
     mem = MemWatch()
     try:
         tfr.register()
@@ -1163,6 +1174,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.plans:
             args.no_transports, args.no_sync, args.models = True, True, "none"
             plans = run_plans(ray, Trainer, Worker, args.repeats, log, mem)
+        if args.share:
+            args.no_transports, args.no_sync, args.models = True, True, "none"
+        if args.share or not (args.no_transports or args.plans):
+            log("share: 10k fresh tensors, every transport in turn")
+            share = _ray_share.run_share(ray, log, env=LO_ENV)
+            log("repeat: the same tensors again, kept plan against the fresh path")
+            repeat = _ray_share.run_repeat(ray, log, env=LO_ENV)
         only = set(filter(None, args.only.split(",")))
         for tr in TRANSPORTS:
             if args.no_transports or (only and tr.key not in only):
@@ -1199,6 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tensorferry Ray benchmark — {env['date']} — {env['machine']}")
     print_model_report(models)
     print_plans_report(plans)
+    _ray_share.print_share_report(share, repeat)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {
         "environment": env,
@@ -1218,13 +1237,16 @@ def main(argv: list[str] | None = None) -> int:
         "weight_sync": sync,
         "weight_sync_models": models,
         "weight_sync_plans": plans,
+        "share": share,
+        "repeat": repeat,
         "ratios": ratios,
         "targets": targets,
         "all_checks_ok": all(c.get("ok", False) for r in results.values() if "skipped" not in r.get("error", "")
                              for c in r.get("cases", {}).values())
                          and all(m.get("ok", False) for m in sync.get("methods", {}).values())
                          and all(m.get("ok", False) for out in models.values() for m in out.get("methods", {}).values())
-                         and all(m.get("ok", False) for out in plans.get("cases", {}).values() for m in out.get("methods", {}).values()),
+                         and all(m.get("ok", False) for out in plans.get("cases", {}).values() for m in out.get("methods", {}).values())
+                         and share.get("ok", True) and all(r["ok"] for r in repeat.values()),
         "wall_seconds": time.monotonic() - t_start,
     }
     (args.out / "bench_ray.json").write_text(json.dumps(doc, indent=1, default=str))

@@ -128,6 +128,16 @@ def test_a_cap_below_the_first_segment_is_refused_with_both_numbers():
     assert f"TENSORFERRY_RAY_POOL_MAX_BYTES={1 << 19}" in str(info.value) and f"TENSORFERRY_RAY_POOL_BYTES={1 << 20}" in str(info.value)
 
 
+def test_an_unknown_keyword_is_a_configuration_error_naming_it_and_the_settings():
+    with pytest.raises(ConfigurationError) as info:
+        tfr.runtime_env(bogus=1, pool_nbytes=1 << 20)
+    message = str(info.value)
+    assert "'bogus'" in message and "runtime_env()" in message and "env_vars()" not in message
+    for name in ("extra_env_vars", "pool_nbytes", "pool_max_nbytes", "transport", "host", "token", "zero_copy",
+                 "timeout_seconds", "recv_pool_nbytes"):
+        assert name in message
+
+
 def test_good_values_read_back_and_the_defaults_hold():
     assert settings({}) == Settings()
     env = tfr.env_vars(pool_nbytes=1 << 20, pool_max_nbytes=1 << 30, transport="tcp", host="10.0.0.1", token="t",

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
 import tensorferry.ray as tfr  # noqa: E402
-from tensorferry.errors import PoolExhaustedError  # noqa: E402
+from tensorferry.errors import LayoutMismatchError, PoolExhaustedError  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -79,9 +79,6 @@ class Worker:
     def data_ptrs(self) -> list[int]:
         return [t.data_ptr() for t in self.model.state_dict().values()]
 
-    def version(self):
-        return getattr(self, "_tensorferry_weight_version", None)
-
 
 def _publisher_stats(actor_self):
     from tensorferry.ray import _weights
@@ -118,8 +115,8 @@ def test_sync_three_workers_across_five_versions_and_a_late_joiner(workers):
         assert report.num_workers == NUM_WORKERS and len(report.worker_seconds) == NUM_WORKERS
         assert report.nbytes == nbytes * NUM_WORKERS
         assert report.seconds >= max(report.worker_seconds) > 0
+        # Each version's digest is its own: equal digests are that version.
         _assert_all_equal(trainer, workers, expected)
-        assert ray.get([w.version.remote() for w in workers]) == [version] * NUM_WORKERS
     # In place: the workers' parameters are the same memory they started with.
     assert ray.get([w.data_ptrs.remote() for w in workers]) == ptrs
 
@@ -127,8 +124,7 @@ def test_sync_three_workers_across_five_versions_and_a_late_joiner(workers):
     assert ray.get(late.digest.remote()) != digests[-1]
     seconds = sync.add_worker(late)
     assert isinstance(seconds, float) and seconds > 0
-    assert ray.get(late.digest.remote()) == digests[-1]
-    assert ray.get(late.version.remote()) == NUM_VERSIONS
+    assert ray.get(late.digest.remote()) == digests[-1]  # the latest version's, no other
     assert len(sync.workers) == NUM_WORKERS + 1
 
     # Only the latest version is held: the four before it were retired and
@@ -273,6 +269,21 @@ def test_dtype_sends_bf16_weights_to_bf16_workers(local_ray):
     with pytest.raises(Exception, match="floating-point"):
         tfr.WeightSync(trainer, halves, dtype=torch.int8)
     for actor in (trainer, *halves):
+        ray.kill(actor)
+
+
+@pytest.mark.timeout(120)
+def test_workers_of_another_dtype_get_a_weight_sync_error_naming_tensor_dtypes_and_fix(local_ray):
+    trainer = Trainer.remote()
+    half = HalfWorker.remote()
+    sync = tfr.WeightSync(trainer, [half])  # fp32 sent as it is, to a bf16 worker
+    with pytest.raises(LayoutMismatchError) as info:
+        sync.sync()
+    message = str(info.value)
+    assert "WeightSync" in message and "'inp.weight'" in message and "into= does not match" not in message
+    assert "torch.float32" in message and "torch.bfloat16" in message
+    assert "dtype=torch.bfloat16" in message  # the fix: send bf16
+    for actor in (trainer, half):
         ray.kill(actor)
 
 

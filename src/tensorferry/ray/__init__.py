@@ -25,6 +25,7 @@ Needs the ``ray`` extra (``ray==2.60.*``).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any
 
@@ -148,6 +149,10 @@ def env_vars(
     return out
 
 
+# The keyword arguments of env_vars(), which runtime_env() passes on.
+_SETTINGS = tuple(inspect.signature(env_vars).parameters)
+
+
 def runtime_env(*, extra_env_vars: dict[str, str] | None = None, **settings: Any) -> dict[str, Any]:
     """A Ray ``runtime_env`` that registers tensorferry in every worker and carries its settings.
 
@@ -166,8 +171,18 @@ def runtime_env(*, extra_env_vars: dict[str, str] | None = None, **settings: Any
         ``{"worker_process_setup_hook": "tensorferry.ray.register", "env_vars": {...}}``.
 
     Raises:
-        ConfigurationError: a setting that cannot work.
+        ConfigurationError: a setting that cannot work, or a keyword that
+            is not one (named, with the ones it takes).
     """
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"tensorferry.ray.runtime_env() got {', '.join(map(repr, unknown))}, which "
+            f"{'is not a setting' if len(unknown) == 1 else 'are not settings'}; it takes extra_env_vars= "
+            f"and the settings {', '.join(_SETTINGS)} (see tensorferry.ray.env_vars)"
+        )
     out = {**(extra_env_vars or {}), **env_vars(**settings), _SETUP_HOOK_VAR: SETUP_HOOK}
     return {"worker_process_setup_hook": SETUP_HOOK, "env_vars": out}
 

@@ -37,13 +37,32 @@ class WeightVersion(NamedTuple):
 
 
 class SyncReport(NamedTuple):
-    """One sync of every worker to a new version."""
+    """What one :meth:`WeightSync.sync` did: every worker updated to a new version.
+
+    Attributes:
+        version: the version now on every worker (1 for the first sync;
+            ``WeightSync.version`` says the same).
+        seconds: the whole sync as the driver saw it: from asking the
+            trainer to publish until the last worker's update returned
+            (Ray's calls included).
+        pack_seconds: the trainer's part: copying its weights into its
+            pool (with the plan's check, a plan made on the first sync or
+            after parameters were replaced, and a wait for readers of old
+            versions when the pool holds no room for another).
+        worker_seconds: each worker's update, in the order of
+            ``WeightSync.workers``: its get, including the copy into its own
+            weights in place (measured in the worker; Ray's call around it
+            is not included).
+        nbytes: bytes received by all workers together (the packed version,
+            after ``dtype=``, times ``num_workers``).
+        num_workers: the workers updated.
+    """
 
     version: int
-    seconds: float  # publish + every worker updated, as the driver saw it
+    seconds: float
     pack_seconds: float
-    worker_seconds: list  # each worker's get (including its in-place copy)
-    nbytes: int  # bytes every worker received, summed
+    worker_seconds: list
+    nbytes: int
     num_workers: int
 
 
@@ -228,14 +247,61 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     ticket = Ticket.from_bytes(version.tickets[name])
     plan = _RECV_PLAN
     if plan is None or plan.layout_bytes != ticket.layout_bytes or not (plan.result is targets or plan.matches(targets)):
-        plan = _RECV_PLAN = receiver.plan(ticket, into=targets)
+        plan = _RECV_PLAN = _plan(receiver, ticket, targets)
     try:
         receiver.get(ticket, into=plan, timeout=timeout)
     except PlanStaleError:
         # A parameter was replaced since the plan: plan the module as it is now.
-        plan = _RECV_PLAN = receiver.plan(ticket, into=targets)
+        plan = _RECV_PLAN = _plan(receiver, ticket, targets)
         receiver.get(ticket, into=plan, timeout=timeout)
     return time.perf_counter() - t0
+
+
+def _plan(receiver: Any, ticket: Any, targets: Any) -> Any:
+    """``receiver.plan(ticket, into=targets)``; a dtype that differs is
+    named in WeightSync's terms (the user never wrote the ``into=``)."""
+    from ..errors import LayoutMismatchError
+
+    try:
+        return receiver.plan(ticket, into=targets)
+    except LayoutMismatchError:
+        message = _dtype_mismatch(ticket.layout, targets)
+        if message is None:
+            raise
+        raise LayoutMismatchError(message) from None  # the into= message would name what the user never wrote
+
+
+def _dtype_mismatch(layout: Any, targets: Any) -> str | None:
+    """The WeightSync message for a worker whose weights differ in dtype
+    from what the trainer sends (``layout``), or None if none does.
+    Worker side; runs only when planning failed."""
+    import torch
+
+    from .._tensors import flatten, torch_dtype
+
+    sd = targets.state_dict() if isinstance(targets, torch.nn.Module) else targets
+    try:
+        leaves, *_ = flatten(sd)
+    except Exception:  # noqa: BLE001 - the planner's own message says what is wrong
+        return None
+    sent = [torch_dtype(int(c)) for c in layout.dtype_codes]
+    if len(leaves) != len(sent):
+        return None
+    differ = [i for i, (t, d) in enumerate(zip(leaves, sent)) if t.dtype != d]
+    if not differ:
+        return None
+    names = list(sd.keys()) if isinstance(sd, dict) and len(sd) == len(leaves) else None
+    i = differ[0]
+    name = repr(names[i]) if names else f"#{i}"
+    want, have = sent[i], leaves[i].dtype
+    fix = f"make the workers' weights {want} (e.g. model.to({want}) before the first sync)"
+    if want.is_floating_point and have.is_floating_point:
+        fix += f", or have the trainer send {have}: WeightSync(trainer, workers, dtype={have})"
+    more = f" ({len(differ):,} tensors differ in dtype)" if len(differ) > 1 else ""
+    return (
+        f"WeightSync: the trainer sends tensor {name} as {want}, but this worker's copy of it is {have}{more}; "
+        f"workers are updated in place, so the dtypes must agree: {fix}"
+    )
 
 
 def prepare(state_dict: Any, *, capacity_nbytes: int | None = None) -> None:
@@ -262,9 +328,7 @@ def _actor_latest(actor: Any) -> WeightVersion | None:
 
 
 def _actor_update(actor: Any, version: WeightVersion, targets_fn: Callable, timeout: float) -> float:
-    seconds = update(version, targets_fn(actor), timeout=timeout)
-    actor._tensorferry_weight_version = version.version
-    return seconds
+    return update(version, targets_fn(actor), timeout=timeout)
 
 
 class WeightSync:
