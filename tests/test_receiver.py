@@ -133,3 +133,33 @@ def test_a_sender_that_closes_as_soon_as_it_is_released_never_fails_the_get(tran
             finally:
                 closer.join(timeout=10.0)
                 sender.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_into_a_module_writes_its_state_dict_as_a_plan_would(transport):
+    src, dst = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    weight = dst.weight
+    with Sender(transport, capacity_nbytes=1 * MiB) as s, Receiver(transport, timeout=10.0) as r:
+        assert r.get(s.put(src.state_dict()), into=dst) is dst
+        assert dst.weight is weight and torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+        with pytest.raises(LayoutMismatchError, match="weight"):
+            r.get(s.put(torch.nn.Linear(4, 8).state_dict()), into=dst)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_streamed_get_into_targets_writes_each_piece_straight_into_them(transport):
+    """An object four times the sender's pool arrives in pieces; with
+    into= each piece lands in the targets, so the receiver takes no memory
+    of the object's size (it took all of it and copied it out before)."""
+    g = torch.Generator().manual_seed(5)
+    sent = [torch.randn(256 << 10, generator=g), torch.randn(3, 1000, generator=g).to(torch.float64), torch.arange(7)]
+    total = sum(t.nbytes for t in sent)
+    with Sender(transport, capacity_nbytes=total // 4) as s, Receiver(transport, timeout=30.0, cache_nbytes=64 * MiB) as r:
+        dest = [torch.zeros_like(t) for t in sent]
+        dest[1] = torch.zeros(1000, 3, dtype=torch.float64).t()  # strided: staged, then copied
+        ticket = s.put(sent)
+        assert ticket.streamed and ticket.num_pieces > 2
+        assert r.get(ticket, into=dest) is dest
+        for a, b in zip(dest, sent):
+            assert torch.equal(a, b)
+        assert r.stats()["cache_taken_nbytes"] == 0, "a streamed into= took memory for the whole object"

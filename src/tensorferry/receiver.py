@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from . import packing
 from ._args import positive_seconds
+from ._memory import _huge_pages_off
 from ._receive import Fetcher
 from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
 from .errors import ConfigurationError, PeerGoneError, TicketError, TransferError
@@ -105,8 +106,6 @@ class Receiver:
         relay_linger_seconds: float = 60.0,
         relay_reads: Literal["memory", "tcp"] = "memory",
     ) -> None:
-        from ._memory import _huge_pages_off
-
         if relay_reads not in ("memory", "tcp"):
             raise ConfigurationError(f"Receiver(relay_reads={relay_reads!r}): pass \"memory\" (copy out of a same-host relay) or \"tcp\"")
         self._same_host_reads = SameHostReads(enabled=relay_reads == "memory")
