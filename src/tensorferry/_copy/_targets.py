@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import packing
 from .._tensors import data_ptrs
 from ._plan import CopyPlan
 
-__all__ = ["StagedCopy", "copy_from_blocks", "copy_staged", "dense_host_mask", "fill_aliases", "staged_addresses", "target_addresses"]
+__all__ = ["StagedCopy", "copy_staged", "dense_host_mask", "fill_aliases", "staged_addresses", "target_addresses"]
 
 _get_is_cpu = attrgetter("is_cpu")
 
@@ -121,36 +120,3 @@ def _writable(targets: Sequence[torch.Tensor]) -> Any:
     outside it) inference_mode, in which writes into the others still bump
     their version counters."""
     return torch.inference_mode() if any(t.is_inference() for t in targets) else torch.no_grad()
-
-
-def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
-    """Copy packed tensors out of their blocks into ``targets``, making no views of the blocks.
-
-    Tensor ``i`` lies in block ``b`` (``bounds[b] <= i < bounds[b + 1]``) at
-    byte ``offsets[i]``, ``nbytes[i]`` long; ``targets[i]`` has its dtype and
-    shape (the caller checked). Dense host targets are written by address,
-    neighbours merged, as one (parallel) copy; any other target (strided,
-    conjugated or negated, on a device) gets a typed view of its bytes and
-    torch's ``copy_``.
-    """
-    count = len(targets)
-    if count == 0:
-        return
-    src = np.empty(count, dtype=np.int64)
-    for b, blk in enumerate(blocks):
-        lo, hi = int(bounds[b]), int(bounds[b + 1])
-        src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
-    if all(blk.device.type == "cpu" for blk in blocks):
-        ok = dense_host_mask(targets)
-    else:
-        ok = np.zeros(count, dtype=bool)
-    plan = CopyPlan.build(target_addresses(targets, ok), src, nbytes, raw=ok)
-    plan.execute()
-    rest = plan.elementwise
-    if rest.size:
-        block_of = np.searchsorted(bounds, rest, side="right") - 1
-        with _writable([targets[i] for i in rest.tolist()]):
-            for i, b in zip(rest.tolist(), block_of.tolist()):
-                t = targets[i]
-                off = int(offsets[i])
-                t.copy_(blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape))
