@@ -163,3 +163,30 @@ def test_a_streamed_get_into_targets_writes_each_piece_straight_into_them(transp
         for a, b in zip(dest, sent):
             assert torch.equal(a, b)
         assert r.stats()["cache_taken_nbytes"] == 0, "a streamed into= took memory for the whole object"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_into_targets_of_every_kind_from_an_object_in_several_blocks(transport):
+    """A fragmented sender pool splits the object over several blocks;
+    into= targets that are strided, conjugated or negated each get
+    their own tensor's values (shm copies those straight out of the mapped
+    pool by torch, tcp through a staged buffer each)."""
+    with Sender(transport, capacity_nbytes=512 << 10) as s, Receiver(transport, timeout=10.0) as r:
+        fill = [s.pool.pack([torch.zeros(8 << 10, dtype=torch.uint8) for _ in range(4)]) for _ in range(16)]
+        for f in fill[::2]:
+            f.release()  # eight 32 KiB holes
+        try:
+            g = torch.Generator().manual_seed(8)
+            sent = [torch.randn(40, 50, generator=g) for _ in range(6)] + [torch.randn(30, 30, generator=g, dtype=torch.complex64)]
+            ticket = s.put(sent, one_shot=True)
+            assert len(ticket.blocks) > 1, ticket.blocks
+            dest = [torch.zeros(40, 50) for _ in range(6)] + [torch.zeros(30, 30, dtype=torch.complex64).conj()]
+            dest[1] = torch.zeros(50, 40).t()
+            dest[4] = torch.zeros(40, 50)._neg_view()
+            assert r.get(ticket, into=dest) is dest
+            for i, (a, b) in enumerate(zip(dest, sent)):
+                assert torch.equal(a.resolve_conj().resolve_neg(), b), i
+            s.wait_released(ticket, timeout=10.0)
+        finally:
+            for f in fill[1::2]:
+                f.release()

@@ -84,7 +84,7 @@ def route(plan: RecvPlan, ch: Channel, block_nbytes: tuple[int, ...], *, zero_co
     coords = plan.coords(block_nbytes)
     if ch.maps_sender_memory and not (plan.kept and coords.small and ch.receives_into_buffers):
         return "mapped"  # a kept plan's many small runs: preadv into its buffer list
-    if ch.receives_into_buffers and (plan.kept or coords.num_runs <= max(_SCATTER_MAX_RUNS, coords.total // _SCATTER_MIN_MEAN_NBYTES)):
+    if ch.receives_into_buffers and (plan.kept or coords.copy.num_runs <= max(_SCATTER_MAX_RUNS, coords.total // _SCATTER_MIN_MEAN_NBYTES)):
         return "buffers"
     return "staged"
 
@@ -156,18 +156,18 @@ class Fetcher:
             if plan.allocates:
                 plan.adopt([stream])
             else:
-                plan.coords(geometry).execute_window(0, hi, stream.data_ptr())
+                plan.copy_from([stream], geometry)
         elif how == "own":
             dests, fresh = plan.own_dests(geometry, lo, blocks)
             self._read_own(ch, plan, tid, piece, blocks, dests, fresh=fresh, adopt=plan.allocates and source is not None, deadline=deadline)
         elif how == "source":
             d, s, n, _ = plan.coords(geometry).copy.window(lo, hi, by_dst=False)
             ch.read_runs(tid, piece, s - lo, d, n, deadline=deadline)
+        elif how == "mapped" and source is not None:
+            plan.copy_from(ch.remote_views(blocks), geometry)  # the whole object, mapped here
         elif how == "mapped":
-            coords, pos = plan.coords(geometry), lo
-            for (_, n), view in zip(blocks, ch.remote_views(blocks)):
-                coords.execute_window(pos, pos + n, view.data_ptr() - pos)
-                pos += n
+            coords = plan.coords(geometry)
+            coords.execute_window(lo, hi, ch.remote_views(blocks)[0].data_ptr() - lo)  # a piece: one block
         elif how == "buffers":
             ch.read_buffers(tid, piece, blocks, plan.coords(geometry).segments(lo, hi), deadline=deadline)
         else:

@@ -17,7 +17,7 @@ import torch
 from .._tensors import data_ptrs
 from ._plan import CopyPlan
 
-__all__ = ["StagedCopy", "copy_staged", "dense_host_mask", "fill_aliases", "staged_addresses", "target_addresses"]
+__all__ = ["StagedCopy", "copy_staged", "dense_host_mask", "fill_aliases", "stage_rest", "staged_addresses", "target_addresses"]
 
 _get_is_cpu = attrgetter("is_cpu")
 
@@ -48,12 +48,18 @@ def staged_addresses(targets: Sequence[torch.Tensor], nbytes: np.ndarray) -> tup
     the ``(buffer, target)`` pairs :func:`copy_staged` finishes with."""
     ok = dense_host_mask(targets) if len(targets) else np.zeros(0, dtype=bool)
     dst = target_addresses(targets, ok)
+    return dst, stage_rest(targets, nbytes, ok, dst)
+
+
+def stage_rest(targets: Sequence[torch.Tensor], nbytes: np.ndarray, ok: np.ndarray, dst: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A host buffer for each target not written by address (``~ok``), its
+    address put in ``dst``; the ``(buffer, target)`` pairs of :func:`copy_staged`."""
     fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in np.flatnonzero(~ok & (np.asarray(nbytes) > 0)).tolist():
         staged = torch.empty(int(nbytes[i]), dtype=torch.uint8)
         dst[i] = staged.data_ptr()
         fixups.append((staged, targets[i]))
-    return dst, fixups
+    return fixups
 
 
 class StagedCopy:

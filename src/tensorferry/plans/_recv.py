@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import packing
-from .._copy import CopyPlan, copy_staged, executor, fill_aliases, finish, many_small_runs, staged_addresses
+from .._copy import CopyPlan, copy_staged, dense_host_mask, executor, fill_aliases, finish, many_small_runs, stage_rest, target_addresses
 from .._tensors import flatten, gc_paused, match_into, unflatten
 from .._views import build_views
 from ..errors import ConfigurationError, LayoutMismatchError
@@ -116,11 +116,22 @@ class RecvPlan:
             self._versioned = [b for b in bases.values() if not b.is_inference()]
         else:
             self._versioned = targets
-        # Targets that cannot be written by address get a buffer each. (A
-        # plan that allocates has no targets before its get: its bytes land
-        # in its own memory as they are, never by runs.)
-        self._dst, self._fixups = staged_addresses(targets, layout.nbytes) if targets else (np.zeros(0, dtype=np.int64), [])
+        # Targets that cannot be written by address (strided, conjugated,
+        # on a device) get a buffer each when a run must land somewhere: a
+        # kept plan's up front, kept; a one-shot plan's only if its route
+        # needs them (a whole object in memory here is copied into them by
+        # torch straight from its blocks). A plan that allocates has no
+        # targets before its get: its bytes land in its own memory as they
+        # are, never by runs.
+        self._ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
+        self._dst = target_addresses(targets, self._ok)
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if not targets or bool(self._ok.all()):
+            self._fixups = []
+        elif kept:
+            self._fixups = stage_rest(targets, layout.nbytes, self._ok, self._dst)
         self._coords: dict[tuple[int, ...], _Coords] = {}
+        self._direct: dict[tuple[int, ...], CopyPlan] = {}
         self._aliased = bool(layout.aliases.size) and bool(targets)
 
     def __repr__(self) -> str:
@@ -216,22 +227,56 @@ class RecvPlan:
         """:meth:`adopt` the memory :meth:`own_dests` allocated."""
         return self.adopt(self._own or [])
 
+    def _positions(self, block_nbytes: tuple[int, ...]) -> np.ndarray:
+        """Each tensor's position in a stream of blocks of these sizes."""
+        if len(block_nbytes) <= 1:
+            return self.offsets
+        layout = self.layout
+        groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
+        start = np.zeros(len(block_nbytes), dtype=np.int64)
+        start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+        block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
+        return start[block_of] + groups.offsets
+
     def coords(self, block_nbytes: tuple[int, ...]) -> "_Coords":
-        """The copy runs from a stream of blocks of these sizes (cached)."""
+        """The copy runs from a stream of blocks of these sizes (cached),
+        every target written by address (or its staged buffer)."""
         c = self._coords.get(block_nbytes)
         if c is None:
-            if len(block_nbytes) <= 1:
-                pos = self.offsets
-            else:
-                layout = self.layout
-                groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
-                start = np.zeros(len(block_nbytes), dtype=np.int64)
-                start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
-                block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
-                pos = start[block_of] + groups.offsets
-            c = _Coords(CopyPlan.build(self._dst, pos, self.layout.nbytes), sum(block_nbytes))
+            if self._fixups is None:
+                self._fixups = stage_rest(self._targets, self.layout.nbytes, self._ok, self._dst)
+            c = _Coords(CopyPlan.build(self._dst, self._positions(block_nbytes), self.layout.nbytes), sum(block_nbytes))
             self._coords[block_nbytes] = c
         return c
+
+    def copy_from(self, blocks: list[torch.Tensor], block_nbytes: tuple[int, ...]) -> None:
+        """The whole stream, held here in ``blocks`` (host memory, one 1-D
+        uint8 tensor a block: the mapped pool's, a relay's stream), into
+        the targets: by the runs where a target is written by address; a
+        one-shot plan's other targets by torch straight from the blocks,
+        no staged buffer."""
+        if self._fixups is not None:
+            coords, pos = self.coords(block_nbytes), 0
+            for b, n in zip(blocks, block_nbytes):
+                coords.execute_window(pos, pos + n, b.data_ptr() - pos)
+                pos += n
+            return
+        plan = self._direct.get(block_nbytes)
+        positions = self._positions(block_nbytes)
+        if plan is None:
+            plan = self._direct[block_nbytes] = CopyPlan.build(self._dst, positions, self.layout.nbytes, raw=self._ok)
+        pos = 0
+        for b, n in zip(blocks, block_nbytes):
+            plan.execute_window(pos, pos + n, 0, b.data_ptr() - pos)
+            pos += n
+        rest = plan.elementwise
+        if rest.size:
+            starts = np.cumsum(np.asarray(block_nbytes, dtype=np.int64)) - np.asarray(block_nbytes, dtype=np.int64)
+            at = positions[rest]
+            which = np.searchsorted(starts, at, side="right") - 1
+            nbytes = self.layout.nbytes
+            copy_staged([(blocks[b][p - starts[b] : p - starts[b] + nbytes[i]], self._targets[i])
+                         for i, b, p in zip(rest.tolist(), which.tolist(), at.tolist())])
 
     def finish(self) -> None:
         """After the bytes landed: targets that are not dense host memory
@@ -270,10 +315,6 @@ class _Coords:
         self.total = total
         self.small = many_small_runs(copy.nbytes)  # moved faster by preadv than memmove
         self._segments: BufferList | None = None
-
-    @property
-    def num_runs(self) -> int:
-        return int(self.copy.nbytes.size)
 
     def execute_window(self, lo: int, hi: int, src_base: int) -> None:
         """Copy stream bytes ``[lo, hi)``, found at address ``src_base + lo``, to their targets."""
