@@ -225,7 +225,8 @@ class Fetcher:
             if last:
                 releaser.submit(ch, ticket.id, 0)
 
-        return plan.adopt(ch.remote_views(blocks, one_gone))
+        plan.adopt(ch.remote_views(blocks, one_gone))
+        return plan.result
 
     # -- memory ------------------------------------------------------------------------
 

@@ -211,7 +211,9 @@ class Receiver:
         if not ticket.blocks and not ticket.streamed:
             # No bytes (an empty object, zero-size tensors): the sender keeps
             # no slot for it, so there is nothing to fetch or release.
-            result = plan.adopt([]) if plan.allocates else plan.result
+            if plan.allocates:
+                plan.adopt([])
+            result = plan.result
         else:
             with self._channel(ticket, timeout) as ch:
                 if zero_copy and not ch.maps_sender_memory:

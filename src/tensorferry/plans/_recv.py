@@ -35,6 +35,9 @@ __all__ = ["RecvPlan"]
 # counters on a copy thread while the bytes land.
 _MARK_ON_THREAD_MIN = 4096
 
+# A result made of views not yet nested as the sender put them.
+_UNNESTED = object()
+
 # Destination blocks for these block sizes, and whether they are fresh
 # (new memory, not yet faulted in).
 Allocate = Callable[[list[int]], tuple[list[torch.Tensor], bool]]
@@ -142,6 +145,8 @@ class RecvPlan:
     def result(self) -> Any:
         """What a get of this plan returns: the ``into=`` object, or the
         plan's own tensors, nested as the sender put them."""
+        if self._result is _UNNESTED:
+            self._result = unflatten(self.layout, self._targets)
         return self._result
 
     def matches(self, into: Any) -> bool:
@@ -213,19 +218,20 @@ class RecvPlan:
             at += n
         return dests, self._fresh
 
-    def adopt(self, blocks: list[torch.Tensor]) -> Any:
+    def adopt(self, blocks: list[torch.Tensor]) -> None:
         """Make the result views of ``blocks`` (the plan's own memory, a
         relay's stream, the sender's mapped pool): no copy."""
         layout = self.layout
         groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
         with gc_paused():
             self._targets = build_views(blocks, layout, groups)
-        self._result = unflatten(layout, self._targets)
-        return self._result
+        # Nested when first asked for: not while a receive loop that needs
+        # the GIL is still filling the blocks.
+        self._result = _UNNESTED
 
-    def adopt_own(self) -> Any:
+    def adopt_own(self) -> None:
         """:meth:`adopt` the memory :meth:`own_dests` allocated."""
-        return self.adopt(self._own or [])
+        self.adopt(self._own or [])
 
     def _positions(self, block_nbytes: tuple[int, ...]) -> np.ndarray:
         """Each tensor's position in a stream of blocks of these sizes."""
