@@ -126,7 +126,18 @@ def _packed(specs, seed=3):
     return blocks, np.array(bounds), np.array(offsets, dtype=np.int64), np.array(nbytes, dtype=np.int64), views
 
 
-def test_copy_from_blocks_fills_dense_strided_conjugated_and_empty_targets(monkeypatch):
+def _copy_out(blocks, bounds, offsets, nbytes, targets):
+    """The blocks, as one stream, into ``targets`` the way a receiver copies
+    out (a StagedCopy: addresses or staged buffers, one copy plan)."""
+    sink = _copy.StagedCopy([b.numel() for b in blocks], bounds, offsets, nbytes, targets)
+    pos = 0
+    for b in blocks:
+        sink(pos, b.numel(), b.data_ptr())
+        pos += b.numel()
+    sink.finish()
+
+
+def test_copy_out_fills_dense_strided_conjugated_and_empty_targets(monkeypatch):
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "2")
     specs = [
         (torch.float32, (1000, 2000)), (torch.float32, (3_000_000,)), (torch.int64, (5,)),
@@ -146,18 +157,18 @@ def test_copy_from_blocks_fills_dense_strided_conjugated_and_empty_targets(monke
         torch.zeros(7, 11, dtype=torch.bfloat16),
     ]
     want = [v.clone() for v in views]
-    _copy.copy_from_blocks(blocks, bounds, offsets, nbytes, targets)
+    _copy_out(blocks, bounds, offsets, nbytes, targets)
     for i, (t, w) in enumerate(zip(targets, want)):
         assert torch.equal(t.detach().resolve_conj().resolve_neg(), w), i
     assert targets[0].grad is None and targets[0].requires_grad
 
 
-def test_copy_from_blocks_writes_a_target_given_twice_in_order(monkeypatch):
+def test_copy_out_writes_a_target_given_twice_in_order(monkeypatch):
     monkeypatch.setenv("TENSORFERRY_COPY_THREADS", "2")
     blocks, bounds, offsets, nbytes, views = _packed([(torch.float32, (3_000_000,))] * 4, seed=5)
     same = torch.zeros(3_000_000)
     targets = [torch.zeros(3_000_000), same, torch.zeros(3_000_000), same]
-    _copy.copy_from_blocks(blocks, bounds, offsets, nbytes, targets)
+    _copy_out(blocks, bounds, offsets, nbytes, targets)
     # The later copy wins, as with a loop of copy_ (no race between threads).
     assert torch.equal(same, views[3]) and torch.equal(targets[0], views[0]) and torch.equal(targets[2], views[2])
 

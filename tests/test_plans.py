@@ -448,7 +448,7 @@ def test_a_plan_belongs_to_its_sender_and_receiver(transport, sender, receiver):
         closing.put(p)
     with Receiver(transport) as closing_r:
         rp = closing_r.plan(ticket)
-    with pytest.raises(TransferError, match="closed"):
+    with pytest.raises(ConfigurationError, match="closed"):
         closing_r.get(ticket, into=rp)
 
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from tensorferry import LayoutMismatchError, Receiver, Sender, TicketError, TransferError
+from tensorferry import ConfigurationError, LayoutMismatchError, Receiver, Sender, TicketError
 
 MiB = 1 << 20
 NOWHERE = "@no-such-tensorferry-sender"  # an abstract socket name nobody binds
@@ -68,14 +68,14 @@ def test_into_is_matched_before_connecting(shm_ticket):
     with Receiver("shm", timeout=2.0) as r:
         with pytest.raises(LayoutMismatchError, match=r"obj\['w'\]"):
             r.get(shm_ticket, into={"w": torch.empty(4, 8), "n": [torch.empty(3, dtype=torch.int64)]})
-        with pytest.raises(TransferError, match="zero_copy"):
+        with pytest.raises(ConfigurationError, match="zero_copy"):
             r.get(shm_ticket, into=obj(), zero_copy=True)
 
 
 def test_zero_copy_needs_shm():
     with Sender("tcp", capacity_nbytes=1 * MiB) as s, Receiver("tcp", timeout=5.0) as r:
         t = s.put(obj())
-        with pytest.raises(TransferError, match="shm"):
+        with pytest.raises(ConfigurationError, match="shm"):
             r.get(t, zero_copy=True)
         got = r.get(t)  # the slot was not taken by the refused get
         assert torch.equal(got["w"], obj()["w"]) and torch.equal(got["n"][0], torch.arange(3))
@@ -105,7 +105,7 @@ def test_a_closed_receiver_refuses_gets_and_keeps_nothing_open():
         while open_fds() > fds and time.monotonic() < deadline:
             time.sleep(0.01)
         assert open_fds() <= fds
-        with pytest.raises(TransferError, match="closed"):
+        with pytest.raises(ConfigurationError, match="closed"):
             r.get(t)
         s.discard(t)
 
@@ -133,3 +133,60 @@ def test_a_sender_that_closes_as_soon_as_it_is_released_never_fails_the_get(tran
             finally:
                 closer.join(timeout=10.0)
                 sender.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_into_a_module_writes_its_state_dict_as_a_plan_would(transport):
+    src, dst = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    weight = dst.weight
+    with Sender(transport, capacity_nbytes=1 * MiB) as s, Receiver(transport, timeout=10.0) as r:
+        assert r.get(s.put(src.state_dict()), into=dst) is dst
+        assert dst.weight is weight and torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+        with pytest.raises(LayoutMismatchError, match="weight"):
+            r.get(s.put(torch.nn.Linear(4, 8).state_dict()), into=dst)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_streamed_get_into_targets_writes_each_piece_straight_into_them(transport):
+    """An object four times the sender's pool arrives in pieces; with
+    into= each piece lands in the targets, so the receiver takes no memory
+    of the object's size (it took all of it and copied it out before)."""
+    g = torch.Generator().manual_seed(5)
+    sent = [torch.randn(256 << 10, generator=g), torch.randn(3, 1000, generator=g).to(torch.float64), torch.arange(7)]
+    total = sum(t.nbytes for t in sent)
+    with Sender(transport, capacity_nbytes=total // 4) as s, Receiver(transport, timeout=30.0, cache_nbytes=64 * MiB) as r:
+        dest = [torch.zeros_like(t) for t in sent]
+        dest[1] = torch.zeros(1000, 3, dtype=torch.float64).t()  # strided: staged, then copied
+        ticket = s.put(sent)
+        assert ticket.streamed and ticket.num_pieces > 2
+        assert r.get(ticket, into=dest) is dest
+        for a, b in zip(dest, sent):
+            assert torch.equal(a, b)
+        assert r.stats()["cache_taken_nbytes"] == 0, "a streamed into= took memory for the whole object"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_into_targets_of_every_kind_from_an_object_in_several_blocks(transport):
+    """A fragmented sender pool splits the object over several blocks;
+    into= targets that are strided, conjugated or negated each get
+    their own tensor's values (shm copies those straight out of the mapped
+    pool by torch, tcp through a staged buffer each)."""
+    with Sender(transport, capacity_nbytes=512 << 10) as s, Receiver(transport, timeout=10.0) as r:
+        fill = [s.pool.pack([torch.zeros(8 << 10, dtype=torch.uint8) for _ in range(4)]) for _ in range(16)]
+        for f in fill[::2]:
+            f.release()  # eight 32 KiB holes
+        try:
+            g = torch.Generator().manual_seed(8)
+            sent = [torch.randn(40, 50, generator=g) for _ in range(6)] + [torch.randn(30, 30, generator=g, dtype=torch.complex64)]
+            ticket = s.put(sent, one_shot=True)
+            assert len(ticket.blocks) > 1, ticket.blocks
+            dest = [torch.zeros(40, 50) for _ in range(6)] + [torch.zeros(30, 30, dtype=torch.complex64).conj()]
+            dest[1] = torch.zeros(50, 40).t()
+            dest[4] = torch.zeros(40, 50)._neg_view()
+            assert r.get(ticket, into=dest) is dest
+            for i, (a, b) in enumerate(zip(dest, sent)):
+                assert torch.equal(a.resolve_conj().resolve_neg(), b), i
+            s.wait_released(ticket, timeout=10.0)
+        finally:
+            for f in fill[1::2]:
+                f.release()

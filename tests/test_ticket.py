@@ -131,6 +131,12 @@ def test_bad_magic_and_version():
             Ticket.from_bytes(short)
 
 
+@pytest.mark.parametrize("wrong", ["TFTK\x01\x00...", None, 7, [1, 2]])
+def test_what_is_not_bytes_is_a_ticket_error_naming_it(wrong):
+    with pytest.raises(TicketError, match=f"takes bytes.*given a {type(wrong).__name__}"):
+        Ticket.from_bytes(wrong)
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [

@@ -58,6 +58,10 @@ from ._args import positive_seconds
 from ._memory import host_mapping, new_host_bytes, shared_host_mapping
 from ._views import owned_view
 from .errors import ConfigurationError
+from .monitor import register_pool_source, unregister_pool_source
+
+# The figures a monitor pool source reports (tensorferry.monitor.register_pool_source).
+_POOL_FIGURES = ("capacity_nbytes", "used_nbytes", "largest_free_nbytes", "transfers", "bytes_moved")
 
 __all__ = ["CACHE_ENV", "DEFAULT_IDLE_SECONDS", "CacheStats", "ReceiveCache", "cap_nbytes", "idle_seconds"]
 
@@ -164,8 +168,6 @@ class ReceiveCache:
         self._wake = threading.Event()
         _caches.add(self)
         if cap_nbytes > 0:
-            from .monitor._pools import register_pool_source
-
             register_pool_source(self.name, _weak_source(self))
 
     # -- taking and giving back ------------------------------------------------------
@@ -333,7 +335,7 @@ class ReceiveCache:
             )
 
     def pool_figures(self) -> dict[str, int]:
-        """The monitor's pool figures (``monitor.POOL_KEYS``) of this cache.
+        """The monitor's pool figures (:data:`_POOL_FIGURES`) of this cache.
 
         ``capacity_nbytes``: the cap on idle bytes; ``used_nbytes``: bytes
         live results hold (may exceed the cap: results are never refused);
@@ -367,8 +369,6 @@ class ReceiveCache:
         dropped.clear()
         self._wake.set()
         if self.cap_nbytes > 0:
-            from .monitor._pools import unregister_pool_source
-
             unregister_pool_source(self.name)
 
     def _after_fork_in_child(self) -> None:
@@ -413,10 +413,8 @@ def _weak_source(cache: ReceiveCache):
     def source() -> dict[str, int]:
         c = ref()
         if c is None:
-            from .monitor._pools import POOL_KEYS, unregister_pool_source
-
             unregister_pool_source(name)  # collect_pool_figures calls sources outside its lock
-            return dict.fromkeys(POOL_KEYS, 0)
+            return dict.fromkeys(_POOL_FIGURES, 0)
         return c.pool_figures()
 
     return source

@@ -92,8 +92,15 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         """Decode and validate a ticket (from the network: trust nothing).
 
         Raises:
-            TicketError: truncated, oversized, corrupted or hostile bytes.
+            TicketError: truncated, oversized, corrupted or hostile bytes,
+                or not bytes at all.
         """
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TicketError(
+                f"Ticket.from_bytes takes bytes, bytearray or memoryview (what Ticket.to_bytes returned); "
+                f"it was given a {type(data).__name__}"
+                + (" (encode the ticket with to_bytes, not str())" if isinstance(data, str) else "")
+            )
         data = bytes(data)
         if len(data) > MAX_TICKET_NBYTES:
             raise TicketError(f"ticket of {len(data):,} bytes exceeds the limit of {MAX_TICKET_NBYTES:,}")

@@ -32,7 +32,7 @@ from ._convert import copy_converting
 from ._memmove import Batches, batches, copy_bytes, destinations_apart, many_small_runs, memmove_runs, vectored_io
 from ._pack import copy_values, leaf_runs, pack_leaves
 from ._plan import CopyPlan
-from ._targets import StagedCopy, copy_from_blocks, copy_staged, dense_host_mask, fill_aliases, scatter_segments, target_addresses
+from ._targets import StagedCopy, copy_staged, dense_host_mask, fill_aliases, stage_rest, staged_addresses, target_addresses
 from ._threads import PARALLEL_MIN_NBYTES, copy_threads, executor, finish, run_parts
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "batches",
     "copy_bytes",
     "copy_converting",
-    "copy_from_blocks",
     "copy_staged",
     "copy_threads",
     "copy_values",
@@ -57,7 +56,8 @@ __all__ = [
     "memmove_runs",
     "pack_leaves",
     "run_parts",
-    "scatter_segments",
+    "stage_rest",
+    "staged_addresses",
     "target_addresses",
     "vectored_io",
 ]

@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import packing
 from .._tensors import data_ptrs
 from ._plan import CopyPlan
 
-__all__ = ["StagedCopy", "copy_from_blocks", "copy_staged", "dense_host_mask", "fill_aliases", "scatter_segments", "target_addresses"]
+__all__ = ["StagedCopy", "copy_staged", "dense_host_mask", "fill_aliases", "stage_rest", "staged_addresses", "target_addresses"]
 
 _get_is_cpu = attrgetter("is_cpu")
 
@@ -43,6 +42,26 @@ def target_addresses(targets: Sequence[torch.Tensor], ok: np.ndarray) -> np.ndar
     return dst
 
 
+def staged_addresses(targets: Sequence[torch.Tensor], nbytes: np.ndarray) -> tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Where each target's bytes land: its own address where it can be
+    written by address, else a host buffer of its own (``nbytes[i]``), and
+    the ``(buffer, target)`` pairs :func:`copy_staged` finishes with."""
+    ok = dense_host_mask(targets) if len(targets) else np.zeros(0, dtype=bool)
+    dst = target_addresses(targets, ok)
+    return dst, stage_rest(targets, nbytes, ok, dst)
+
+
+def stage_rest(targets: Sequence[torch.Tensor], nbytes: np.ndarray, ok: np.ndarray, dst: np.ndarray) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A host buffer for each target not written by address (``~ok``), its
+    address put in ``dst``; the ``(buffer, target)`` pairs of :func:`copy_staged`."""
+    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in np.flatnonzero(~ok & (np.asarray(nbytes) > 0)).tolist():
+        staged = torch.empty(int(nbytes[i]), dtype=torch.uint8)
+        dst[i] = staged.data_ptr()
+        fixups.append((staged, targets[i]))
+    return fixups
+
+
 class StagedCopy:
     """Copies a byte stream that arrives a chunk at a time into its targets.
 
@@ -63,13 +82,7 @@ class StagedCopy:
         block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(np.asarray(bounds, dtype=np.int64)))
         start = block_start[block_of] + np.asarray(offsets, dtype=np.int64)
         n = np.asarray(nbytes, dtype=np.int64)
-        ok = dense_host_mask(targets)
-        dst = target_addresses(targets, ok)
-        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in np.flatnonzero(~ok & (n > 0)).tolist():
-            staged = torch.empty(int(n[i]), dtype=torch.uint8)
-            dst[i] = staged.data_ptr()
-            self._fixups.append((staged, targets[i]))
+        dst, self._fixups = staged_addresses(targets, n)
         # In stream coordinates: sources ascend (tensors never overlap).
         self.plan = CopyPlan.build(dst, start, n)
 
@@ -113,71 +126,3 @@ def _writable(targets: Sequence[torch.Tensor]) -> Any:
     outside it) inference_mode, in which writes into the others still bump
     their version counters."""
     return torch.inference_mode() if any(t.is_inference() for t in targets) else torch.no_grad()
-
-
-def copy_from_blocks(blocks: Sequence[torch.Tensor], bounds: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, targets: Sequence[torch.Tensor]) -> None:
-    """Copy packed tensors out of their blocks into ``targets``, making no views of the blocks.
-
-    Tensor ``i`` lies in block ``b`` (``bounds[b] <= i < bounds[b + 1]``) at
-    byte ``offsets[i]``, ``nbytes[i]`` long; ``targets[i]`` has its dtype and
-    shape (the caller checked). Dense host targets are written by address,
-    neighbours merged, as one (parallel) copy; any other target (strided,
-    conjugated or negated, on a device) gets a typed view of its bytes and
-    torch's ``copy_``.
-    """
-    count = len(targets)
-    if count == 0:
-        return
-    src = np.empty(count, dtype=np.int64)
-    for b, blk in enumerate(blocks):
-        lo, hi = int(bounds[b]), int(bounds[b + 1])
-        src[lo:hi] = offsets[lo:hi] + blk.data_ptr()
-    if all(blk.device.type == "cpu" for blk in blocks):
-        ok = dense_host_mask(targets)
-    else:
-        ok = np.zeros(count, dtype=bool)
-    plan = CopyPlan.build(target_addresses(targets, ok), src, nbytes, raw=ok)
-    plan.execute()
-    rest = plan.elementwise
-    if rest.size:
-        block_of = np.searchsorted(bounds, rest, side="right") - 1
-        with _writable([targets[i] for i in rest.tolist()]):
-            for i, b in zip(rest.tolist(), block_of.tolist()):
-                t = targets[i]
-                off = int(offsets[i])
-                t.copy_(blocks[b][off : off + int(nbytes[i])].view(t.dtype).view(t.shape))
-
-
-def scatter_segments(layout: Any, block_nbytes: list[int], targets: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The byte stream of the blocks as a list of destination segments:
-    each target tensor's own memory where it is dense, a scratch buffer for
-    alignment gaps and for targets that are not (copied after by
-    :func:`copy_staged`): tcp's into= straight off the socket."""
-    groups = packing.group_by_block(layout.nbytes, layout.alignments, block_nbytes)
-    nbytes = layout.nbytes.tolist()
-    offsets = groups.offsets.tolist()
-    bounds = groups.bounds.tolist()
-    # Alignment gaps are < 16 bytes each: one small scratch covers them all.
-    scratch = torch.empty(16 * (layout.num_tensors + len(block_nbytes)) + 16, dtype=torch.uint8)
-    spos = 0
-    segments: list[torch.Tensor] = []
-    fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for b in range(len(block_nbytes)):
-        cursor = 0
-        for i in range(bounds[b], bounds[b + 1]):
-            n = nbytes[i]
-            if not n:
-                continue
-            gap = offsets[i] - cursor
-            if gap:
-                segments.append(scratch[spos : spos + gap])
-                spos += gap
-            t = targets[i]
-            if t.is_contiguous() and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
-                segments.append(t.detach().reshape(-1).view(torch.uint8))
-            else:
-                staged = torch.empty(n, dtype=torch.uint8)
-                segments.append(staged)
-                fixups.append((staged, t))
-            cursor = offsets[i] + n
-    return segments, fixups

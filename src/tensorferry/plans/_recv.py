@@ -1,4 +1,11 @@
-"""``RecvPlan``: a receiver's kept (or one-shot) plan for one layout."""
+"""``RecvPlan``: a receiver's plan for one layout, kept or one-shot.
+
+Every get executes one: ``get(t, into=plan)`` a kept plan
+(``Receiver.plan``), any other get a one-shot plan made from its ticket,
+which skips what only a kept plan needs (the watch over its targets, the
+deduplicated version counters, a destination allocated before any byte
+is known to come).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ import numpy as np
 import torch
 
 from .. import packing
-from .._copy import CopyPlan, copy_staged, dense_host_mask, executor, fill_aliases, finish, many_small_runs, target_addresses
+from .._copy import CopyPlan, copy_staged, dense_host_mask, executor, fill_aliases, finish, many_small_runs, stage_rest, target_addresses
 from .._tensors import flatten, gc_paused, match_into, unflatten
 from .._views import build_views
 from ..errors import ConfigurationError, LayoutMismatchError
@@ -20,7 +27,6 @@ from ._buffers import BufferList
 from ._watch import Watch
 
 if TYPE_CHECKING:
-    from ..receiver import Receiver
     from ..ticket import Ticket
 
 __all__ = ["RecvPlan"]
@@ -29,73 +35,119 @@ __all__ = ["RecvPlan"]
 # counters on a copy thread while the bytes land.
 _MARK_ON_THREAD_MIN = 4096
 
+# A result made of views not yet nested as the sender put them.
+_UNNESTED = object()
+
+# Destination blocks for these block sizes, and whether they are fresh
+# (new memory, not yet faulted in).
+Allocate = Callable[[list[int]], tuple[list[torch.Tensor], bool]]
+
 
 class RecvPlan:
-    """A receiver's kept plan for one layout (``Receiver.plan``); receiver side.
+    """A receiver's plan for one layout; receiver side.
 
     ``Receiver.get(ticket, into=plan)`` writes every ticket of that layout
     into the same destinations and returns :attr:`result`: the caller's
     ``into=`` object, or the tensors the plan allocated. Not for concurrent
     gets (they would write the same tensors): gets of one plan take turns.
 
+    Made by ``Receiver.plan`` (kept) or, for any other get, by
+    :meth:`one_shot`.
+
     Attributes:
         layout: the planned layout.
         layout_bytes: its encoding; a ticket must carry exactly these bytes.
         result: what every get returns (the same objects each time).
         total_nbytes: bytes one get moves (packed, one block).
+        kept: made to be replayed (``Receiver.plan``), not for one get.
     """
 
-    def __init__(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, owner: object, ticket: "Ticket", into: Any, allocate: Allocate) -> None:
         with gc_paused():  # as SendPlan's
-            self._make(receiver, ticket, into, allocate)
+            self._make(owner, ticket.layout, ticket.layout_bytes, into, allocate, kept=True)
 
-    def _make(self, receiver: "Receiver", ticket: "Ticket", into: Any, allocate: Callable[[int], torch.Tensor]) -> None:
-        self._receiver = receiver
-        layout = ticket.layout
+    @classmethod
+    def one_shot(cls, owner: object, layout: Layout, layout_bytes: bytes, into: Any, allocate: Allocate) -> "RecvPlan":
+        """The plan of one get (``into=`` tensors or a module, or ``None``:
+        destination blocks from ``allocate`` once the sender has located
+        the bytes, in the ticket's own block sizes)."""
+        plan = cls.__new__(cls)
+        plan._make(owner, layout, layout_bytes, into, allocate, kept=False)
+        return plan
+
+    def _make(self, owner: object, layout: Layout, layout_bytes: bytes, into: Any, allocate: Allocate, *, kept: bool) -> None:
+        self._owner = owner
+        self.kept = kept
         self.layout = layout
-        self.layout_bytes = ticket.layout_bytes
+        self.layout_bytes = layout_bytes
         self.offsets, self.total_nbytes = packing.packed_offsets(layout.nbytes, layout.alignments)
         self.lock = threading.Lock()
-        self._own: torch.Tensor | None = None
+        self._allocate = allocate
+        self._own: list[torch.Tensor] | None = None
+        self._own_sizes: tuple[int, ...] = ()
+        self._fresh = False
         self._watch: Watch | None = None
+        self._result: Any = None
+        self._into = into is not None
+        targets: list[torch.Tensor] = []
         if into is None:
-            # Destination tensors of our own: one buffer in the one-block
-            # layout, so a planned sender's stream lands in it as it is.
-            self._own = allocate(max(self.total_nbytes, 1))
-            blocks = [self._own[: self.total_nbytes]] if self.total_nbytes else []
-            targets = build_views(blocks, layout, packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks]))
-            self.result = unflatten(layout, targets)
+            if kept:
+                # Destination tensors of our own: one buffer in the one-block
+                # layout, so a planned sender's stream lands in it as it is.
+                blocks, _ = allocate([max(self.total_nbytes, 1)])
+                self._own, self._own_sizes = [blocks[0][: self.total_nbytes]], (self.total_nbytes,)
+                self.adopt(self._own if self.total_nbytes else [])
+                targets = self._targets
         else:
-            src = into.state_dict(keep_vars=True) if isinstance(into, torch.nn.Module) else into
+            module = into if isinstance(into, torch.nn.Module) else None
+            src = into.state_dict(keep_vars=True) if module is not None else into
             targets = match_into(layout, src)
-            self.result = into
-            leaves, ops, counts, keys, _ = flatten(src)
-            names = list(src.keys()) if isinstance(src, dict) else None
-            self._watch = Watch(leaves, names, into if isinstance(into, torch.nn.Module) else None, ops, counts, keys)
+            self._result = into
+            if kept:
+                leaves, ops, counts, keys, _ = flatten(src)
+                names = list(src.keys()) if isinstance(src, dict) else None
+                self._watch = Watch(leaves, names, module, ops, counts, keys)
         self._targets = targets
-        # Views share their base's version counter: bumping the bases (and
-        # the tensors that are no view) marks every target written. Tensors
-        # made under torch.inference_mode() have no counter: torch skips
-        # them, but only after ~140 ns each of its own loop, so they are
-        # left out here, once (a worker's weights made that way cost no
-        # marking at all).
-        bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
-        self._versioned = [b for b in bases.values() if not b.is_inference()]
-        ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
-        self._dst = target_addresses(targets, ok)
-        n = layout.nbytes
-        # Targets that cannot be written by address get a buffer each, kept.
-        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in np.flatnonzero(~ok & (n > 0)).tolist():
-            staged = torch.empty(int(n[i]), dtype=torch.uint8)
-            self._dst[i] = staged.data_ptr()
-            self._fixups.append((staged, targets[i]))
+        if kept:
+            # Views share their base's version counter: bumping the bases (and
+            # the tensors that are no view) marks every target written. Tensors
+            # made under torch.inference_mode() have no counter: torch skips
+            # them, but only after ~140 ns each of its own loop, so they are
+            # left out here, once (a worker's weights made that way cost no
+            # marking at all).
+            bases = {id(b): b for b in (t if t._base is None else t._base for t in targets)}
+            self._versioned = [b for b in bases.values() if not b.is_inference()]
+        else:
+            self._versioned = targets
+        # Targets that cannot be written by address (strided, conjugated,
+        # on a device) get a buffer each when a run must land somewhere: a
+        # kept plan's up front, kept; a one-shot plan's only if its route
+        # needs them (a whole object in memory here is copied into them by
+        # torch straight from its blocks). A plan that allocates has no
+        # targets before its get: its bytes land in its own memory as they
+        # are, never by runs.
+        self._ok = dense_host_mask(targets) if targets else np.zeros(0, dtype=bool)
+        self._dst = target_addresses(targets, self._ok)
+        self._fixups: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if not targets or bool(self._ok.all()):
+            self._fixups = []
+        elif kept:
+            self._fixups = stage_rest(targets, layout.nbytes, self._ok, self._dst)
         self._coords: dict[tuple[int, ...], _Coords] = {}
-        self._aliased = bool(layout.aliases.size)
+        self._direct: dict[tuple[int, ...], CopyPlan] = {}
+        self._aliased = bool(layout.aliases.size) and bool(targets)
 
     def __repr__(self) -> str:
-        kind = "own tensors" if self._own is not None else "into="
-        return f"RecvPlan(num_tensors={self.layout.num_tensors:,}, total_nbytes={self.total_nbytes:,}, {kind})"
+        kind = "into=" if self._into else "own tensors"
+        return f"RecvPlan(num_tensors={self.layout.num_tensors:,}, total_nbytes={self.total_nbytes:,}, {kind}{'' if self.kept else ', one-shot'})"
+
+    @property
+    def result(self) -> Any:
+        """What a get of this plan returns: the ``into=`` object, or the
+        plan's own tensors, nested as the sender put them."""
+        if self._result is _UNNESTED:
+            self._result = unflatten(self.layout, self._targets)
+        return self._result
 
     def matches(self, into: Any) -> bool:
         """Whether ``into`` is made of this plan's targets' memory, nested
@@ -105,14 +157,16 @@ class RecvPlan:
 
     @property
     def targets(self) -> list[torch.Tensor]:
-        """The destination tensor of each sent tensor, in layout order."""
+        """The destination tensor of each sent tensor, in layout order
+        (a one-shot plan of its own: once the bytes have a destination)."""
         return self._targets
 
     def mark_written(self) -> None:
         """Bump the targets' autograd version counters (the bytes land by
         address, which autograd cannot see): a backward that saved one of
         them raises instead of using the new values."""
-        torch.autograd.graph.increment_version(self._versioned)
+        if self._versioned:
+            torch.autograd.graph.increment_version(self._versioned)
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -130,27 +184,105 @@ class RecvPlan:
         finally:
             finish(future, self.mark_written)
 
+    # -- destinations ------------------------------------------------------------------
+
+    @property
+    def allocates(self) -> bool:
+        """A one-shot plan without ``into=``: its destination is allocated
+        by the get, in the ticket's block sizes, and its result is views
+        of whatever memory the bytes land in."""
+        return not self.kept and not self._into
+
+    def owns(self, block_nbytes: tuple[int, ...]) -> bool:
+        """Whether a stream of blocks of these sizes lands in the plan's own
+        memory as it is: a one-shot plan without ``into=`` allocates in the
+        ticket's sizes; a kept one holds the one-block layout."""
+        if self._into:
+            return False
+        return not self.kept or len(block_nbytes) <= 1
+
+    def own_dests(self, block_nbytes: tuple[int, ...], lo: int, blocks: list[tuple[int, int]]) -> tuple[list[torch.Tensor], bool]:
+        """Destinations of acquired ``blocks`` (stream bytes from ``lo`` on)
+        in the plan's own memory (see :meth:`owns`), and whether that memory
+        is fresh. A one-shot plan allocates it here, at its first piece:
+        only once the sender located the bytes, so a forged size never
+        sizes an allocation on its own."""
+        if self._own is None:
+            self._own, self._fresh = self._allocate(list(block_nbytes))
+            self._own_sizes = block_nbytes
+        if len(self._own_sizes) > 1:
+            return self._own, self._fresh  # the whole ticket, block by block
+        whole, dests, at = self._own[0], [], lo
+        for _, n in blocks:
+            dests.append(whole[at : at + n])
+            at += n
+        return dests, self._fresh
+
+    def adopt(self, blocks: list[torch.Tensor]) -> None:
+        """Make the result views of ``blocks`` (the plan's own memory, a
+        relay's stream, the sender's mapped pool): no copy."""
+        layout = self.layout
+        groups = packing.group_by_block(layout.nbytes, layout.alignments, [b.numel() for b in blocks])
+        with gc_paused():
+            self._targets = build_views(blocks, layout, groups)
+        # Nested when first asked for: not while a receive loop that needs
+        # the GIL is still filling the blocks.
+        self._result = _UNNESTED
+
+    def adopt_own(self) -> None:
+        """:meth:`adopt` the memory :meth:`own_dests` allocated."""
+        self.adopt(self._own or [])
+
+    def _positions(self, block_nbytes: tuple[int, ...]) -> np.ndarray:
+        """Each tensor's position in a stream of blocks of these sizes."""
+        if len(block_nbytes) <= 1:
+            return self.offsets
+        layout = self.layout
+        groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
+        start = np.zeros(len(block_nbytes), dtype=np.int64)
+        start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
+        block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
+        return start[block_of] + groups.offsets
+
     def coords(self, block_nbytes: tuple[int, ...]) -> "_Coords":
-        """The copy runs from a stream of blocks of these sizes (cached)."""
+        """The copy runs from a stream of blocks of these sizes (cached),
+        every target written by address (or its staged buffer)."""
         c = self._coords.get(block_nbytes)
         if c is None:
-            if len(block_nbytes) <= 1:
-                pos = self.offsets
-            else:
-                layout = self.layout
-                groups = packing.group_by_block(layout.nbytes, layout.alignments, list(block_nbytes))
-                start = np.zeros(len(block_nbytes), dtype=np.int64)
-                start[1:] = np.cumsum(np.asarray(block_nbytes, dtype=np.int64))[:-1]
-                block_of = np.repeat(np.arange(len(block_nbytes)), np.diff(groups.bounds))
-                pos = start[block_of] + groups.offsets
-            c = _Coords(CopyPlan.build(self._dst, pos, self.layout.nbytes), sum(block_nbytes))
+            if self._fixups is None:
+                self._fixups = stage_rest(self._targets, self.layout.nbytes, self._ok, self._dst)
+            c = _Coords(CopyPlan.build(self._dst, self._positions(block_nbytes), self.layout.nbytes), sum(block_nbytes))
             self._coords[block_nbytes] = c
         return c
 
-    def own_window(self, lo: int, hi: int) -> torch.Tensor | None:
-        """Our own buffer's bytes ``[lo, hi)`` of the one-block stream, if
-        the plan owns its destination (the stream lands there as it is)."""
-        return None if self._own is None else self._own[lo:hi]
+    def copy_from(self, blocks: list[torch.Tensor], block_nbytes: tuple[int, ...]) -> None:
+        """The whole stream, held here in ``blocks`` (host memory, one 1-D
+        uint8 tensor a block: the mapped pool's, a relay's stream), into
+        the targets: by the runs where a target is written by address; a
+        one-shot plan's other targets by torch straight from the blocks,
+        no staged buffer."""
+        if self._fixups is not None:
+            coords, pos = self.coords(block_nbytes), 0
+            for b, n in zip(blocks, block_nbytes):
+                coords.execute_window(pos, pos + n, b.data_ptr() - pos)
+                pos += n
+            return
+        plan = self._direct.get(block_nbytes)
+        positions = self._positions(block_nbytes)
+        if plan is None:
+            plan = self._direct[block_nbytes] = CopyPlan.build(self._dst, positions, self.layout.nbytes, raw=self._ok)
+        pos = 0
+        for b, n in zip(blocks, block_nbytes):
+            plan.execute_window(pos, pos + n, 0, b.data_ptr() - pos)
+            pos += n
+        rest = plan.elementwise
+        if rest.size:
+            starts = np.cumsum(np.asarray(block_nbytes, dtype=np.int64)) - np.asarray(block_nbytes, dtype=np.int64)
+            at = positions[rest]
+            which = np.searchsorted(starts, at, side="right") - 1
+            nbytes = self.layout.nbytes
+            copy_staged([(blocks[b][p - starts[b] : p - starts[b] + nbytes[i]], self._targets[i])
+                         for i, b, p in zip(rest.tolist(), which.tolist(), at.tolist())])
 
     def finish(self) -> None:
         """After the bytes landed: targets that are not dense host memory
@@ -160,15 +292,16 @@ class RecvPlan:
         if self._aliased:
             fill_aliases(self.layout, self._targets)
 
-    def check(self, receiver: "Receiver", ticket: "Ticket") -> None:
+    def check(self, owner: object, ticket: "Ticket") -> None:
         """Raise unless ``ticket`` carries this plan's layout (bytes compared,
-        nothing decoded) and the plan belongs to ``receiver``.
+        nothing decoded) and the plan belongs to ``owner`` (its receiver's
+        token).
 
         Raises:
             ConfigurationError: another receiver's plan.
             LayoutMismatchError: another layout; names what differs.
         """
-        if receiver is not self._receiver:
+        if owner is not self._owner:
             raise ConfigurationError("get(into=plan): this plan was made by another Receiver; make one with this receiver's plan()")
         if self._watch is not None:
             self._watch.check("get(into=plan)", "receiver.plan(ticket, into=...)")

@@ -1,9 +1,10 @@
 """Transports, picked by name: ``shm``, ``tcp``, ``nixl``.
 
 Implementations are private modules behind the small contract of
-:mod:`tensorferry.transports._base`; this module maps names to them, and
-exports the relay's parts (:mod:`tensorferry.transports._relay`) that a
-receiver uses.
+:mod:`tensorferry.transports._base` (a :class:`Channel` declares what it can
+do as class attributes); this module maps names to them and is what the
+rest of the library imports: the receiver's plumbing (:class:`ChannelPool`,
+:class:`ReceiveContext`, :class:`Releaser`) and the relays included.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-from ..ticket import TRANSPORTS, TransportName
-from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
-
 __all__ = [
     "TRANSPORTS", "TransportName", "make_server", "channel_class", "available",
-    "CHUNK_NBYTES", "RelayBook", "RelayServer", "SameHostReads", "pull",
+    "Channel", "ChannelPool", "ReceiveContext", "Releaser", "is_loopback",
+    "CHUNK_NBYTES", "pull", "RelayBook", "RelayServer", "SameHostReads",
 ]
+
+from ..ticket import TRANSPORTS, TransportName
+from ._base import Channel
+from ._connections import ChannelPool, ReceiveContext, Releaser
+from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
+from ._tcp import is_loopback
 
 
 def _check(name: str) -> None:
@@ -34,8 +39,6 @@ def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int, a
     """
     _check(name)
     if name in ("tcp", "nixl"):
-        from ._tcp import is_loopback
-
         if not is_loopback(host) and not token:
             raise ConfigurationError(
                 f"binding the {name} transport to {host!r} (not loopback) needs a token: "

@@ -14,7 +14,10 @@ A transport is a pair of small classes:
   Acquire / Release, and moves the bytes of acquired blocks into destination
   memory with :meth:`Channel.read_into` (shm: one copy per block out of the
   mapped pool; tcp: ``recv_into`` straight into the destination; nixl: a
-  one-sided READ).
+  one-sided READ). What more it can do it declares as class attributes
+  (``maps_sender_memory``, ``receives_into_buffers``, ``receives_by_loop``,
+  ``reads_registered_only``, ``relays``, ``reads_source_runs``): the
+  receiver chooses how bytes move from those, never from the name.
 
 Everything in and out is plain data: lists of ``(offset, nbytes)`` and 1-D
 uint8 tensors. A broken or hostile peer gets its connection closed; the
@@ -24,6 +27,7 @@ server keeps serving everyone else.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hmac
 import logging
 import os
@@ -40,6 +44,7 @@ from .. import _protocol as P
 from .._copy import executor, finish
 from ..errors import (
     AuthenticationError,
+    ConfigurationError,
     PeerGoneError,
     ProtocolError,
     TensorferryError,
@@ -315,9 +320,15 @@ class ControlServer:
 
 
 class Channel:
-    """Receiver side: one connection to one sender.
+    """Receiver side: one connection to one sender; a context manager.
 
     Not thread-safe: a Receiver keeps one channel per sender and thread.
+
+    Every channel moves acquired blocks with :meth:`read_into` and
+    :meth:`read_stream`. What else it can do it declares in the class
+    attributes below (the receiver chooses how a get's bytes move from them,
+    never from :attr:`transport`); a method of a capability a channel lacks
+    raises :class:`ConfigurationError` naming it.
 
     Args:
         address: the sender's address from the ticket.
@@ -328,12 +339,31 @@ class Channel:
     """
 
     transport: ClassVar[str] = ""
-    supports_zero_copy: ClassVar[bool] = False
-    # read_into accepts any list of destination segments whose sizes add up
-    # to the blocks' bytes (not one destination per block).
-    supports_scatter: ClassVar[bool] = False
-    # read_buffers takes writable byte buffers (a kept plan's segments).
-    reads_buffers: ClassVar[bool] = False
+    # remote_views: the sender's pool is mapped here; its blocks can be
+    # handed out as views, or copied by address without any request.
+    maps_sender_memory: ClassVar[bool] = False
+    # read_buffers: the bytes land in any writable buffers that cover the
+    # blocks back to back (a scatter list over the caller's tensors).
+    receives_into_buffers: ClassVar[bool] = False
+    # The bytes arrive through a receive loop of this process, which holds
+    # the GIL between its system calls: Python work done meanwhile (views
+    # built while the bytes move) slows it down.
+    receives_by_loop: ClassVar[bool] = False
+    # Reads land only in memory registered with the transport: registered()
+    # around any destination outside the receive pool.
+    reads_registered_only: ClassVar[bool] = False
+    # receive_range: a broadcast's block arrives chunk by chunk, so a
+    # relaying receiver passes each on while the rest comes in.
+    relays: ClassVar[bool] = False
+    # read_runs: a snapshot=False piece is read straight out of the sender's
+    # tensors (is_sourced says whether an acquired piece is one).
+    reads_source_runs: ClassVar[bool] = False
+    # Bytes a relaying receiver takes from its sender before it passes them
+    # on: each hop of a chain adds one chunk's time.
+    relay_chunk_nbytes: ClassVar[int] = 1 << 20
+    # What a pull from a relay READs with (nixl: the receiver's endpoint,
+    # destinations registered); None: a stream or a same-host copy.
+    relay_endpoint: Any = None
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
         self.address = address
@@ -368,7 +398,13 @@ class Channel:
         for fd in fds:
             os.close(fd)
 
-    # -- the contract --------------------------------------------------------------
+    def _lacks(self, capability: str, method: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"the {self.transport} transport cannot {method} (its channel does not declare {capability}); "
+            "choose the way of moving bytes from the channel's capabilities"
+        )
+
+    # -- every channel -------------------------------------------------------------
 
     def request(self, msg: Any, expect: type, *, timeout: float) -> Any:
         """Send one request and wait for its reply (Failure -> TransferError)."""
@@ -384,6 +420,10 @@ class Channel:
         return reply
 
     def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes, relay: str = "", failed_source: str = "") -> P.Located:
+        """Take a reader slot of a ticket's piece: where its blocks are
+        (checked against the sender's pool), and for a broadcast whom to
+        pull from (``relay``: this receiver's relay address, if it relays;
+        ``failed_source``: a relay that failed us)."""
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
         msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay, failed_source=failed_source)
@@ -394,22 +434,12 @@ class Channel:
                 raise ProtocolError(f"sender located a block ({off}, {n}) outside its {pool_n:,}-byte pool")
         return located
 
-    def is_sourced(self, ticket_id: int, piece: int) -> bool:
-        """Whether an acquired piece is the sender's tensors themselves
-        (snapshot=False), not its pool: then it has no mapped view."""
-        return False
-
     def release(self, ticket_id: int, piece: int, *, timeout: float) -> bool:
+        """Give back a reader slot; whether the sender still held it."""
         return self.request(P.Release(ticket_id=ticket_id, piece=piece), P.Released, timeout=timeout).valid
 
     def read_into(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], dests: list[torch.Tensor], *, deadline: float) -> None:
         """Move the bytes of acquired ``blocks`` into ``dests`` (1-D uint8, same sizes)."""
-        raise NotImplementedError
-
-    def read_buffers(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], buffers: list[memoryview], *, deadline: float) -> None:
-        """Move the bytes of acquired ``blocks`` into writable byte
-        ``buffers`` that cover them back to back (channels with
-        ``reads_buffers``)."""
         raise NotImplementedError
 
     def read_stream(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], scratch: torch.Tensor, sink: Any, *, deadline: float) -> None:
@@ -482,10 +512,44 @@ class Channel:
 
         return fill
 
+    def registered(self, tensor: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        """``tensor``'s memory readable into for the duration of the block
+        (channels that ``reads_registered_only`` register it; any other
+        channel reads into any host memory: nothing to do)."""
+        return contextlib.nullcontext()
+
+    # -- capabilities ----------------------------------------------------------------
+
     def remote_views(self, blocks: list[tuple[int, int]], on_release: Any = None) -> list[torch.Tensor]:
-        """Zero-copy views of the sender's blocks (shm only), one storage
-        per block; ``on_release()`` runs as each block's storage is collected."""
-        raise TransferError(f"the {self.transport} transport cannot hand out zero-copy views; use transport='shm'")
+        """``maps_sender_memory``: views of the sender's blocks (no copy),
+        one storage per block; ``on_release()`` runs as each block's
+        storage is collected."""
+        raise self._lacks("maps_sender_memory", "hand out views of the sender's memory (zero_copy=True needs transport='shm')")
+
+    def read_buffers(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], buffers: list[memoryview], *, deadline: float) -> None:
+        """``receives_into_buffers``: move the bytes of acquired ``blocks``
+        into writable byte ``buffers`` that cover them back to back."""
+        raise self._lacks("receives_into_buffers", "receive into a list of buffers")
+
+    def receive_range(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], buf: memoryview, start: int, progress: Any, *,
+                      deadline: float, chunk_nbytes: int) -> None:
+        """``relays``: bytes ``[start, len(buf))`` of the acquired blocks
+        (back to back) into ``buf``, ``chunk_nbytes`` at a time, calling
+        ``progress(end)`` after each: a relaying receiver serves what has
+        arrived while the rest comes in."""
+        raise self._lacks("relays", "receive a broadcast chunk by chunk")
+
+    def is_sourced(self, ticket_id: int, piece: int) -> bool:
+        """Whether an acquired piece is the sender's tensors themselves
+        (snapshot=False), not its pool (only channels that
+        ``reads_source_runs`` keep such a piece apart)."""
+        return False
+
+    def read_runs(self, ticket_id: int, piece: int, pos: np.ndarray, address: np.ndarray, nbytes: np.ndarray, *, deadline: float) -> None:
+        """``reads_source_runs``: bytes of an acquired snapshot=False piece
+        (``pos``: positions in the piece) into local runs (``address``,
+        ``nbytes``), straight out of the sender's tensors."""
+        raise self._lacks("reads_source_runs", "read a snapshot=False piece out of the sender's tensors")
 
     def close(self) -> None:
         if self.closed:
@@ -495,3 +559,9 @@ class Channel:
             self.sock.close()
         except OSError:
             pass
+
+    def __enter__(self) -> "Channel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

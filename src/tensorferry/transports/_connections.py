@@ -19,7 +19,7 @@ import select
 import threading
 from typing import Any, Callable
 
-from ..errors import TicketError, TransferError
+from ..errors import ConfigurationError, TicketError
 from ..pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
 
 __all__ = ["ChannelPool", "Releaser", "ReceiveContext"]
@@ -130,11 +130,12 @@ class ChannelPool:
 
         Raises:
             TicketError: the sender restarted since the ticket was made.
+            ConfigurationError: the pool (its receiver) is closed.
         """
         key = (transport, address)
         with self._lock:
             if self._closed:
-                raise TransferError("this Receiver is closed")
+                raise ConfigurationError("this Receiver is closed; make a new one")
             idle = self._idle.get(key)
             hung: list[Any] = []
             ch = None

@@ -111,10 +111,14 @@ class NixlChannel(Channel):
     READs into the receive pool the context lends (registered once)."""
 
     transport = "nixl"
+    reads_registered_only = True
+    relays = True
+    relay_chunk_nbytes = RELAY_CHUNK_NBYTES
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
         context = context if context is not None else ReceiveContext(None)
         self.endpoint = _receiver_endpoint(context)
+        self.relay_endpoint = self.endpoint  # a pull from a nixl relay READs with it
         self.pool = context.ensure_pool()
         super().__init__(address, token=token, timeout=timeout, context=context)
 
@@ -144,15 +148,14 @@ class NixlChannel(Channel):
                 self.endpoint.deregister(tensor)
 
     def receive_range(self, ticket_id: int, piece: int, blocks, buf: memoryview, start: int, progress: Any, *, deadline: float, chunk_nbytes: int) -> None:
-        """READ bytes ``[start, len(buf))`` of the acquired blocks (back to
-        back) into ``buf`` (registered: :meth:`registered`), a chunk at a
-        time, calling ``progress(end)`` after each: a relaying receiver
-        serves what has arrived while the rest comes in."""
+        """READs of ``chunk_nbytes`` (:attr:`relay_chunk_nbytes` is this
+        transport's choice), two in flight, into ``buf`` (registered: see
+        :meth:`registered`); see :meth:`Channel.receive_range`."""
         total = sum(n for _, n in blocks)
         if total != len(buf):
             raise TransferError(f"the acquired blocks hold {total:,} bytes, the stream {len(buf):,}")
         here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-        chunk = max(chunk_nbytes, RELAY_CHUNK_NBYTES)
+        chunk = chunk_nbytes
         pipe = ReadPipeline(self.endpoint, self.remote)  # two READs in flight: the link stays busy between chunks
         try:
             at = 0  # where the block starts in the stream

@@ -122,8 +122,9 @@ def vm_readv(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: np.ndarray
 
 class ShmChannel(Channel):
     transport = "shm"
-    supports_zero_copy = True
-    reads_buffers = True
+    maps_sender_memory = True
+    receives_into_buffers = True  # preadv of the pool's file
+    reads_source_runs = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         if not address.startswith("@"):

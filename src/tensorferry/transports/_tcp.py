@@ -208,8 +208,9 @@ def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
 
 class TcpChannel(Channel):
     transport = "tcp"
-    supports_scatter = True
-    reads_buffers = True
+    receives_into_buffers = True
+    receives_by_loop = True
+    relays = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         return connect(address, timeout)
@@ -238,10 +239,7 @@ class TcpChannel(Channel):
         return fill
 
     def receive_range(self, ticket_id: int, piece: int, blocks, buf: memoryview, start: int, progress: Any, *, deadline: float, chunk_nbytes: int) -> None:
-        """Stream bytes ``[start, len(buf))`` of the acquired blocks (back to
-        back) into ``buf``, ``chunk_nbytes`` at a time, calling
-        ``progress(end)`` after each: a relaying receiver serves what has
-        arrived while the rest comes in."""
+        """One Fetch from byte ``start`` on, read ``chunk_nbytes`` at a time (see :meth:`Channel.receive_range`)."""
         total = len(buf)
         self._fetch(ticket_id, piece, blocks, deadline, start)
         pos = start
@@ -255,8 +253,8 @@ class TcpChannel(Channel):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)
 
     def read_buffers(self, ticket_id: int, piece: int, blocks, buffers: list[memoryview], *, deadline: float) -> None:
-        """:meth:`read_into` into writable byte buffers (a kept plan's
-        segments: no tensor or buffer object made per get)."""
+        """One Fetch, received straight into the buffers (recvmsg_into):
+        a plan's buffer list, no tensor or buffer object made per get."""
         want = self._fetch(ticket_id, piece, blocks, deadline)
         have = sum(map(len, buffers))
         if have != want:
