@@ -29,6 +29,7 @@ from ray.experimental.rdt.tensor_transport_manager import (
     TensorTransportMetadata,
 )
 
+from ..transports import channel_class
 from ._kept import KeptPlan
 from ._settings import Settings, settings
 
@@ -253,7 +254,7 @@ class TensorferryTransport(TensorTransportManager):
             )
         ticket = Ticket.from_bytes(meta.tickets[name])
         receiver = proc.get_receiver()
-        zero_copy = proc.settings.zero_copy and name == "shm" and not target_buffers
+        zero_copy = proc.settings.zero_copy and channel_class(name).maps_sender_memory and not target_buffers
         if target_buffers:
             receiver.get(ticket, into=list(target_buffers))
             result = list(target_buffers)

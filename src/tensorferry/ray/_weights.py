@@ -228,11 +228,12 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     from ..errors import PlanStaleError
     from ..receiver import Receiver
     from ..ticket import Ticket
+    from ..transports import channel_class
     from ._settings import settings
 
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
-    relaying = version.fanout is not None and name == "tcp"
+    relaying = version.fanout is not None and channel_class(name).relays
     with _STATE_LOCK:
         if relaying and _RECEIVER is not None and not _RECEIVER.relay_address:
             _RECEIVER.close()  # made before this sync asked for relays
