@@ -99,17 +99,20 @@ class TensorferryTransportMetadata(TensorTransportMetadata):
     nbytes: int = 0  # the packed object's bytes
 
 
-_NODE_ID: str | None = None
+# The node id, with the core worker it was read through: a driver may shut Ray
+# down and init a new cluster, whose node differs; a worker's never changes.
+_NODE_ID: tuple[object, str] | None = None
 
 
 def _node_id() -> str:
-    """This process's Ray node (it never changes; asked once)."""
+    """This process's Ray node, asked once per Ray session of the process."""
     global _NODE_ID
-    if _NODE_ID is None:
-        import ray
+    import ray
 
-        _NODE_ID = ray.get_runtime_context().get_node_id()
-    return _NODE_ID
+    session = getattr(ray._private.worker.global_worker, "core_worker", None)
+    if _NODE_ID is None or _NODE_ID[0] is not session:
+        _NODE_ID = (session, ray.get_runtime_context().get_node_id())
+    return _NODE_ID[1]
 
 
 class _Process:
