@@ -22,15 +22,8 @@ from tensorferry.transports._shm import ShmServer
 from tensorferry.transports._tcp import TcpServer
 
 MiB = 1 << 20
+from _transfer_helpers import wait_until  # tests/transports, on pytest's pythonpath
 
-
-def wait_until(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def used(sender: Sender) -> int:
