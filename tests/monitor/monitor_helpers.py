@@ -70,3 +70,49 @@ def wait_until(condition: Callable[[], bool], *, timeout_seconds: float = 10.0, 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout_seconds} s")
         time.sleep(0.005)
+
+
+def as_nobody(work: Callable[[], str]) -> str:
+    """``work()`` run in a forked child that dropped to the user nobody (as
+    an unprivileged agent would run), its string result handed back through a
+    pipe. Skips unless this process is root. The child has already imported
+    everything it needs: it opens no file of the checkout."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to nobody in a child")
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                result = work()
+            except BaseException as e:  # the test's assertion shows it
+                result = f"the child raised {e!r}"
+            os.write(w, result.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        result = f.read()
+    os.waitpid(child, 0)
+    return result
+
+
+def kernel_thread_pid() -> int:
+    """Pid 2 (kthreadd), after checking it is visible and a kernel thread
+    here; skips where a pid namespace hides it."""
+    import pytest
+
+    try:
+        with open("/proc/2/stat") as f:
+            flags = int(f.read().rpartition(")")[2].split()[6])
+    except OSError:
+        pytest.skip("pid 2 not visible (pid namespace)")
+    if not flags & 0x00200000:  # PF_KTHREAD
+        pytest.skip("pid 2 is not a kernel thread here (pid namespace)")
+    return 2

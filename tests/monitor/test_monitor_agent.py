@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from monitor_helpers import FIXTURES, wait_until
+from monitor_helpers import FIXTURES, as_nobody, wait_until
 
 from tensorferry.errors import ConfigurationError
 from tensorferry.monitor import Agent, AgentConfig, Selection, group_samples, sample
@@ -169,31 +169,17 @@ def test_total_exact_cost_stays_within_budget_for_many_processes(tmp_path: Path)
 
 
 def test_denied_exact_read_is_counted_once_and_cheap_figures_kept() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to drop to nobody in a child")
     target = os.getpid()
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        # An unprivileged agent watching a root-owned process.
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            agent = Agent(Selection(pids=(target,)))
-            for _ in range(3):
-                snap = agent.tick()
-            st = agent.stats()
-            s = snap.samples[0]
-            os.write(w, f"{st.exact_denied} {st.exact_reads} {s.rss_bytes > 0} {s.uss_source}".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        result = f.read()
-    os.waitpid(child, 0)
-    assert result == "1 0 True none"
+
+    def unprivileged_agent() -> str:  # watching a root-owned process
+        agent = Agent(Selection(pids=(target,)))
+        for _ in range(3):
+            snap = agent.tick()
+        st = agent.stats()
+        s = snap.samples[0]
+        return f"{st.exact_denied} {st.exact_reads} {s.rss_bytes > 0} {s.uss_source}"
+
+    assert as_nobody(unprivileged_agent) == "1 0 True none"
 
 
 def test_jitter_spreads_intervals_within_bounds(proc_tree: Path) -> None:

@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from monitor_helpers import rollup_truth
+from monitor_helpers import kernel_thread_pid, rollup_truth
 
 from tensorferry.errors import ConfigurationError, NoSuchProcess
 from tensorferry.monitor import sample
@@ -252,14 +252,7 @@ def test_exit_mid_walk_raises_no_such_process(start_target) -> None:
 
 
 def test_kernel_thread_walk_is_done_without_figures() -> None:
-    try:
-        with open("/proc/2/stat") as f:
-            flags = int(f.read().rpartition(")")[2].split()[6])
-    except OSError:
-        pytest.skip("pid 2 not visible (pid namespace)")
-    if not flags & 0x00200000:
-        pytest.skip("pid 2 is not a kernel thread here (pid namespace)")
-    w = ProcfsBackend().start_walk(2, slice_nbytes=2 * MIB)
+    w = ProcfsBackend().start_walk(kernel_thread_pid(), slice_nbytes=2 * MIB)
     assert w is not None and w.done and w.result is None and w.kernel_thread
 
 

@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from monitor_helpers import rollup_truth
+from monitor_helpers import as_nobody, kernel_thread_pid, rollup_truth
 
 from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
 from tensorferry.monitor import sample
@@ -123,45 +123,23 @@ def test_real_zombie_raises_zombie_process() -> None:
 
 
 def test_another_users_process_denies_exact_but_not_cheap() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to drop to nobody in a child")
     target = os.getpid()
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        # The child drops to nobody (already imported: no file access needed)
-        # and samples its root-owned parent, as an unprivileged agent would.
+
+    def unprivileged_sample() -> str:  # of the root-owned parent
+        s = sample(target)
+        result = f"cheap {s.rss_bytes > 0} {s.num_fds}"
         try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            s = sample(target)
-            result = f"cheap {s.rss_bytes > 0} {s.num_fds}"
-            try:
-                sample(target, exact=True)
-                result += " exact-allowed"
-            except AccessDenied as e:
-                result += f" denied {e.pid}"
-            os.write(w, result.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        result = f.read()
-    os.waitpid(child, 0)
-    assert result == f"cheap True None denied {target}"
+            sample(target, exact=True)
+            result += " exact-allowed"
+        except AccessDenied as e:
+            result += f" denied {e.pid}"
+        return result
+
+    assert as_nobody(unprivileged_sample) == f"cheap True None denied {target}"
 
 
 def test_real_kernel_thread_has_no_exact_figures() -> None:
-    try:
-        with open("/proc/2/stat") as f:
-            flags = int(f.read().rpartition(")")[2].split()[6])
-    except OSError:
-        pytest.skip("pid 2 not visible (pid namespace)")
-    if not flags & 0x00200000:
-        pytest.skip("pid 2 is not a kernel thread here (pid namespace)")
-    s = sample(2, exact=True)
+    s = sample(kernel_thread_pid(), exact=True)
     assert s.kernel_thread and s.rss_bytes == 0
     assert (s.uss_bytes, s.uss_source) == (None, "none")
 
