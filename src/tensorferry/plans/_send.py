@@ -16,6 +16,7 @@ from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorEr
 from ..layout import DTYPES, Layout
 from ..pool import Block
 from ._buffers import BufferList, buffer_at
+from ._delta import DeltaVersion
 from ._watch import PUT, Watch
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class SendPlan:
         kept: a kept plan (watched, replayed) or a one-shot one.
         owner: what a put checks the plan against (the sender's ledger): a
             plan serves only the sender that made it.
+        delta: a kept plan that keeps the version it last sent and offers
+            receivers holding it the changes only (``plans/_delta.py``).
 
     Attributes:
         source: the object planned (an ``nn.Module``, or the tensors' nesting).
@@ -98,14 +101,17 @@ class SendPlan:
         layout_bytes: the encoded layout, reused by every ticket.
         total_nbytes: the packed size of one put.
         num_tensors: planned tensors (tied names counted once each).
+        delta: the kept version of a delta plan (None for any other).
     """
 
-    def __init__(self, pool: "MemoryPool", obj: Any, *, dtype: torch.dtype | None = None, kept: bool = True, owner: object = None) -> None:
+    def __init__(self, pool: "MemoryPool", obj: Any, *, dtype: torch.dtype | None = None, kept: bool = True, owner: object = None,
+                 delta: bool = False) -> None:
         # Planning makes Python objects per tensor (shapes, storages): with
         # the collector paused, 100k of them set off no collections over
         # everything alive.
         with gc_paused():
             self._make(pool, obj, dtype, kept, owner)
+        self.delta = DeltaVersion(pool, self.layout, self.offsets, self.total_nbytes) if delta and kept else None
 
     def _make(self, pool: "MemoryPool", obj: Any, dtype: torch.dtype | None, kept: bool, owner: object) -> None:
         self.pool = pool
