@@ -256,7 +256,10 @@ def test_a_restarted_receiver_gets_the_whole_object(transport):
 
 
 def test_a_streamed_put_offers_no_delta_and_the_next_starts_over():
-    w = {"x": torch.randn(400_000)}  # 1.6 MB as fp32 into a 2 MiB pool: with the kept version, it streams
+    """A transposed tensor is copied value by value, so its put is packed
+    into the pool, not compared by address; 1.6 MB into a 2 MiB pool that
+    holds the kept version too: it streams, and offers no delta."""
+    w = {"x": torch.randn(400, 1000).t()}
     with tf.Sender("tcp", capacity_nbytes=2 * MiB, piece_nbytes=128 << 10) as s, tf.Receiver("tcp", timeout=20.0) as r:
         plan = s.plan(w, delta=True)
         rp = None
@@ -266,8 +269,41 @@ def test_a_streamed_put_offers_no_delta_and_the_next_starts_over():
             assert t.streamed and t.delta is None
             rp = rp or r.plan(t)
             got = r.get(t, into=rp)
-            assert torch.equal(_bits(got["x"]), _bits(w["x"])) and rp.version == 0
+            assert torch.equal(_bits(got["x"]), _bits(w["x"].contiguous())) and rp.version == 0
             s.wait_released(t, timeout=10)
+
+
+def test_values_read_by_address_serve_the_kept_version_and_need_no_pool_block():
+    """A put compared by address serves the kept bytes themselves; a put
+    while they are still served packs a pool block, offers no delta, and
+    the put after starts over: every get bit-exact throughout."""
+    g = torch.Generator().manual_seed(6)
+    w = _weights()
+    del w["scale"]  # float64 cast to bfloat16 is not compared by address (it is packed, then compared)
+    with tf.Sender("shm", capacity_nbytes=8 * MiB) as s, tf.Receiver("shm", timeout=20.0) as r:
+        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+        kept = s.stats()["used_nbytes"]
+        t = s.put(plan, readers=None)  # served until discarded
+        assert s.stats()["used_nbytes"] == kept  # the whole object is the kept version: no other block
+        rp = r.plan(t)
+        _assert_exact(r.get(t, into=rp), w)
+        _change(w, g, 0.01)
+        busy = s.put(plan)  # the kept bytes are still served by t
+        assert busy.delta is None and s.stats()["used_nbytes"] > kept
+        _assert_exact(r.get(busy, into=rp), w)
+        assert rp.version == 0
+        s.discard(t)
+        s.wait_released(busy, timeout=10)
+        _change(w, g, 0.01)
+        again = s.put(plan)
+        assert again.delta.base == 0  # starts over
+        _assert_exact(r.get(again, into=rp), w)
+        s.wait_released(again, timeout=10)
+        _change(w, g, 0.01)
+        t = s.put(plan)
+        assert t.delta.base == rp.version and t.delta.nbytes
+        _assert_exact(r.get(t, into=rp), w)
+        s.wait_released(t, timeout=10)
 
 
 def test_delta_plan_without_room_for_its_version_is_refused():
@@ -362,3 +398,29 @@ def test_any_sequence_of_steps_skips_and_joins_ends_bit_exact(steps, transport, 
         finally:
             for r in receivers:
                 r.close()
+
+
+def test_a_delta_that_does_not_pay_is_not_sent_and_comparing_backs_off():
+    """10% of the elements changed: across hosts (tcp) the delta is sent;
+    on one host (a shm-only sender) it costs more to apply than the whole
+    object costs to copy, so the put sends the whole, and the next put
+    refreshes the kept version without comparing, then the one after
+    compares again."""
+    g = torch.Generator().manual_seed(7)
+    for transport, offered in (("tcp", True), ("shm", False)):
+        w = {"x": torch.randn(200_000, generator=g)}
+        with tf.Sender(transport, capacity_nbytes=8 * MiB) as s, tf.Receiver(transport, timeout=20.0) as r:
+            plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+            t = s.put(plan)
+            rp = r.plan(t)
+            r.get(t, into=rp)
+            s.wait_released(t, timeout=10)
+            bases = []
+            for fraction in (0.1, 0.001, 0.001):
+                idx = torch.randperm(200_000, generator=g)[: int(200_000 * fraction)]
+                w["x"][idx] += 1.0
+                t = s.put(plan)
+                bases.append(bool(t.delta.base))
+                _assert_exact(r.get(t, into=rp), w)
+                s.wait_released(t, timeout=10)
+            assert bases == ([True, True, True] if offered else [False, False, True]), transport

@@ -8,29 +8,40 @@ and the delta's block, served under reader slots of its own
 (:func:`delta_entry`). The whole object is served as by any put, so every
 receiver can read it.
 
-The values are compared where the put left them: the pool block of a
-resident snapshot (one run), or the tensors' own memory of a
-``snapshot=False`` put (the plan's runs). A put streamed in pieces, or a
-broadcast (relays pass on one stream), offers no delta and drops the kept
-version: the next put fills it again.
+The values are compared where they are: a snapshot put whose tensors can
+be read by address is compared as it is placed, and the kept version is
+served as the whole object (``DeltaVersion.place``); otherwise the pool
+block it was packed into (one run), or the tensors' own memory of a
+``snapshot=False`` put (the plan's runs). A put streamed in pieces, a
+broadcast (relays pass on one stream), or one made while a ticket still
+serves the kept bytes, offers no delta and drops the kept version: the
+next put fills it again.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._ledger import _Entry, _Piece
 from .plans import SendPlan
+from .plans._delta import SAME_HOST_MAX_FRACTION, KeptBlock, Values
 from .ticket import DeltaOffer, Ticket
 
 if TYPE_CHECKING:
     from ._execution import Execution, PutOptions
     from .pool import Packed
 
-__all__ = ["delta_entry", "offer_delta"]
+__all__ = ["delta_entry", "max_delta_fraction", "offer_delta"]
+
+
+def max_delta_fraction(servers: "Iterable[Any]") -> float:
+    """The largest delta, as a fraction of the whole object, worth sending
+    by these servers: less when every reader is on this host."""
+    return SAME_HOST_MAX_FRACTION if all(s.same_host_only for s in servers) else 1.0
 
 
 def offer_delta(plan: SendPlan, ex: "Execution", opts: "PutOptions") -> tuple[DeltaOffer | None, "Packed | None"]:
@@ -40,14 +51,18 @@ def offer_delta(plan: SendPlan, ex: "Execution", opts: "PutOptions") -> tuple[De
     keeper = plan.delta
     if keeper is None:
         return None, None
-    runs = None
-    if ex.kind == "resident" and opts.fanout is None and len(ex.pieces[0].packed.blocks) == 1:
-        block = ex.pieces[0].packed.blocks[0]
-        runs = (np.zeros(1, dtype=np.int64), np.array([plan.pool.data_ptr + block.offset], dtype=np.int64),
-                np.array([plan.total_nbytes], dtype=np.int64))
-    elif ex.kind == "sourced":
-        runs = plan.source_runs(0, plan.total_nbytes)
-    put, packed = keeper.put(runs, plan.layout)
+    pending = keeper.take_pending()
+    if pending is not None and ex.kind == "resident" and isinstance(ex.pieces[0].packed, KeptBlock):
+        put, packed = pending  # compared as it was placed: the kept bytes are the whole object
+    else:
+        values = None
+        if ex.kind == "resident" and opts.fanout is None and len(ex.pieces[0].packed.blocks) == 1:
+            block = ex.pieces[0].packed.blocks[0]
+            values = Values(np.zeros(1, dtype=np.int64), np.array([plan.pool.data_ptr + block.offset], dtype=np.int64),
+                            np.array([plan.total_nbytes], dtype=np.int64))
+        elif ex.kind == "sourced":
+            values = Values(*plan.source_runs(0, plan.total_nbytes))
+        put, packed = keeper.put(values, plan.layout)
     if not put.version:
         return None, None
     if packed is None:

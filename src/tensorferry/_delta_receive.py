@@ -23,16 +23,12 @@ import torch
 
 from .errors import ProtocolError, TransferError
 from .plans import RecvPlan
-from .plans._delta import ChunkTable, apply_delta, chunk_table, delta_runs
+from .plans._delta import SAME_HOST_MAX_FRACTION, ChunkTable, apply_delta, chunk_table, delta_runs
 from .ticket import Ticket
 from .transports import Channel
 
 __all__ = ["reads_delta", "receive_delta", "settle", "version_of"]
 
-# On a channel that maps the sender's memory, the whole object costs one
-# memory copy; a delta of more than this fraction of it costs more to apply
-# (scattered word writes) than it saves.
-_LOCAL_DELTA_MAX_FRACTION = 0.25
 
 # A kept plan's runs in stream order and its chunk table, made at its first
 # delta (False: its targets are not all written by address).
@@ -50,7 +46,7 @@ def reads_delta(plan: RecvPlan, ticket: Ticket, holds: int, ch: Channel) -> bool
     d = ticket.delta
     if d is None or not d.base or d.base != holds or not plan.kept:
         return False
-    if ch.maps_sender_memory and d.nbytes > _LOCAL_DELTA_MAX_FRACTION * ticket.total_nbytes:
+    if ch.maps_sender_memory and d.nbytes > SAME_HOST_MAX_FRACTION * ticket.total_nbytes:
         return False
     return _runs(plan) is not None
 

@@ -29,6 +29,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* 4096 words: a position fits in uint16 and a bitmap is 512 bytes, 1/16 of
  * a bfloat16 chunk; a chunk of 8 to 32 KiB stays in L1/L2 while encoded. */
@@ -50,29 +53,70 @@ static inline int word_ne(const char *a, const char *b, size_t w)
     }
 }
 
-/* Indices of the words of cur that differ from kept (n words of w bytes). */
+static inline void copy_word(char *d, const char *s, size_t w)
+{
+    switch (w) {
+    case 1: *d = *s; break;
+    case 2: memcpy(d, s, 2); break;
+    case 4: memcpy(d, s, 4); break;
+    default: memcpy(d, s, 8); break;
+    }
+}
+
+/* Indices of the words of cur that differ from kept (n words of w bytes).
+ * 64 bytes at a time: a mask of the bytes that differ (SSE2, x86-64's
+ * baseline), folded to one bit a word, whose set bits are the indices. */
 static size_t diff_words(const char *cur, const char *kept, size_t n, size_t w, uint16_t *idx)
 {
     size_t count = 0, nbytes = n * w, i = 0;
-    for (; i + 32 <= nbytes; i += 32) {
-        uint64_t a[4], b[4];
-        memcpy(a, cur + i, 32);
-        memcpy(b, kept + i, 32);
-        if (((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0)
+#if defined(__SSE2__)
+    /* Bit b of a word's fold is set when any of its bytes differs; the word
+     * bits sit at multiples of w. */
+    const uint64_t word_bits = w == 1 ? ~0ull : w == 2 ? 0x5555555555555555ull : w == 4 ? 0x1111111111111111ull : 0x0101010101010101ull;
+    const unsigned shift = w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : 3;
+    for (; i + 64 <= nbytes; i += 64) {
+        uint64_t eq = 0;
+        for (int k = 0; k < 4; k++) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(cur + i + 16 * k));
+            __m128i b = _mm_loadu_si128((const __m128i *)(kept + i + 16 * k));
+            eq |= (uint64_t)(uint16_t)_mm_movemask_epi8(_mm_cmpeq_epi8(a, b)) << (16 * k);
+        }
+        uint64_t ne = ~eq;
+        if (ne == 0)
             continue;
-        for (size_t j = i; j < i + 32; j += w)
-            if (word_ne(cur + j, kept + j, w))
-                idx[count++] = (uint16_t)(j / w);
+        for (size_t f = 1; f < w; f <<= 1)
+            ne |= ne >> f;
+        ne &= word_bits;
+        size_t first = i / w;
+        while (ne) {
+            idx[count++] = (uint16_t)(first + ((size_t)__builtin_ctzll(ne) >> shift));
+            ne &= ne - 1;
+        }
     }
+#endif
     for (; i < nbytes; i += w)
         if (word_ne(cur + i, kept + i, w))
             idx[count++] = (uint16_t)(i / w);
     return count;
 }
 
+/* bfloat16 of float32 bits u as torch rounds (nearest even; every NaN
+ * becomes `nan`, the pattern torch writes: see _memcpy.c's bf16_bits). */
+static inline uint16_t bf16_of(uint32_t u, uint16_t nan)
+{
+    uint16_t r = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? nan : r;
+}
+
+/* Runs of stream bytes: position, address, length (stream bytes), and
+ * (the sender's current values) how each run's bytes are made: RAW, or
+ * BF16 (float32 at the address, converted). */
+#define RUN_RAW 0
+#define RUN_BF16 1
 typedef struct {
-    const int64_t *pos, *addr, *len;
+    const int64_t *pos, *addr, *len, *kind;
     Py_ssize_t count, at; /* at: the cursor (runs are visited in ascending order) */
+    uint16_t nan;
 } Runs;
 
 /* The run holding stream bytes [o, o + n), or -1 if no one run holds them. */
@@ -108,11 +152,18 @@ static int gather_scatter(Runs *r, int64_t o, int64_t n, char *buf, int to_runs)
         int64_t take = r->pos[i] + r->len[i] - o;
         if (take > n)
             take = n;
-        char *mem = (char *)(uintptr_t)(r->addr[i] + (o - r->pos[i]));
-        if (to_runs)
-            memcpy(mem, buf, (size_t)take);
-        else
-            memcpy(buf, mem, (size_t)take);
+        if (r->kind != NULL && r->kind[i] == RUN_BF16) {
+            const uint32_t *f = (const uint32_t *)(uintptr_t)(r->addr[i] + 2 * (o - r->pos[i]));
+            uint16_t *h = (uint16_t *)buf, nan = r->nan;
+            for (int64_t j = 0; j < take / 2; j++)
+                h[j] = bf16_of(f[j], nan);
+        } else {
+            char *mem = (char *)(uintptr_t)(r->addr[i] + (o - r->pos[i]));
+            if (to_runs)
+                memcpy(mem, buf, (size_t)take);
+            else
+                memcpy(buf, mem, (size_t)take);
+        }
         o += take;
         n -= take;
         buf += take;
@@ -120,22 +171,25 @@ static int gather_scatter(Runs *r, int64_t o, int64_t n, char *buf, int to_runs)
     return 0;
 }
 
-/* encode(kept, pos, addr, len, nruns, coff, cwords, cw, lo, hi, out, cap):
+/* encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan):
  * chunks [lo, hi) of the current values (the runs) against the kept
  * version at address kept (the one-block layout), which is updated to the
  * current values. Records go to out while they fit in cap bytes; past
- * that, the chunks are still compared and updated, not encoded. All
+ * that, the chunks are still compared and updated, not encoded (cap < 0:
+ * nothing is compared, the values are copied into the kept version). All
  * arrays int64, by address. Returns (bytes written, or -1 if they did not
- * fit; words changed). Without the GIL. */
+ * fit; words changed). kind: 0, or an int64 array of RUN_RAW / RUN_BF16 a
+ * run (nan: the bfloat16 a NaN becomes). Without the GIL. */
 static PyObject *encode(PyObject *self, PyObject *args)
 {
-    unsigned long long kept_at, pos_at, addr_at, len_at, coff_at, cwords_at, cw_at, out_at;
+    unsigned long long kept_at, pos_at, addr_at, len_at, kind_at, coff_at, cwords_at, cw_at, out_at;
     Py_ssize_t nruns, lo, hi, cap;
-    if (!PyArg_ParseTuple(args, "KKKKnKKKnnKn", &kept_at, &pos_at, &addr_at, &len_at, &nruns, &coff_at, &cwords_at, &cw_at,
-                          &lo, &hi, &out_at, &cap))
+    unsigned int nan = 0x7fc0;
+    if (!PyArg_ParseTuple(args, "KKKKKnKKKnnKn|I", &kept_at, &pos_at, &addr_at, &len_at, &kind_at, &nruns, &coff_at, &cwords_at, &cw_at,
+                          &lo, &hi, &out_at, &cap, &nan))
         return NULL;
-    if (nruns < 0 || lo < 0 || hi < lo || cap < 0) {
-        PyErr_SetString(PyExc_ValueError, "encode: negative count, range or capacity");
+    if (nruns < 0 || lo < 0 || hi < lo) {
+        PyErr_SetString(PyExc_ValueError, "encode: negative count or range");
         return NULL;
     }
     const int64_t *coff = (const int64_t *)(uintptr_t)coff_at, *cwords = (const int64_t *)(uintptr_t)cwords_at;
@@ -145,7 +199,8 @@ static PyObject *encode(PyObject *self, PyObject *args)
             PyErr_Format(PyExc_ValueError, "encode: chunk %zd has %lld words of %lld bytes", c, (long long)cwords[c], (long long)cw[c]);
             return NULL;
         }
-    Runs r = {(const int64_t *)(uintptr_t)pos_at, (const int64_t *)(uintptr_t)addr_at, (const int64_t *)(uintptr_t)len_at, nruns, 0};
+    Runs r = {(const int64_t *)(uintptr_t)pos_at, (const int64_t *)(uintptr_t)addr_at, (const int64_t *)(uintptr_t)len_at,
+              (const int64_t *)(uintptr_t)kind_at, nruns, 0, (uint16_t)nan};
     char *kept = (char *)(uintptr_t)kept_at, *out = (char *)(uintptr_t)out_at;
     size_t used = 0;
     int fits = 1, missing = 0;
@@ -157,8 +212,16 @@ static PyObject *encode(PyObject *self, PyObject *args)
         size_t n = (size_t)cwords[c], w = (size_t)cw[c], nb = n * w;
         char *k = kept + coff[c];
         const char *cur;
+        if (cap < 0) {
+            /* A refresh: the values into the kept version, not compared. */
+            if (gather_scatter(&r, coff[c], (int64_t)nb, k, 0) < 0) {
+                missing = 1;
+                break;
+            }
+            continue;
+        }
         Py_ssize_t ri = run_of(&r, coff[c], (int64_t)nb);
-        if (ri >= 0) {
+        if (ri >= 0 && (r.kind == NULL || r.kind[ri] == RUN_RAW)) {
             cur = (const char *)(uintptr_t)(r.addr[ri] + (coff[c] - r.pos[ri]));
         } else {
             if (gather_scatter(&r, coff[c], (int64_t)nb, tmp, 0) < 0) {
@@ -201,7 +264,7 @@ static PyObject *encode(PyObject *self, PyObject *args)
                     o += al8((n + 7) / 8);
                 }
                 for (size_t j = 0; j < count; j++)
-                    memcpy(o + j * w, cur + (size_t)idx[j] * w, w);
+                    copy_word(o + j * w, cur + (size_t)idx[j] * w, w);
             }
             used += size;
         }
@@ -209,14 +272,14 @@ static PyObject *encode(PyObject *self, PyObject *args)
             memcpy(k, cur, nb);
         else
             for (size_t j = 0; j < count; j++)
-                memcpy(k + (size_t)idx[j] * w, cur + (size_t)idx[j] * w, w);
+                copy_word(k + (size_t)idx[j] * w, cur + (size_t)idx[j] * w, w);
     }
     Py_END_ALLOW_THREADS
     if (missing) {
         PyErr_SetString(PyExc_ValueError, "encode: a chunk's bytes are outside the current values' runs");
         return NULL;
     }
-    return Py_BuildValue("(nL)", fits ? (Py_ssize_t)used : (Py_ssize_t)-1, changed);
+    return Py_BuildValue("(nL)", fits && cap >= 0 ? (Py_ssize_t)used : (Py_ssize_t)-1, changed);
 }
 
 /* apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks):
@@ -236,7 +299,7 @@ static PyObject *apply(PyObject *self, PyObject *args)
     }
     const int64_t *coff = (const int64_t *)(uintptr_t)coff_at, *cwords = (const int64_t *)(uintptr_t)cwords_at;
     const int64_t *cw = (const int64_t *)(uintptr_t)cw_at;
-    Runs r = {(const int64_t *)(uintptr_t)pos_at, (const int64_t *)(uintptr_t)addr_at, (const int64_t *)(uintptr_t)len_at, nruns, 0};
+    Runs r = {(const int64_t *)(uintptr_t)pos_at, (const int64_t *)(uintptr_t)addr_at, (const int64_t *)(uintptr_t)len_at, NULL, nruns, 0, 0};
     const char *d = (const char *)(uintptr_t)delta_at;
     size_t at = 0, end = (size_t)nbytes;
     long long prev = -1, written = 0;
@@ -269,6 +332,9 @@ static PyObject *apply(PyObject *self, PyObject *args)
         if (end - at < index_nbytes + al8((size_t)count * w)) { err = "a record longer than the delta"; break; }
         const char *index = d + at, *values = d + at + index_nbytes;
         size_t j = 0;
+        /* A chunk inside one run (most): its words' addresses by offset. */
+        Py_ssize_t whole_run = run_of(&r, base, (int64_t)nb);
+        char *dst = whole_run >= 0 ? (char *)(uintptr_t)(r.addr[whole_run] + (base - r.pos[whole_run])) : NULL;
         if (kind == KIND_POSITIONS) {
             long long last = -1;
             for (; j < count; j++) {
@@ -277,28 +343,36 @@ static PyObject *apply(PyObject *self, PyObject *args)
                 if ((long long)p <= last || p >= n)
                     break;
                 last = p;
+                if (dst != NULL) {
+                    copy_word(dst + (size_t)p * w, values + j * w, w);
+                    continue;
+                }
                 int64_t o = base + (int64_t)p * (int64_t)w;
                 Py_ssize_t ri = run_of(&r, o, (int64_t)w);
                 if (ri < 0)
                     break;
-                memcpy((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
+                copy_word((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
             }
             if (j < count) { err = "a position out of order, out of its chunk or outside the plan's runs"; break; }
         } else {
-            const unsigned char *bits = (const unsigned char *)index;
-            for (size_t p = 0; p < index_nbytes * 8; p++) {
-                if (bits[p >> 3] == 0) {
-                    p |= 7; /* a byte of unchanged words */
-                    continue;
+            for (size_t q = 0; q < index_nbytes / 8 && j <= count; q++) {
+                uint64_t bits;
+                memcpy(&bits, index + 8 * q, 8);
+                while (bits) {
+                    size_t p = q * 64 + (size_t)__builtin_ctzll(bits);
+                    bits &= bits - 1;
+                    if (p >= n || j >= count) { j = count + 1; break; }
+                    if (dst != NULL) {
+                        copy_word(dst + p * w, values + j * w, w);
+                        j++;
+                        continue;
+                    }
+                    int64_t o = base + (int64_t)p * (int64_t)w;
+                    Py_ssize_t ri = run_of(&r, o, (int64_t)w);
+                    if (ri < 0) { j = count + 1; break; }
+                    copy_word((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
+                    j++;
                 }
-                if (!(bits[p >> 3] & (1u << (p & 7))))
-                    continue;
-                if (p >= n || j >= count) { j = count + 1; break; }
-                int64_t o = base + (int64_t)p * (int64_t)w;
-                Py_ssize_t ri = run_of(&r, o, (int64_t)w);
-                if (ri < 0) { j = count + 1; break; }
-                memcpy((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
-                j++;
             }
             if (j != count) { err = "a bitmap whose bits do not match its count, its chunk or the plan's runs"; break; }
         }
@@ -315,7 +389,7 @@ static PyObject *apply(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
-     "encode(kept, pos, addr, len, nruns, coff, cwords, cw, lo, hi, out, cap) -> (nbytes or -1, words changed): compare, update the kept version, encode."},
+     "encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan=0x7fc0) -> (nbytes or -1, words changed): compare, update the kept version, encode."},
     {"apply", apply, METH_VARARGS,
      "apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks) -> words written: a delta's records through a plan's runs."},
     {NULL, NULL, 0, NULL},

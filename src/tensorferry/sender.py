@@ -30,7 +30,7 @@ import torch
 
 from . import packing
 from ._args import positive_seconds, reader_count
-from ._delta_put import delta_entry, offer_delta
+from ._delta_put import delta_entry, max_delta_fraction, offer_delta
 from ._execution import PutOptions, choose
 from ._ledger import Ledger, _Entry
 from .errors import ConfigurationError, TransferTimeoutError
@@ -164,6 +164,7 @@ class Sender:
         self._check_open()
         plan = SendPlan(self.pool, obj, dtype=dtype, owner=self.ledger, delta=delta)
         if plan.delta is not None:
+            plan.delta.max_fraction = max_delta_fraction(self.servers.values())
             self._delta_plans.add(plan.delta)
         return plan
 

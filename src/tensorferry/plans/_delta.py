@@ -25,12 +25,15 @@ from __future__ import annotations
 import secrets
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+import torch
 
-from .._copy import PARALLEL_MIN_NBYTES, copy_threads, run_parts
-from ..errors import ConfigurationError
+from .._allocator import Block
+from .._copy import PARALLEL_MIN_NBYTES, copy_threads, native_nan_bits, run_parts
+from ..errors import ConfigurationError, PoolExhaustedError
 from ..layout import Layout
 
 try:
@@ -39,16 +42,22 @@ except ImportError:  # built without a C compiler: delta plans cannot be made
     native = None
 
 if TYPE_CHECKING:
-    import torch
-
     from ..pool import Lease, MemoryPool, Packed
 
-__all__ = ["ChunkTable", "DeltaPut", "DeltaVersion", "apply_delta", "chunk_table", "delta_runs", "new_version"]
+__all__ = ["BF16", "RAW", "SAME_HOST_MAX_FRACTION", "ChunkTable", "DeltaPut", "DeltaVersion", "KeptBlock", "Values", "apply_delta", "chunk_table", "delta_runs", "new_version"]
 
 # Words a chunk holds (the C module's CHUNK_WORDS): a position is a uint16.
 CHUNK_WORDS = 4096
 # The largest word compared: complex128 elements are compared as two words.
 _MAX_WORD = 8
+# At most this many puts refresh in a row after a delta too dense to pay.
+_MAX_BACKOFF = 16
+# On one host the whole object is a memory copy away (about 0.3 ns a
+# bfloat16 here), and a delta costs a scattered write a changed word (about
+# 10 ns): past about 3% of words changed, 5% of the bytes, it costs more
+# than it saves. Across hosts a byte not sent is link time saved: any
+# delta smaller than the whole object pays.
+SAME_HOST_MAX_FRACTION = 0.05
 
 
 class ChunkTable(NamedTuple):
@@ -95,9 +104,33 @@ def chunk_table(layout: Layout, offsets: np.ndarray) -> ChunkTable:
     )
 
 
+def bf16_nan() -> int | None:
+    """The bfloat16 bits torch writes for a NaN cast from float32 on this
+    machine, where the C conversion matches torch (else None: no compare
+    of cast values by address)."""
+    return native_nan_bits(torch.bfloat16)
+
+
 def new_version() -> int:
     """A fresh version id: random, never 0 (0 means "no version")."""
     return secrets.randbits(63) | 1
+
+
+class Values(NamedTuple):
+    """The current values of a put, as runs of the packed object: stream
+    position, address, length in stream bytes (int64 arrays, ascending),
+    and how each run's bytes are made (``kinds``: None, all raw; else an
+    int64 array, ``RAW`` or ``BF16``: float32 at the address, converted as
+    torch converts, a NaN becoming ``nan``)."""
+
+    pos: np.ndarray
+    addr: np.ndarray
+    nbytes: np.ndarray
+    kinds: np.ndarray | None = None
+    nan: int = 0x7FC0
+
+
+RAW, BF16 = 0, 1
 
 
 class DeltaPut(NamedTuple):
@@ -126,6 +159,14 @@ class DeltaVersion:
 
     Made with the plan (the lease is taken then: a pool without room for
     it refuses the plan). Released with the plan (or :meth:`close`).
+
+    A snapshot put whose values it can read by address (host tensors, raw
+    or cast to bfloat16) compares them straight with the kept version and
+    then serves the kept version as the whole object (:meth:`place`): one
+    pass over the values and one over the kept bytes, no other copy. While
+    a ticket serves it, it is *busy*: a put meanwhile packs the object
+    into the pool as any plan does and offers no delta (the kept bytes
+    cannot change under their readers); the put after starts over.
     """
 
     def __init__(self, pool: "MemoryPool", layout: Layout, offsets: np.ndarray, total_nbytes: int) -> None:
@@ -141,6 +182,14 @@ class DeltaVersion:
         self.kept: "Lease | None" = pool.reserve(total_nbytes) if total_nbytes else None
         self.version = 0  # the id the kept bytes are; 0: they are not a version (never filled, or left stale)
         self.last: DeltaPut | None = None
+        self.pending: tuple[DeltaPut, "Packed | None"] | None = None  # what place() compared, for the ticket
+        self.busy = 0  # tickets serving the kept bytes
+        # A delta larger than this fraction of the whole object is not sent
+        # (set per put by the sender: 1 across hosts, less on one host).
+        self.max_fraction = 1.0
+        self.last_base_held = False
+        self._skip = 0  # puts to refresh before comparing again
+        self._backoff = 1
         self.lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _release, self.kept)
 
@@ -151,50 +200,100 @@ class DeltaVersion:
     def close(self) -> None:
         self._finalizer()
 
-    def put(self, runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None, layout: Layout) -> tuple[DeltaPut, "Packed | None"]:
-        """Compare the current values (``runs``: stream position, address,
-        length, ascending) with the kept version, update it, and encode the
-        changes into a pool block of their size. ``runs`` None: this put's
-        values cannot be compared (streamed in pieces): the kept version is
-        dropped and receivers read the whole object.
+    def place(self, values: Values | None, check: "Callable[[], None]", layout: Layout) -> "KeptBlock | None":
+        """A resident put's whole object as the kept bytes, brought up to
+        ``values`` by the compare (its delta left in :attr:`pending`), or
+        None where this put cannot be served so (no values by address, the
+        kept bytes busy): the caller packs the object as usual. ``check``
+        raises if the plan's tensors moved (before any byte is read)."""
+        with self.lock:
+            if values is None or self.kept is None or self.busy:
+                return None
+            check()
+            self.busy += 1
+        try:
+            self.pending = self.put(values, layout, serving=True)
+        except BaseException:
+            self._served_back()
+            raise
+        return KeptBlock(self)
+
+    def take_pending(self) -> "tuple[DeltaPut, Packed | None] | None":
+        pending, self.pending = self.pending, None
+        return pending
+
+    def _served_back(self) -> None:
+        with self.lock:
+            self.busy -= 1
+
+    def put(self, values: Values | None, layout: Layout, *, serving: bool = False) -> tuple[DeltaPut, "Packed | None"]:
+        """As :meth:`compare`, or, after deltas too dense to pay, a refresh
+        (the values copied into the kept version, not compared) for the
+        next 1, 2, 4, ... 16 puts in turn: a delta is tried again after
+        each run of refreshes."""
+        with self.lock:
+            refresh = self._skip > 0 and values is not None
+            if refresh:
+                self._skip -= 1
+        put, packed = self.compare(values, layout, serving=serving, refresh=refresh)
+        with self.lock:
+            if not refresh and put.version and not put.base and self.last_base_held:
+                self._skip = self._backoff
+                self._backoff = min(2 * self._backoff, _MAX_BACKOFF)
+            elif not refresh and put.base:
+                self._backoff = 1
+        return put, packed
+
+    def compare(self, values: Values | None, layout: Layout, *, serving: bool = False, refresh: bool = False) -> tuple[DeltaPut, "Packed | None"]:
+        """Compare the current values with the kept version, update it, and
+        encode the changes into a pool block of their size. ``values`` None
+        (streamed in pieces, a broadcast), or kept bytes that a ticket
+        serves (and ``serving`` is not this put's own): nothing is compared,
+        the kept version is dropped and receivers read the whole object.
 
         Returns the put's :class:`DeltaPut` and the delta's block (None
         when there is nothing to read: no delta, or nothing changed).
         """
         with self.lock:
             base, self.version = self.version, 0
-            if runs is None or self.kept is None:
+            self.last_base_held = bool(base)
+            if values is None or self.kept is None or self.busy > int(serving):
                 # Nothing kept to compare with next time: the next put
                 # starts over (fills the kept version, sends the whole).
                 self.last = DeltaPut(0, 0, self.total_nbytes, 0, 0)
                 return self.last, None
             # Worth a delta only below the whole object's size (then every
             # receiver could as well read the whole).
-            budget = self.total_nbytes - 1 if base else 0
-            scratch = self.pool.reserve_up_to(budget, min_nbytes=min(budget, 1 << 16)) if budget else None
+            budget = int(self.total_nbytes * min(self.max_fraction, 1.0)) - 1 if base and not refresh else 0
+            scratch = self.pool.reserve_up_to(budget, min_nbytes=min(budget, 1 << 16)) if budget > 0 else None
             try:
-                sizes, changed = self._encode(runs, scratch)
+                sizes, changed = self._encode(values, scratch, refresh=refresh)
                 version = new_version()
                 fits = base != 0 and scratch is not None and all(n >= 0 for n, _ in sizes)
                 nbytes = sum(n for n, _ in sizes) if fits else 0
                 packed = None
                 if nbytes:
-                    packed = self.pool.pack_with(layout, nbytes, lambda out: _gather(out, scratch, sizes), num_tensors=0)
+                    try:
+                        packed = self.pool.pack_with(layout, nbytes, lambda out: _gather(out, scratch, sizes), num_tensors=0)
+                    except PoolExhaustedError:
+                        fits, nbytes = False, 0  # no room for the delta: this put's receivers read the whole
             finally:
                 if scratch is not None:
                     scratch.release()
             self.version = version
-            if not base:
-                changed = self.num_words  # compared with bytes that were no version: all of it is new
+            if not base or refresh:
+                changed = self.num_words  # not compared with a version: all of it is new
             self.last = DeltaPut(version, base if fits else 0, self.total_nbytes, nbytes, changed)
             return self.last, packed
 
-    def _encode(self, runs: tuple[np.ndarray, np.ndarray, np.ndarray], scratch: "Lease | None") -> tuple[list[tuple[int, int]], int]:
+    def _encode(self, values: Values, scratch: "Lease | None", *, refresh: bool = False) -> tuple[list[tuple[int, int]], int]:
         """Compare and encode on the copy threads, each a range of chunks
         into its share of ``scratch``. Returns ``[(bytes written or -1,
         where in scratch)]`` a part, and the words changed."""
         t = self.table
-        pos, addr, length = (np.ascontiguousarray(a, dtype=np.int64) for a in runs)
+        pos, addr, length = (np.ascontiguousarray(a, dtype=np.int64) for a in values[:3])
+        kinds = np.ascontiguousarray(values.kinds, dtype=np.int64) if values.kinds is not None else None
+        kinds_at, nan = (kinds.ctypes.data if kinds is not None else 0), values.nan
         parts = copy_threads() if self.total_nbytes >= PARALLEL_MIN_NBYTES else 1
         bounds = np.linspace(0, t.count, parts + 1).astype(np.int64)
         cap = scratch.nbytes if scratch is not None else 0
@@ -204,15 +303,15 @@ class DeltaVersion:
         for i, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
             lo_b = int(t.offsets[lo]) if lo < t.count else self.total_nbytes
             hi_b = int(t.offsets[hi]) if hi < t.count else self.total_nbytes
-            share = cap * (hi_b - lo_b) // max(self.total_nbytes, 1) // 8 * 8
+            share = -1 if refresh else cap * (hi_b - lo_b) // max(self.total_nbytes, 1) // 8 * 8
             jobs.append((i, lo, hi, share, at))
             at += share
         results: list[tuple[int, int]] = [(0, 0)] * len(jobs)
         kept = self.kept.view().data_ptr() if self.kept is not None else 0
 
         def one(i: int, lo: int, hi: int, share: int, at: int) -> None:
-            results[i] = native.encode(kept, pos.ctypes.data, addr.ctypes.data, length.ctypes.data, pos.size,
-                                       t.offsets.ctypes.data, t.words.ctypes.data, t.word_nbytes.ctypes.data, lo, hi, base + at, share)
+            results[i] = native.encode(kept, pos.ctypes.data, addr.ctypes.data, length.ctypes.data, kinds_at, pos.size,
+                                       t.offsets.ctypes.data, t.words.ctypes.data, t.word_nbytes.ctypes.data, lo, hi, base + at, share, nan)
 
         try:
             run_parts(one, jobs)
@@ -230,6 +329,30 @@ def _gather(out: "torch.Tensor", scratch: "Lease", sizes: list[tuple[int, int]])
         out[at : at + n].copy_(src[start : start + n])
         at += n
     return len(sizes), 0
+
+
+class KeptBlock:
+    """The kept bytes served as a put's whole object (the ``Held`` protocol
+    of :mod:`tensorferry.transports._base`, as a pool ``Packed``): its
+    release frees nothing, it only lets a later put change them."""
+
+    def __init__(self, version: DeltaVersion) -> None:
+        self._version: DeltaVersion | None = version
+        lease = version.kept
+        self.blocks: tuple[Block, ...] = (Block(lease.offset, version.total_nbytes),)
+        self._pool = version.pool
+
+    def buffers(self) -> list[memoryview]:
+        b = self.blocks[0]
+        return [memoryview(self._pool.buffer.numpy()[b.offset : b.offset + b.nbytes])]
+
+    def runs(self) -> None:
+        return None
+
+    def release(self) -> None:
+        version, self._version = self._version, None
+        if version is not None:
+            version._served_back()
 
 
 def _release(lease: "Lease | None") -> None:

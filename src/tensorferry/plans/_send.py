@@ -16,7 +16,7 @@ from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorEr
 from ..layout import DTYPES, Layout
 from ..pool import Block
 from ._buffers import BufferList, buffer_at
-from ._delta import DeltaVersion
+from ._delta import BF16, RAW, DeltaVersion, Values, bf16_nan
 from ._watch import PUT, Watch
 
 if TYPE_CHECKING:
@@ -212,6 +212,12 @@ class SendPlan:
                 plan checks its tensors first: a stale plan says so).
             PlanStaleError: a kept plan's tensor moved (the block is free again).
         """
+        if self.delta is not None and not one_block:
+            # A delta plan compares its values with its kept version and
+            # serves that (plans/_delta.py), where it can.
+            served = self.delta.place(self.value_runs(), lambda: self.check(self.owner), self.layout)
+            if served is not None:
+                return served  # type: ignore[return-value]
         try:
             if self.kept or one_block or self._converting:
                 return self.pool.pack_with(self.layout, self.total_nbytes, self.fill_checked, num_tensors=self.num_tensors)
@@ -305,6 +311,27 @@ class SendPlan:
                 copy_converting(pairs)
         values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
         return runs + len(self._conversions), values
+
+    def value_runs(self) -> "Values | None":
+        """The packed object's current values as runs by address (raw, or
+        float32 cast to bfloat16 on the way), for a delta plan's compare;
+        None where some bytes are not readable so (a device, a value-by-value
+        copy, another cast, no C conversion that matches torch)."""
+        if not self._host:
+            return None
+        c = self._runs()
+        if self._values.size:
+            return None
+        pos, addr, n, kinds = [c.dst], [c.src], [c.nbytes], [np.full(c.num_runs, RAW, dtype=np.int64)]
+        nan = bf16_nan() if self._conversions else 0x7FC0
+        for start, nbytes, dt, src in self._conversions:
+            if dt != torch.bfloat16 or src.dtype != torch.float32 or nan is None:
+                return None
+            pos.append(np.array([start])), addr.append(np.array([src.data_ptr()])), n.append(np.array([nbytes])), kinds.append(np.array([BF16]))
+        p = np.concatenate(pos).astype(np.int64)
+        order = np.argsort(p, kind="stable")
+        return Values(p[order], np.concatenate(addr).astype(np.int64)[order], np.concatenate(n).astype(np.int64)[order],
+                      np.concatenate(kinds)[order], nan)
 
     def sourced_pieces(self, piece_nbytes: int) -> list["SourcedPiece"]:
         """The object in pieces of ``piece_nbytes`` served from the tensors'
