@@ -424,3 +424,16 @@ def test_a_delta_that_does_not_pay_is_not_sent_and_comparing_backs_off():
                 _assert_exact(r.get(t, into=rp), w)
                 s.wait_released(t, timeout=10)
             assert bases == ([True, True, True] if offered else [False, False, True]), transport
+
+
+def test_servers_declare_whether_their_readers_are_on_this_host():
+    from tensorferry.transports._base import ControlServer
+    from tensorferry.transports._shm import ShmServer
+    from tensorferry.transports._tcp import TcpServer
+
+    assert (ControlServer.same_host_only, ShmServer.same_host_only, TcpServer.same_host_only) == (False, True, False)
+    try:
+        from tensorferry.transports._nixl import NixlServer
+    except ImportError:
+        return
+    assert NixlServer.same_host_only is False

@@ -185,7 +185,7 @@ class DeltaVersion:
         self.pending: tuple[DeltaPut, "Packed | None"] | None = None  # what place() compared, for the ticket
         self.busy = 0  # tickets serving the kept bytes
         # A delta larger than this fraction of the whole object is not sent
-        # (set per put by the sender: 1 across hosts, less on one host).
+        # (set by Sender.plan from its servers: 1 across hosts, less on one host).
         self.max_fraction = 1.0
         self.last_base_held = False
         self._skip = 0  # puts to refresh before comparing again
@@ -200,19 +200,22 @@ class DeltaVersion:
     def close(self) -> None:
         self._finalizer()
 
-    def place(self, values: Values | None, check: "Callable[[], None]", layout: Layout) -> "KeptBlock | None":
+    def place(self, values: Values | None, check: "Callable[[], None]", layout: Layout,
+              fill: "Callable[[torch.Tensor], object]") -> "KeptBlock | None":
         """A resident put's whole object as the kept bytes, brought up to
         ``values`` by the compare (its delta left in :attr:`pending`), or
         None where this put cannot be served so (no values by address, the
         kept bytes busy): the caller packs the object as usual. ``check``
-        raises if the plan's tensors moved (before any byte is read)."""
+        raises if the plan's tensors moved (before any byte is read);
+        ``fill(out)`` packs the object into ``out`` as a plain put does (a
+        refresh, see :meth:`put`)."""
         with self.lock:
             if values is None or self.kept is None or self.busy:
                 return None
             check()
             self.busy += 1
         try:
-            self.pending = self.put(values, layout, serving=True)
+            self.pending = self.put(values, layout, serving=True, fill=fill)
         except BaseException:
             self._served_back()
             raise
@@ -226,16 +229,17 @@ class DeltaVersion:
         with self.lock:
             self.busy -= 1
 
-    def put(self, values: Values | None, layout: Layout, *, serving: bool = False) -> tuple[DeltaPut, "Packed | None"]:
+    def put(self, values: Values | None, layout: Layout, *, serving: bool = False,
+            fill: "Callable[[torch.Tensor], object] | None" = None) -> tuple[DeltaPut, "Packed | None"]:
         """As :meth:`compare`, or, after deltas too dense to pay, a refresh
-        (the values copied into the kept version, not compared) for the
-        next 1, 2, 4, ... 16 puts in turn: a delta is tried again after
-        each run of refreshes."""
+        (the values copied into the kept version, not compared: by ``fill``
+        where given, the plan's own copy) for the next 1, 2, 4, ... 16 puts
+        in turn: a delta is tried again after each run of refreshes."""
         with self.lock:
             refresh = self._skip > 0 and values is not None
             if refresh:
                 self._skip -= 1
-        put, packed = self.compare(values, layout, serving=serving, refresh=refresh)
+        put, packed = self.compare(values, layout, serving=serving, refresh=refresh, fill=fill)
         with self.lock:
             if not refresh and put.version and not put.base and self.last_base_held:
                 self._skip = self._backoff
@@ -244,7 +248,8 @@ class DeltaVersion:
                 self._backoff = 1
         return put, packed
 
-    def compare(self, values: Values | None, layout: Layout, *, serving: bool = False, refresh: bool = False) -> tuple[DeltaPut, "Packed | None"]:
+    def compare(self, values: Values | None, layout: Layout, *, serving: bool = False, refresh: bool = False,
+                fill: "Callable[[torch.Tensor], object] | None" = None) -> tuple[DeltaPut, "Packed | None"]:
         """Compare the current values with the kept version, update it, and
         encode the changes into a pool block of their size. ``values`` None
         (streamed in pieces, a broadcast), or kept bytes that a ticket
@@ -267,7 +272,11 @@ class DeltaVersion:
             budget = int(self.total_nbytes * min(self.max_fraction, 1.0)) - 1 if base and not refresh else 0
             scratch = self.pool.reserve_up_to(budget, min_nbytes=min(budget, 1 << 16)) if budget > 0 else None
             try:
-                sizes, changed = self._encode(values, scratch, refresh=refresh)
+                if refresh and fill is not None:
+                    fill(self.kept.view())
+                    sizes, changed = [], 0
+                else:
+                    sizes, changed = self._encode(values, scratch, refresh=refresh)
                 version = new_version()
                 fits = base != 0 and scratch is not None and all(n >= 0 for n, _ in sizes)
                 nbytes = sum(n for n, _ in sizes) if fits else 0

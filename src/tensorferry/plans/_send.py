@@ -215,7 +215,8 @@ class SendPlan:
         if self.delta is not None and not one_block:
             # A delta plan compares its values with its kept version and
             # serves that (plans/_delta.py), where it can.
-            served = self.delta.place(self.value_runs(), lambda: self.check(self.owner), self.layout)
+            served = self.delta.place(self.value_runs(), lambda: self.check(self.owner), self.layout,
+                                      lambda out: self.fill(out, 0, self.total_nbytes))
             if served is not None:
                 return served  # type: ignore[return-value]
         try:
