@@ -437,3 +437,53 @@ def test_servers_declare_whether_their_readers_are_on_this_host():
     except ImportError:
         return
     assert NixlServer.same_host_only is False
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_relays_pass_the_delta_on(transport):
+    """A broadcast (fanout=1, a chain of relaying receivers) of a delta
+    plan: the delta travels the chain as the whole object would; every
+    receiver ends bit-exact; one that made its plan again reads the whole
+    object through the same chain."""
+    require(transport)
+    import threading
+
+    g = torch.Generator().manual_seed(8)
+    w = _weights()
+    receivers = [tf.Receiver(transport, timeout=30.0, relay=True) for _ in range(3)]
+    try:
+        with tf.Sender(transport, capacity_nbytes=8 * MiB) as s:
+            plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+            plans: list = [None] * 3
+
+            def sync(replan: int = -1) -> Ticket:
+                t = s.put(plan, readers=3, fanout=1)
+                errors: list = []
+
+                def one(i: int) -> None:
+                    try:
+                        if plans[i] is None or i == replan:
+                            plans[i] = receivers[i].plan(t)
+                        _assert_exact(receivers[i].get(t, into=plans[i]), w)
+                    except BaseException as exc:  # reported below, on the test's thread
+                        errors.append(exc)
+
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                assert not errors, errors
+                s.wait_released(t, timeout=20)
+                return t
+
+            sync()
+            for step in range(3):
+                _change(w, g, 0.01)
+                t = sync(replan=1 if step == 2 else -1)
+                assert t.delta.base and 0 < t.delta.nbytes < t.total_nbytes / 10
+                assert all(p.version == t.delta.version for p in plans)
+            assert s.stats()["live_tickets"] == 0
+    finally:
+        for r in receivers:
+            r.close()

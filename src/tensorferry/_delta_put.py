@@ -12,10 +12,10 @@ The values are compared where they are: a snapshot put whose tensors can
 be read by address is compared as it is placed, and the kept version is
 served as the whole object (``DeltaVersion.place``); otherwise the pool
 block it was packed into (one run), or the tensors' own memory of a
-``snapshot=False`` put (the plan's runs). A put streamed in pieces, a
-broadcast (relays pass on one stream), or one made while a ticket still
-serves the kept bytes, offers no delta and drops the kept version: the
-next put fills it again.
+``snapshot=False`` put (the plan's runs). A broadcast's (``fanout=``)
+delta is broadcast too, on a tree of its own. A put streamed in pieces, or one made while a ticket
+still serves the kept bytes, offers no delta and drops the kept version:
+the next put fills it again.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._broadcast import Tree
 from ._ledger import _Entry, _Piece
 from .plans import SendPlan
 from .plans._delta import SAME_HOST_MAX_FRACTION, KeptBlock, Values
@@ -56,7 +57,7 @@ def offer_delta(plan: SendPlan, ex: "Execution", opts: "PutOptions") -> tuple[De
         put, packed = pending  # compared as it was placed: the kept bytes are the whole object
     else:
         values = None
-        if ex.kind == "resident" and opts.fanout is None and len(ex.pieces[0].packed.blocks) == 1:
+        if ex.kind == "resident" and len(ex.pieces[0].packed.blocks) == 1:
             block = ex.pieces[0].packed.blocks[0]
             values = Values(np.zeros(1, dtype=np.int64), np.array([plan.pool.data_ptr + block.offset], dtype=np.int64),
                             np.array([plan.total_nbytes], dtype=np.int64))
@@ -72,10 +73,12 @@ def offer_delta(plan: SendPlan, ex: "Execution", opts: "PutOptions") -> tuple[De
     return offer, packed
 
 
-def delta_entry(ticket: Ticket, packed: "Packed", readers: int, deadline: float) -> _Entry:
+def delta_entry(ticket: Ticket, packed: "Packed", readers: int, deadline: float, fanout: int | None) -> _Entry:
     """The ledger entry of a ticket's delta bytes: the ticket's readers and
     lease (a receiver reading the whole object gives its delta slot back,
-    and one reading the delta its slots of the whole)."""
+    and one reading the delta its slots of the whole); a broadcast's
+    (``fanout``) has a tree of its own, so relays pass the delta on."""
     sub = ticket.delta_ticket()
     piece = _Piece(voffset=0, nbytes=packed.blocks[0].nbytes, readers=readers, packed=packed)
-    return _Entry(sub.id, readers, ticket.lease_seconds, deadline, [piece], streamed=False, digest=sub.digest)
+    return _Entry(sub.id, readers, ticket.lease_seconds, deadline, [piece], streamed=False, digest=sub.digest,
+                  tree=Tree(fanout) if fanout else None)

@@ -64,11 +64,15 @@ def _runs(plan: RecvPlan) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], Ch
     return cached or None
 
 
-def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Callable[[list[int]], Any], deadline: float) -> int:
+def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Callable[[list[int]], Any], deadline: float, *,
+                  relay_address: str = "", broadcast: Callable[[Ticket, list, str], Any] | None = None) -> int:
     """Read the delta of ``ticket`` and apply it to ``plan``'s targets in
     place; returns the delta's bytes. The caller holds the plan's lock and
     has dropped its version (a failure leaves it none: the next get reads
-    the whole object).
+    the whole object). A broadcast's delta comes as a broadcast does:
+    ``broadcast(delta ticket, blocks, source)`` returns its bytes, pulled
+    from the relay the sender names (``relay_address``: where this
+    receiver relays, if it does; it passes the delta on to its children).
 
     Raises:
         ProtocolError: a malformed delta (nothing more is applied).
@@ -77,13 +81,17 @@ def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Call
     runs, table = _runs(plan)
     if d.ticket_id:
         sub = ticket.delta_ticket()
-        located = ch.acquire(sub.id, 0, timeout=_left(deadline), digest=sub.digest)
+        located = ch.acquire(sub.id, 0, timeout=_left(deadline), digest=sub.digest, relay=relay_address)
         try:
             blocks = [tuple(b) for b in located.blocks]
             if blocks != [tuple(b) for b in sub.blocks]:
                 raise ProtocolError(f"sender locates the delta of ticket {ticket.id} at {blocks}, the ticket says {sub.blocks}")
+            # As a whole object's get decides it (Fetcher._move): from a relay, or relayed on.
+            relayed = bool(located.source) or (bool(relay_address) and ch.relays)
             with plan.writing():
-                if ch.maps_sender_memory:
+                if relayed and broadcast is not None:
+                    src = broadcast(sub, blocks, located.source)
+                elif ch.maps_sender_memory:
                     src = ch.remote_views(blocks)[0]
                 else:
                     src = destination([d.nbytes])[0][0]

@@ -124,7 +124,8 @@ class Fetcher:
         with plan.lock:
             holds, plan.version = plan.version, 0  # a failed get leaves no version
             if reads_delta(plan, ticket, holds, ch):
-                receive_delta(ch, plan, ticket, self.destination, deadline)
+                receive_delta(ch, plan, ticket, self.destination, deadline, relay_address=self._relay_address,
+                              broadcast=lambda sub, blocks, source: self._receive_broadcast(ch, sub, blocks, source, plan, deadline))
             elif ticket.streamed:
                 geometry = (ticket.total_nbytes,)
                 with plan.writing():

@@ -266,7 +266,7 @@ class Sender:
         try:
             self.ledger.add(entry)
             if delta_packed is not None:
-                self.ledger.add(delta_entry(ticket, delta_packed, readers, deadline))
+                self.ledger.add(delta_entry(ticket, delta_packed, readers, deadline, fanout))
         except BaseException:
             self.ledger.discard(ticket_id)
             for piece in ex.pieces:

@@ -212,9 +212,10 @@ class SendPlan:
                 plan checks its tensors first: a stale plan says so).
             PlanStaleError: a kept plan's tensor moved (the block is free again).
         """
-        if self.delta is not None and not one_block:
+        if self.delta is not None:
             # A delta plan compares its values with its kept version and
-            # serves that (plans/_delta.py), where it can.
+            # serves that (one block: a broadcast's too), where it can
+            # (plans/_delta.py).
             served = self.delta.place(self.value_runs(), lambda: self.check(self.owner), self.layout,
                                       lambda out: self.fill(out, 0, self.total_nbytes))
             if served is not None:
