@@ -16,7 +16,6 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
 import tensorferry.ray as tfr  # noqa: E402
-from tensorferry.errors import ConfigurationError  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -88,8 +87,3 @@ def test_delta_syncs_are_exact_and_small_and_a_late_joiner_reads_the_whole(local
     report = sync.sync()
     assert 0 < report.delta_nbytes < whole // 10
     assert ray.get([w.digest.remote() for w in [*workers, late]]) == [expected] * (NUM_WORKERS + 1)
-
-
-def test_delta_with_fanout_is_refused(local_ray):
-    with pytest.raises(ConfigurationError):
-        tfr.WeightSync(Trainer.remote(), [], delta=True, fanout=1)

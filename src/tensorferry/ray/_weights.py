@@ -379,8 +379,8 @@ class WeightSync:
         delta: the trainer keeps the version it last sent (one more copy of
             it in its pool) and workers that hold it read only what changed
             (``Sender.plan(delta=True)``, ``docs/delta.md``); a worker that
-            joins late or missed a sync reads the whole version. Not with
-            ``fanout`` (relays pass on whole versions).
+            joins late or missed a sync reads the whole version. With
+            ``fanout``, the relays pass the delta on.
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
@@ -414,8 +414,6 @@ class WeightSync:
             raise ConfigurationError(f"WeightSync(dtype={dtype!r}): expected a floating-point torch dtype such as torch.bfloat16")
         if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
             raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
-        if delta and fanout is not None:
-            raise ConfigurationError("WeightSync(delta=True, fanout=...): relays pass on whole versions; use one or the other")
         self.dtype = dtype
         self.fanout = fanout
         self.delta = bool(delta)
