@@ -175,10 +175,10 @@ static int gather_scatter(Runs *r, int64_t o, int64_t n, char *buf, int to_runs)
  * chunks [lo, hi) of the current values (the runs) against the kept
  * version at address kept (the one-block layout), which is updated to the
  * current values. Records go to out while they fit in cap bytes; past
- * that, the chunks are still compared and updated, not encoded (cap < 0:
- * nothing is compared, the values are copied into the kept version). All
+ * that (and with cap < 0 from the start) the chunks are copied into the
+ * kept version, not compared. All
  * arrays int64, by address. Returns (bytes written, or -1 if they did not
- * fit; words changed). kind: 0, or an int64 array of RUN_RAW / RUN_BF16 a
+ * fit: then the words changed before it stopped comparing). kind: 0, or an int64 array of RUN_RAW / RUN_BF16 a
  * run (nan: the bfloat16 a NaN becomes). Without the GIL. */
 static PyObject *encode(PyObject *self, PyObject *args)
 {
@@ -212,8 +212,10 @@ static PyObject *encode(PyObject *self, PyObject *args)
         size_t n = (size_t)cwords[c], w = (size_t)cw[c], nb = n * w;
         char *k = kept + coff[c];
         const char *cur;
-        if (cap < 0) {
-            /* A refresh: the values into the kept version, not compared. */
+        if (cap < 0 || !fits) {
+            /* A refresh, or past a delta too large to send: the values
+             * into the kept version, not compared (a copy costs less than
+             * comparing a dense chunk word by word). */
             if (gather_scatter(&r, coff[c], (int64_t)nb, k, 0) < 0) {
                 missing = 1;
                 break;

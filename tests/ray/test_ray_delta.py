@@ -8,13 +8,12 @@ trainer's weights cast to bfloat16 (sha256 of every tensor's bytes).
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
+import _ray_helpers as H  # noqa: E402
 import tensorferry.ray as tfr  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -29,12 +28,7 @@ class Net(torch.nn.Module):
         self.out = torch.nn.Linear(512, 256)
 
 
-def _digest(state: dict) -> str:
-    h = hashlib.sha256()
-    for name, t in state.items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+_digest = H.state_digest
 
 
 @ray.remote

@@ -290,8 +290,8 @@ class DeltaVersion:
                 if scratch is not None:
                     scratch.release()
             self.version = version
-            if not base or refresh:
-                changed = self.num_words  # not compared with a version: all of it is new
+            if not base or refresh or not fits:
+                changed = self.num_words  # not (all) compared with a version: all of it is sent
             self.last = DeltaPut(version, base if fits else 0, self.total_nbytes, nbytes, changed)
             return self.last, packed
 
