@@ -122,12 +122,14 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
         return Layout.from_bytes(self.layout_bytes)
 
     def to_bytes(self) -> bytes:
-        body = _ENCODER.encode(self)
-        if self.delta is None and body[:1] == _PLAIN_HEADER and body[-1:] == _NIL:
-            # msgspec writes the absent section as a trailing nil: dropped,
-            # so a plain ticket's bytes are those it had before deltas.
-            body = _PLAIN_HEADER_WITHOUT_DELTA + body[1:-1]
-        return _MAGIC + _VERSION.to_bytes(2, "little") + body
+        # Optional sections left out (msgspec would write a trailing nil for
+        # each): a ticket without them has the bytes it had before they
+        # existed, and decodes with their defaults.
+        fields = msgspec.structs.astuple(self)
+        n = len(fields)
+        while n > _REQUIRED_FIELDS and fields[n - 1] is None:
+            n -= 1
+        return _MAGIC + _VERSION.to_bytes(2, "little") + _ENCODER.encode(fields[:n])
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Ticket":
@@ -175,8 +177,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)
-# msgpack's header of an array of the ticket's fields (a fixarray: fewer
-# than 16), with the delta section and without it; a nil.
-_PLAIN_HEADER = bytes([0x90 | len(Ticket.__struct_fields__)])
-_PLAIN_HEADER_WITHOUT_DELTA = bytes([0x90 | (len(Ticket.__struct_fields__) - 1)])
-_NIL = b"\xc0"
+# The fields every ticket has; the optional sections (None by default) follow.
+_REQUIRED_FIELDS = len(Ticket.__struct_fields__) - len(Ticket.__struct_defaults__)
