@@ -487,3 +487,35 @@ def test_relays_pass_the_delta_on(transport):
     finally:
         for r in receivers:
             r.close()
+
+
+def test_a_corrupted_delta_is_refused_and_the_next_get_reads_the_whole(transport):
+    """The delta's bytes are checked record by record: garbage written over
+    the sender's delta block (the first record's chunk index) is a
+    ProtocolError, the plan keeps no version, and the next get reads the
+    whole object, bit-exact."""
+    from tensorferry.errors import ProtocolError
+    from tensorferry.pool import Block
+
+    g = torch.Generator().manual_seed(9)
+    w = _weights()
+    with tf.Sender(transport, capacity_nbytes=8 * MiB) as s, tf.Receiver(transport, timeout=20.0) as r:
+        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+        t = s.put(plan)
+        rp = r.plan(t)
+        r.get(t, into=rp)
+        s.wait_released(t, timeout=10)
+        _change(w, g, 0.001)
+        t = s.put(plan)
+        (offset, nbytes), = t.delta.blocks
+        s.pool.view(Block(offset, nbytes))[:4] = 0xFF  # chunk 2**32 - 1: out of range
+        with pytest.raises(ProtocolError):
+            r.get(t, into=rp)
+        assert rp.version == 0
+        s.discard(t)
+        _change(w, g, 0.001)
+        t = s.put(plan)
+        assert t.delta.base and t.delta.nbytes  # a delta is offered, but rp holds no base: the whole
+        _assert_exact(r.get(t, into=rp), w)
+        assert rp.version == t.delta.version
+        s.wait_released(t, timeout=10)
