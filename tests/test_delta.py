@@ -306,11 +306,19 @@ def test_values_read_by_address_serve_the_kept_version_and_need_no_pool_block():
         s.wait_released(t, timeout=10)
 
 
-def test_delta_plan_without_room_for_its_version_is_refused():
+def test_delta_plan_without_room_for_its_version_is_refused_and_a_dropped_one_frees_it():
+    import gc
+
     with tf.Sender("shm", capacity_nbytes=1 * MiB) as s:
         with pytest.raises(PoolExhaustedError):
             s.plan({"x": torch.zeros(300_000)}, delta=True)
         assert s.stats()["used_nbytes"] == 0
+        plan = s.plan({"x": torch.zeros(100_000)}, delta=True)
+        s.discard(s.put(plan))
+        assert s.stats()["used_nbytes"] == s.stats()["delta_kept_nbytes"] >= 400_000
+        del plan
+        gc.collect()
+        assert s.stats()["used_nbytes"] == s.stats()["delta_kept_nbytes"] == 0
 
 
 def test_plain_tickets_are_unchanged_and_hostile_delta_sections_are_refused():
