@@ -175,6 +175,11 @@ class DeltaVersion:
                 "plan(delta=True) needs tensorferry._diff, which was not built (no C compiler when tensorferry was installed): "
                 "install a C compiler and reinstall tensorferry, or plan without delta"
             )
+        if pool.device.type != "cpu":
+            raise ConfigurationError(
+                f"plan(delta=True) keeps the version it sent in the sender's pool and compares it on the CPU; this pool is on "
+                f"{pool.device}: use a host pool (the tensors may be anywhere), or plan without delta"
+            )
         self.pool = pool
         self.table = chunk_table(layout, offsets)
         self.num_words = int(self.table.words.sum())
