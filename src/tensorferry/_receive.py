@@ -33,6 +33,7 @@ import torch
 
 from . import packing
 from ._copy import StagedCopy, executor, finish
+from ._delta_receive import reads_delta, receive_delta, settle, version_of
 from ._recv_cache import ReceiveCache
 from .errors import PeerGoneError, PoolExhaustedError, ProtocolError, TicketError, TransferTimeoutError
 from .plans import RecvPlan
@@ -121,7 +122,11 @@ class Fetcher:
         # have written too); for a resident object after the acquire, whose
         # Python work a marking thread would only slow down.
         with plan.lock:
-            if ticket.streamed:
+            holds, plan.version = plan.version, 0  # a failed get leaves no version
+            if reads_delta(plan, ticket, holds, ch):
+                receive_delta(ch, plan, ticket, self.destination, deadline, relay_address=self._relay_address,
+                              broadcast=lambda sub, blocks, source: self._receive_broadcast(ch, sub, blocks, source, plan, deadline))
+            elif ticket.streamed:
                 geometry = (ticket.total_nbytes,)
                 with plan.writing():
                     for piece in range(ticket.num_pieces):
@@ -132,6 +137,7 @@ class Fetcher:
                             ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
                 if plan.allocates:
                     plan.adopt_own()
+                settle(ch, ticket, deadline)
             else:
                 blocks, source = self._acquire_resident(ch, ticket, deadline)
                 try:
@@ -139,7 +145,9 @@ class Fetcher:
                         self._move(ch, plan, ticket, 0, blocks, 0, tuple(n for _, n in blocks), source, deadline)
                 finally:
                     ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
+                settle(ch, ticket, deadline)
             plan.finish()
+            plan.version = version_of(plan, ticket)
         return plan.result
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ import torch
 
 from . import packing
 from ._args import positive_seconds, reader_count
+from ._delta_put import delta_entry, max_delta_fraction, offer_delta
 from ._execution import PutOptions, choose
 from ._ledger import Ledger, _Entry
 from .errors import ConfigurationError, TransferTimeoutError
@@ -125,10 +127,12 @@ class Sender:
                 self.pool.close()
             raise
         self.server = self.servers[transport]
+        self._delta_plans: weakref.WeakSet = weakref.WeakSet()  # the kept versions of this sender's delta plans
+        self._last_put = (0, 0, 0)  # the last put's whole bytes, delta bytes, elements changed
         self.address = self.server.address
         self._closed = False
 
-    def plan(self, obj: Any, *, dtype: torch.dtype | None = None) -> SendPlan:
+    def plan(self, obj: Any, *, dtype: torch.dtype | None = None, delta: bool = False) -> SendPlan:
         """Inspect ``obj`` once and keep what every later put of it needs.
 
         Runs on the sender; copies nothing. The plan keeps the tensors (they
@@ -145,14 +149,24 @@ class Sender:
                 (e.g. ``torch.bfloat16`` from an fp32 trainer: half the
                 bytes); integer and bool tensors go as they are. The plan's
                 layout says what receivers get.
+            delta: keep the version last sent (one copy of the sent bytes,
+                in this sender's pool) and offer, in each ticket, the changes
+                since it to receivers holding it; everyone else reads the
+                whole object (see ``docs/delta.md``).
 
         Raises:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
             ConfigurationError: ``dtype`` is not a floating-point dtype; the
                 sender is closed.
+            PoolExhaustedError: ``delta`` and no room in the pool for the
+                kept version.
         """
         self._check_open()
-        return SendPlan(self.pool, obj, dtype=dtype, owner=self.ledger)
+        plan = SendPlan(self.pool, obj, dtype=dtype, owner=self.ledger, delta=delta)
+        if plan.delta is not None:
+            plan.delta.max_fraction = max_delta_fraction(self.servers.values())
+            self._delta_plans.add(plan.delta)
+        return plan
 
     def put(
         self,
@@ -226,6 +240,9 @@ class Sender:
             plan = SendPlan(self.pool, obj, kept=False, owner=self.ledger)
         opts = PutOptions(readers, one_shot, snapshot, fanout, self.piece_nbytes)
         ex = choose(plan, opts, self.servers.values())
+        offer, delta_packed = offer_delta(plan, ex, opts)
+        last = plan.delta.last if plan.delta is not None else None
+        self._last_put = (plan.total_nbytes, last.delta_nbytes, last.changed) if last else (plan.total_nbytes, 0, 0)
         ticket = Ticket(
             id=ticket_id,
             transport=self.transport,
@@ -238,6 +255,7 @@ class Sender:
             num_pieces=ex.num_pieces,
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
+            delta=offer,
         )
         if ex.kind == "empty":
             return ticket  # nothing to read: done already
@@ -247,10 +265,15 @@ class Sender:
         )
         try:
             self.ledger.add(entry)
+            if delta_packed is not None:
+                self.ledger.add(delta_entry(ticket, delta_packed, readers, deadline, fanout))
         except BaseException:
+            self.ledger.discard(ticket_id)
             for piece in ex.pieces:
                 if piece.packed is not None:
                     piece.packed.release()
+            if delta_packed is not None:
+                delta_packed.release()
             raise
         return ticket
 
@@ -258,6 +281,8 @@ class Sender:
         """Stop serving ``ticket``: no new gets; blocks are freed as soon as
         the gets in progress (and zero-copy views) release them."""
         self.ledger.discard(ticket.id)
+        if ticket.delta is not None and ticket.delta.ticket_id:
+            self.ledger.discard(ticket.delta.ticket_id)
 
     def ticket_for(self, ticket: Ticket, transport: str) -> Ticket:
         """The same ticket, redeemable over another transport this sender serves."""
@@ -275,14 +300,23 @@ class Sender:
         Raises:
             TransferTimeoutError: not released within ``timeout`` seconds.
         """
-        if not self.ledger.wait_released(ticket.id, timeout):
+        end = None if timeout is None else time.monotonic() + timeout
+        delta_id = ticket.delta.ticket_id if ticket.delta is not None else 0
+        if not all(self.ledger.wait_released(i, None if end is None else max(0.0, end - time.monotonic())) for i in (ticket.id, delta_id) if i):
             raise TransferTimeoutError(
                 f"ticket {ticket.id} was not released by its {ticket.readers} readers within {timeout} s; "
                 f"its lease ends {ticket.lease_seconds} s after the last acquire"
             )
 
     def stats(self) -> dict[str, int]:
+        """The pool's figures, the transfers served, and the last put's:
+        ``last_put_nbytes`` (the whole object), ``last_put_delta_nbytes`` (the
+        delta a receiver holding its base read; 0 without one) and
+        ``last_put_changed`` (elements changed, for a delta plan);
+        ``delta_kept_nbytes``: the versions delta plans keep (pool bytes,
+        counted in ``used_nbytes`` too)."""
         s = self.pool.stats()
+        full, delta, changed = self._last_put
         return {
             "capacity_nbytes": s.capacity_nbytes,
             "used_nbytes": s.used_nbytes,
@@ -291,6 +325,10 @@ class Sender:
             "transfers": self.ledger.transfers,
             "bytes_moved": self.ledger.bytes_served,
             "bytes_sent": self.ledger.bytes_sent,
+            "last_put_nbytes": full,
+            "last_put_delta_nbytes": delta,
+            "last_put_changed": changed,
+            "delta_kept_nbytes": sum(k.kept_nbytes for k in list(self._delta_plans)),
         }
 
     def _check_open(self) -> None:

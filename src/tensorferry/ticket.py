@@ -17,7 +17,7 @@ import msgspec
 from .errors import TicketError
 from .layout import MAX_LAYOUT_NBYTES, Layout
 
-__all__ = ["Ticket", "MAX_TICKET_NBYTES"]
+__all__ = ["DeltaOffer", "Ticket", "MAX_TICKET_NBYTES"]
 
 # The one list of transport names; everything else refers to these.
 TransportName = Literal["shm", "tcp", "nixl"]
@@ -31,7 +31,29 @@ _MAX_BLOCKS = 1 << 20
 _MAX_ADDRESS = 512
 
 
-class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class DeltaOffer(msgspec.Struct, frozen=True, array_like=True):
+    """The optional section of a delta plan's ticket (``plans/_delta.py``).
+
+    Attributes:
+        version: the id of the version this ticket carries (0: none).
+        base: the id of the version its delta is against (0: no delta;
+            every receiver reads the whole object).
+        ticket_id: the reader slots of the delta's bytes (0: nothing to read).
+        blocks: where the delta's bytes are in the sender's pool (one block,
+            or none when nothing changed).
+        nbytes: the delta's size.
+        changed: elements that changed since ``base``.
+    """
+
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    base: Annotated[int, msgspec.Meta(ge=0)]
+    ticket_id: int = 0
+    blocks: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=1)] = []
+    nbytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    changed: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
     """Everything a receiver needs to fetch one object from one sender.
 
     Attributes:
@@ -50,6 +72,8 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         readers: how many gets the sender waits for before freeing (0: any
             number, until the sender discards it).
         lease_seconds: how long unredeemed slots are kept.
+        delta: a delta plan's versions and delta (None for any other put;
+            omitted from the bytes then).
     """
 
     id: int
@@ -63,6 +87,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_pieces: Annotated[int, msgspec.Meta(ge=1)]
     readers: Annotated[int, msgspec.Meta(ge=0)]
     lease_seconds: float
+    delta: DeltaOffer | None = None
 
     @property
     def streamed(self) -> bool:
@@ -77,7 +102,19 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         h = hashlib.blake2b(digest_size=16)
         h.update(_ENCODER.encode((self.id, self.total_nbytes, self.piece_nbytes, self.num_pieces, self.blocks)))
         h.update(self.layout_bytes)
+        if self.delta is not None:
+            h.update(_ENCODER.encode(self.delta))
         return h.digest()
+
+    def delta_ticket(self) -> "Ticket":
+        """The delta's bytes as a ticket of their own (its reader slots, its
+        digest), for a receiver holding the base version."""
+        d = self.delta
+        if d is None or not d.ticket_id:
+            raise TicketError(f"ticket {self.id} offers no delta bytes")
+        return Ticket(id=d.ticket_id, transport=self.transport, address=self.address, pool_generation=self.pool_generation,
+                      layout_bytes=b"", blocks=d.blocks, total_nbytes=d.nbytes, piece_nbytes=0, num_pieces=1,
+                      readers=self.readers, lease_seconds=self.lease_seconds)
 
     @property
     def layout(self) -> Layout:
@@ -85,7 +122,14 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         return Layout.from_bytes(self.layout_bytes)
 
     def to_bytes(self) -> bytes:
-        return _MAGIC + _VERSION.to_bytes(2, "little") + _ENCODER.encode(self)
+        # Optional sections left out (msgspec would write a trailing nil for
+        # each): a ticket without them has the bytes it had before they
+        # existed, and decodes with their defaults.
+        fields = msgspec.structs.astuple(self)
+        n = len(fields)
+        while n > _REQUIRED_FIELDS and fields[n - 1] is None:
+            n -= 1
+        return _MAGIC + _VERSION.to_bytes(2, "little") + _ENCODER.encode(fields[:n])
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> "Ticket":
@@ -116,6 +160,11 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         for off, n in ticket.blocks:
             if off < 0 or n <= 0 or off % 16:
                 raise TicketError(f"ticket has an invalid block (offset {off}, nbytes {n})")
+        if ticket.delta is not None:
+            d = ticket.delta
+            if any(off < 0 or n <= 0 or off % 16 for off, n in d.blocks) or sum(n for _, n in d.blocks) != d.nbytes \
+                    or bool(d.blocks) != bool(d.ticket_id) or d.nbytes >= max(ticket.total_nbytes, 1):
+                raise TicketError(f"ticket has an invalid delta (blocks {d.blocks}, nbytes {d.nbytes}, of {ticket.total_nbytes} bytes)")
         if ticket.num_pieces > 1 and ticket.piece_nbytes <= 0:
             raise TicketError("a streamed ticket needs a positive piece size")
         if ticket.num_pieces > 1 and -(-ticket.total_nbytes // ticket.piece_nbytes) != ticket.num_pieces:
@@ -128,3 +177,5 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)
+# The fields every ticket has; the optional sections (None by default) follow.
+_REQUIRED_FIELDS = len(Ticket.__struct_fields__) - len(Ticket.__struct_defaults__)

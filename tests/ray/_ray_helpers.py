@@ -8,6 +8,7 @@ bit, so only booleans and small reports travel back to the driver.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable
 
@@ -157,3 +158,15 @@ def wait_until(probe: Callable[[], Any], ok: Callable[[Any], bool], *, seconds: 
 
 def pool_is_empty(stats: dict | None) -> bool:
     return stats is None or (stats["used_nbytes"] == 0 and stats["live_tickets"] == 0)
+
+
+def state_digest(state: Any) -> str:
+    """sha256 over a state dict's (or a module's) names and every tensor's
+    bytes, in order: one flipped bit anywhere changes it."""
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    h = hashlib.sha256()
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

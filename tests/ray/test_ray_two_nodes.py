@@ -172,3 +172,35 @@ def test_weight_sync_relays_between_the_workers_of_the_other_node(two_nodes):
         tfr.WeightSync(trainer, far, fanout=0)
     for actor in (trainer, *far, near):
         ray.kill(actor)
+
+
+def _nudge(actor_self, version: int) -> list:
+    """About 1% of every parameter's elements changed, from the version's seed."""
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for p in actor_self.model.parameters():
+            flat = p.view(-1)
+            flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)] += 1.0
+    return [t.clone() for t in actor_self.model.state_dict().values()]
+
+
+def test_weight_sync_relays_deltas_between_the_workers_of_the_other_node(two_nodes):
+    trainer = Trainer.options(resources={"node_a": 1}).remote()
+    far = [Worker.options(resources={"node_b": 1}).remote() for _ in range(3)]
+    near = Worker.options(resources={"node_a": 1}).remote()
+    sync = tfr.WeightSync(trainer, [*far, near], fanout=1, delta=True)
+    nbytes = 0
+    for version in (1, 2, 3):
+        want = ray.get(trainer.__ray_call__.remote(_nudge, version))
+        report = sync.sync()
+        nbytes = report.nbytes // len(sync.workers)
+        assert (report.delta_nbytes == 0) if version == 1 else (0 < report.delta_nbytes < nbytes // 10), report
+        for w in (*far, near):
+            got = ray.get(w.weights.remote())
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    # The trainer's link carried the first version once (a chain through
+    # the far workers) and then one delta a version.
+    sent = ray.get(trainer.__ray_call__.remote(_sent_by_trainer))
+    assert nbytes <= sent < nbytes + 2 * (nbytes // 10), (sent, nbytes)
+    for actor in (trainer, *far, near):
+        ray.kill(actor)

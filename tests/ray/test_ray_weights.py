@@ -7,13 +7,12 @@ worker fails the test. The trainer's pool is read inside the trainer.
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 torch = pytest.importorskip("torch")
 
+import _ray_helpers as H  # noqa: E402
 import tensorferry.ray as tfr  # noqa: E402
 from tensorferry.errors import LayoutMismatchError, PoolExhaustedError  # noqa: E402
 
@@ -41,12 +40,7 @@ def _state_nbytes() -> int:
     return sum(t.numel() * t.element_size() for t in Net().state_dict().values())
 
 
-def _digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+_digest = H.state_digest
 
 
 @ray.remote

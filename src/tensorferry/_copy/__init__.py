@@ -28,7 +28,7 @@ caller's tensors). :mod:`._native` holds the C loop, or None.
 
 from __future__ import annotations
 
-from ._convert import copy_converting
+from ._convert import copy_converting, native_nan_bits
 from ._memmove import Batches, batches, copy_bytes, destinations_apart, many_small_runs, memmove_runs, vectored_io
 from ._pack import copy_values, leaf_runs, pack_leaves
 from ._plan import CopyPlan
@@ -53,6 +53,7 @@ __all__ = [
     "finish",
     "leaf_runs",
     "many_small_runs",
+    "native_nan_bits",
     "memmove_runs",
     "pack_leaves",
     "run_parts",

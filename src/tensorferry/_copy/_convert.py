@@ -16,7 +16,7 @@ from . import _native, _threads
 from ._memmove import _STREAM_MIN_NBYTES, _parts
 from ._threads import copy_threads, run_parts
 
-__all__ = ["copy_converting"]
+__all__ = ["copy_converting", "native_nan_bits"]
 
 
 def copy_converting(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -134,3 +134,10 @@ def _native_conversions() -> dict[torch.dtype, tuple[int, int]]:
                 found[dtype] = (kind, nan)
         _native_kinds = found
     return _native_kinds
+
+
+def native_nan_bits(dtype: torch.dtype) -> int | None:
+    """The bits torch writes for a NaN converted from float32 to ``dtype``
+    here, where the C conversion matches torch for ``dtype`` (else None)."""
+    kind = _native_conversions().get(dtype)
+    return kind[1] if kind is not None else None

@@ -89,6 +89,9 @@ class RecvPlan:
         self._watch: Watch | None = None
         self._result: Any = None
         self._into = into is not None
+        # The delta version (plans/_delta.py) the targets hold: the id from
+        # the ticket of the last get that completed into them; 0: none.
+        self.version = 0
         targets: list[torch.Tensor] = []
         if into is None:
             if kept:

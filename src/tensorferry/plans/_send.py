@@ -16,6 +16,7 @@ from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorEr
 from ..layout import DTYPES, Layout
 from ..pool import Block
 from ._buffers import BufferList, buffer_at
+from ._delta import BF16, RAW, DeltaVersion, Values, bf16_nan
 from ._watch import PUT, Watch
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class SendPlan:
         kept: a kept plan (watched, replayed) or a one-shot one.
         owner: what a put checks the plan against (the sender's ledger): a
             plan serves only the sender that made it.
+        delta: a kept plan that keeps the version it last sent and offers
+            receivers holding it the changes only (``plans/_delta.py``).
 
     Attributes:
         source: the object planned (an ``nn.Module``, or the tensors' nesting).
@@ -98,14 +101,17 @@ class SendPlan:
         layout_bytes: the encoded layout, reused by every ticket.
         total_nbytes: the packed size of one put.
         num_tensors: planned tensors (tied names counted once each).
+        delta: the kept version of a delta plan (None for any other).
     """
 
-    def __init__(self, pool: "MemoryPool", obj: Any, *, dtype: torch.dtype | None = None, kept: bool = True, owner: object = None) -> None:
+    def __init__(self, pool: "MemoryPool", obj: Any, *, dtype: torch.dtype | None = None, kept: bool = True, owner: object = None,
+                 delta: bool = False) -> None:
         # Planning makes Python objects per tensor (shapes, storages): with
         # the collector paused, 100k of them set off no collections over
         # everything alive.
         with gc_paused():
             self._make(pool, obj, dtype, kept, owner)
+        self.delta = DeltaVersion(pool, self.layout, self.offsets, self.total_nbytes) if delta and kept else None
 
     def _make(self, pool: "MemoryPool", obj: Any, dtype: torch.dtype | None, kept: bool, owner: object) -> None:
         self.pool = pool
@@ -206,6 +212,14 @@ class SendPlan:
                 plan checks its tensors first: a stale plan says so).
             PlanStaleError: a kept plan's tensor moved (the block is free again).
         """
+        if self.delta is not None:
+            # A delta plan compares its values with its kept version and
+            # serves that (one block: a broadcast's too), where it can
+            # (plans/_delta.py).
+            served = self.delta.place(self.value_runs(), lambda: self.check(self.owner), self.layout,
+                                      lambda out: self.fill(out, 0, self.total_nbytes))
+            if served is not None:
+                return served  # type: ignore[return-value]
         try:
             if self.kept or one_block or self._converting:
                 return self.pool.pack_with(self.layout, self.total_nbytes, self.fill_checked, num_tensors=self.num_tensors)
@@ -299,6 +313,27 @@ class SendPlan:
                 copy_converting(pairs)
         values = copy_values(self._leaves, self.layout, self.offsets, out, lo, hi, self._values)
         return runs + len(self._conversions), values
+
+    def value_runs(self) -> "Values | None":
+        """The packed object's current values as runs by address (raw, or
+        float32 cast to bfloat16 on the way), for a delta plan's compare;
+        None where some bytes are not readable so (a device, a value-by-value
+        copy, another cast, no C conversion that matches torch)."""
+        if not self._host:
+            return None
+        c = self._runs()
+        if self._values.size:
+            return None
+        pos, addr, n, kinds = [c.dst], [c.src], [c.nbytes], [np.full(c.num_runs, RAW, dtype=np.int64)]
+        nan = bf16_nan() if self._conversions else 0x7FC0
+        for start, nbytes, dt, src in self._conversions:
+            if dt != torch.bfloat16 or src.dtype != torch.float32 or nan is None:
+                return None
+            pos.append(np.array([start])), addr.append(np.array([src.data_ptr()])), n.append(np.array([nbytes])), kinds.append(np.array([BF16]))
+        p = np.concatenate(pos).astype(np.int64)
+        order = np.argsort(p, kind="stable")
+        return Values(p[order], np.concatenate(addr).astype(np.int64)[order], np.concatenate(n).astype(np.int64)[order],
+                      np.concatenate(kinds)[order], nan)
 
     def sourced_pieces(self, piece_nbytes: int) -> list["SourcedPiece"]:
         """The object in pieces of ``piece_nbytes`` served from the tensors'

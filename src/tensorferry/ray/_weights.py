@@ -34,6 +34,10 @@ class WeightVersion(NamedTuple):
     # Workers on other nodes relay it to each other (a chain for 1, a tree
     # for more); None: each pulls from the trainer.
     fanout: int | None = None
+    # A delta plan's: the bytes of the delta a worker holding the previous
+    # version reads (0: none), and the elements that changed.
+    delta_nbytes: int = 0
+    changed: int = 0
 
 
 class SyncReport(NamedTuple):
@@ -53,9 +57,15 @@ class SyncReport(NamedTuple):
             ``WeightSync.workers``: its get, including the copy into its own
             weights in place (measured in the worker; Ray's call around it
             is not included).
-        nbytes: bytes received by all workers together (the packed version,
-            after ``dtype=``, times ``num_workers``).
+        nbytes: the packed version (after ``dtype=``) times ``num_workers``:
+            what all workers read without deltas.
         num_workers: the workers updated.
+        delta_nbytes: ``WeightSync(delta=True)``: the delta a worker that
+            held the previous version read instead of the whole version
+            (0: no delta this sync; workers that did not hold it read the
+            whole).
+        changed: ``delta=True``: elements that changed since the previous
+            version (all of them when it was not compared).
     """
 
     version: int
@@ -64,6 +74,8 @@ class SyncReport(NamedTuple):
     worker_seconds: list
     nbytes: int
     num_workers: int
+    delta_nbytes: int = 0
+    changed: int = 0
 
 
 def _default_source(actor: Any) -> Any:
@@ -139,7 +151,8 @@ def _publisher(nbytes: int, capacity_nbytes: int | None) -> _Publisher:
         return _PUBLISHER
 
 
-def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None, dtype: Any = None, fanout: int | None = None) -> WeightVersion:
+def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | None = None, dtype: Any = None, fanout: int | None = None,
+            delta: bool = False) -> WeightVersion:
     """Send the current weights as the next version (runs in the trainer process).
 
     The first version plans ``state_dict`` (a module or a nesting of
@@ -152,6 +165,8 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
         dtype: send floating-point tensors as this dtype (e.g. bfloat16).
         fanout: workers on other nodes pull over tcp through each other
             (``Sender.put(fanout=)``): the trainer sends this many copies.
+        delta: a delta plan (``Sender.plan(delta=True)``): workers holding
+            the previous version read what changed since it.
 
     Raises:
         PoolExhaustedError: the state dict does not fit even in an empty pool.
@@ -166,14 +181,19 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
     t0 = time.perf_counter()
     with pub.lock:
         plan = pub.plan
-        if plan is None or plan.dtype != dtype or not (plan.source is state_dict or plan.matches(state_dict)):
-            plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)
+        if plan is None or plan.dtype != dtype or (plan.delta is not None) != delta or not (plan.source is state_dict or plan.matches(state_dict)):
+            plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype, delta=delta)
+        if plan.delta is not None and pub.latest is not None:
+            # The last version is served from the plan's kept version: retired
+            # first (its workers have it), so this put can compare with it.
+            pub.sender.discard(pub.latest)
+            pub.latest = None
         while True:
             try:
                 ticket = pub.sender.put(plan, readers=None, one_shot=True, fanout=fanout)
                 break
             except PlanStaleError:
-                plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)  # a parameter was replaced
+                plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype, delta=delta)  # a parameter was replaced
                 continue
             except PoolExhaustedError:
                 if pub.latest is None and pub.sender.pool.stats().used_nbytes == 0:
@@ -202,6 +222,8 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
             num_tensors=plan.num_tensors,
             pack_seconds=pack_seconds,
             fanout=fanout,
+            delta_nbytes=ticket.delta.nbytes if ticket.delta is not None and ticket.delta.base else 0,
+            changed=ticket.delta.changed if ticket.delta is not None else 0,
         )
         return pub.latest_version
 
@@ -320,8 +342,9 @@ def _actor_prepare(actor: Any, state_dict_fn: Callable, capacity_nbytes: int | N
     prepare(state_dict_fn(actor), capacity_nbytes=capacity_nbytes)
 
 
-def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None, dtype: Any = None, fanout: int | None = None) -> WeightVersion:
-    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes, dtype=dtype, fanout=fanout)
+def _actor_publish(actor: Any, state_dict_fn: Callable, timeout: float, capacity_nbytes: int | None, dtype: Any = None, fanout: int | None = None,
+                   delta: bool = False) -> WeightVersion:
+    return publish(state_dict_fn(actor), timeout=timeout, capacity_nbytes=capacity_nbytes, dtype=dtype, fanout=fanout, delta=delta)
 
 
 def _actor_latest(actor: Any) -> WeightVersion | None:
@@ -353,6 +376,11 @@ class WeightSync:
             version to each other over tcp (``Sender.put(fanout=)``): the
             trainer's link carries ``fanout`` copies instead of one per
             worker. Workers on the trainer's node read its pool (shm).
+        delta: the trainer keeps the version it last sent (one more copy of
+            it in its pool) and workers that hold it read only what changed
+            (``Sender.plan(delta=True)``, ``docs/delta.md``); a worker that
+            joins late or missed a sync reads the whole version. With
+            ``fanout``, the relays pass the delta on.
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
@@ -376,6 +404,7 @@ class WeightSync:
         capacity_nbytes: int | None = None,
         dtype: Any = None,
         fanout: int | None = None,
+        delta: bool = False,
     ) -> None:
         import torch
 
@@ -387,6 +416,7 @@ class WeightSync:
             raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
         self.dtype = dtype
         self.fanout = fanout
+        self.delta = bool(delta)
         self.trainer = trainer
         self.workers = list(workers)
         self._state_dict = state_dict
@@ -411,7 +441,8 @@ class WeightSync:
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout))
+        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout,
+                                                            self.delta))
         refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
@@ -423,6 +454,8 @@ class WeightSync:
             worker_seconds=list(worker_seconds),
             nbytes=version.nbytes * len(self.workers),
             num_workers=len(self.workers),
+            delta_nbytes=version.delta_nbytes,
+            changed=version.changed,
         )
 
     def add_worker(self, worker: Any) -> float | None:

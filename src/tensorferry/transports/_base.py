@@ -184,6 +184,10 @@ class ControlServer:
     # Its readers may join a broadcast tree and pull from relaying
     # receivers (put(fanout=)); readers that map the pool (shm) do not.
     broadcasts: ClassVar[bool] = False
+    # Its readers are on this host (they map the pool): a byte they read
+    # costs a memory copy, not a link's time (a delta plan sends a delta
+    # only when it is much smaller than the whole object).
+    same_host_only: ClassVar[bool] = False
 
     def __init__(self, ledger: Holdings, *, token: bytes = b"") -> None:
         self.ledger = ledger

@@ -32,6 +32,7 @@ __all__ = ["ShmServer", "ShmChannel"]
 class ShmServer(ControlServer):
     transport = "shm"
     serves_source_memory = True  # readers copy a sourced piece out with process_vm_readv
+    same_host_only = True
 
     def _listen(self) -> socket.socket:
         if self.ledger.pool.fd is None:
