@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The C copy loop and the C++ check loops are compiled by the install; a
-# checkout whose _memcpy.c or _ptrs.cpp changed since (git pull) rebuilds
+# checkout whose _memcpy.c, _diff.c or _ptrs.cpp changed since (git pull) rebuilds
 # them here, without reinstalling the rest.
 EXT := $(VENV)/.memcpy-built
-$(EXT): $(STAMP) src/tensorferry/_memcpy.c src/tensorferry/_ptrs.cpp
+$(EXT): $(STAMP) src/tensorferry/_memcpy.c src/tensorferry/_diff.c src/tensorferry/_ptrs.cpp
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(EXT)
 
