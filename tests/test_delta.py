@@ -434,6 +434,33 @@ def test_a_delta_that_does_not_pay_is_not_sent_and_comparing_backs_off():
             assert bases == ([True, True, True] if offered else [False, False, True]), transport
 
 
+def test_across_hosts_a_delta_over_the_limit_is_not_sent():
+    """tcp (readers on other hosts): 10% of the bfloat16 elements changed
+    makes a delta of about 0.16 of the bytes, sent; 50% makes one over
+    ACROSS_HOSTS_MAX_FRACTION of them, so the put sends the whole object."""
+    from tensorferry.plans._delta import ACROSS_HOSTS_MAX_FRACTION
+
+    g = torch.Generator().manual_seed(11)
+    w = {"x": torch.randn(200_000, generator=g)}
+    with tf.Sender("tcp", capacity_nbytes=8 * MiB) as s, tf.Receiver("tcp", timeout=20.0) as r:
+        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+        t = s.put(plan)
+        rp = r.plan(t)
+        r.get(t, into=rp)
+        s.wait_released(t, timeout=10)
+        offered = []
+        for fraction in (0.1, 0.5):
+            idx = torch.randperm(200_000, generator=g)[: int(200_000 * fraction)]
+            w["x"][idx] += 1.0
+            t = s.put(plan)
+            offered.append(bool(t.delta.base))
+            if t.delta.base:
+                assert t.delta.nbytes <= ACROSS_HOSTS_MAX_FRACTION * t.total_nbytes
+            _assert_exact(r.get(t, into=rp), w)
+            s.wait_released(t, timeout=10)
+        assert offered == [True, False]
+
+
 def test_servers_declare_whether_their_readers_are_on_this_host():
     from tensorferry.transports._base import ControlServer
     from tensorferry.transports._shm import ShmServer

@@ -29,7 +29,7 @@ import numpy as np
 from ._broadcast import Tree
 from ._ledger import _Entry, _Piece
 from .plans import SendPlan
-from .plans._delta import SAME_HOST_MAX_FRACTION, KeptBlock, Values
+from .plans._delta import ACROSS_HOSTS_MAX_FRACTION, SAME_HOST_MAX_FRACTION, KeptBlock, Values
 from .ticket import DeltaOffer, Ticket
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ __all__ = ["delta_entry", "max_delta_fraction", "offer_delta"]
 def max_delta_fraction(servers: "Iterable[Any]") -> float:
     """The largest delta, as a fraction of the whole object, worth sending
     by these servers: less when every reader is on this host."""
-    return SAME_HOST_MAX_FRACTION if all(s.same_host_only for s in servers) else 1.0
+    return SAME_HOST_MAX_FRACTION if all(s.same_host_only for s in servers) else ACROSS_HOSTS_MAX_FRACTION
 
 
 def offer_delta(plan: SendPlan, ex: "Execution", opts: "PutOptions") -> tuple[DeltaOffer | None, "Packed | None"]:
