@@ -222,6 +222,7 @@ class Sender:
             # A snapshot put of some bytes checks the tensors as they move
             # into the pool (SendPlan.fill_checked); any other, before.
             plan.check(self.ledger, tensors=not (snapshot and plan.total_nbytes))
+            plan.puts += 1
         else:
             plan = SendPlan(self.pool, obj, kept=False, owner=self.ledger)
         opts = PutOptions(readers, one_shot, snapshot, fanout, self.piece_nbytes)
@@ -238,6 +239,7 @@ class Sender:
             num_pieces=ex.num_pieces,
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
+            version=plan.puts,
         )
         if ex.kind == "empty":
             return ticket  # nothing to read: done already

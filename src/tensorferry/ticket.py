@@ -50,6 +50,8 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
         readers: how many gets the sender waits for before freeing (0: any
             number, until the sender discards it).
         lease_seconds: how long unredeemed slots are kept.
+        version: the how-manyth put of a kept plan this is (0: a one-shot
+            put); a sharded get refuses tickets of different versions mixed.
     """
 
     id: int
@@ -63,6 +65,8 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_pieces: Annotated[int, msgspec.Meta(ge=1)]
     readers: Annotated[int, msgspec.Meta(ge=0)]
     lease_seconds: float
+    # Last and optional: tickets without it decode as version 0.
+    version: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     @property
     def streamed(self) -> bool:

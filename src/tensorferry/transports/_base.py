@@ -58,7 +58,7 @@ from ._connections import ReceiveContext
 if TYPE_CHECKING:
     from .._allocator import Block
 
-__all__ = ["ControlServer", "Channel", "Connection", "Held", "Holdings", "ReceiveContext", "check_same_user"]
+__all__ = ["ControlServer", "Channel", "Connection", "Held", "Holdings", "ReceiveContext", "check_same_user", "block_ranges"]
 
 log = logging.getLogger("tensorferry.transports")
 
@@ -118,6 +118,36 @@ class Holdings(abc.ABC):
     @abc.abstractmethod
     def drop_connection(self, conn: "Connection") -> None:
         """``conn`` went away: every slot it held is finished."""
+
+
+def block_ranges(blocks: list[tuple[int, int]], pos: np.ndarray, address: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ranges of a piece's stream (``pos``: positions in its ``blocks``
+    back to back) as ranges of the sender's pool: ``(pool offset, local
+    address, nbytes)``, a range cut in two where it crosses a block's end.
+
+    Raises:
+        ProtocolError: a range past the blocks' end.
+    """
+    if len(blocks) == 1:
+        off, n = blocks[0]
+        if pos.size and int((pos + nbytes).max()) > n:
+            raise ProtocolError(f"a range ends past the {n:,} bytes of the piece")
+        return pos + off, address, nbytes
+    sizes = np.array([n for _, n in blocks], dtype=np.int64)
+    offs = np.array([o for o, _ in blocks], dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    out_off, out_addr, out_n = [], [], []
+    for p, a, n in zip(pos.tolist(), address.tolist(), nbytes.tolist()):
+        while n:
+            b = int(np.searchsorted(starts, p, side="right")) - 1
+            if b >= sizes.size or p >= starts[b] + sizes[b]:
+                raise ProtocolError(f"a range at {p:,} lies past the {int(sizes.sum()):,} bytes of the piece")
+            k = min(n, int(starts[b] + sizes[b]) - p)
+            out_off.append(int(offs[b]) + p - int(starts[b]))
+            out_addr.append(a)
+            out_n.append(k)
+            p, a, n = p + k, a + k, n - k
+    return np.array(out_off, dtype=np.int64), np.array(out_addr, dtype=np.int64), np.array(out_n, dtype=np.int64)
 
 
 _UCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -358,6 +388,9 @@ class Channel:
     # read_runs: a snapshot=False piece is read straight out of the sender's
     # tensors (is_sourced says whether an acquired piece is one).
     reads_source_runs: ClassVar[bool] = False
+    # read_ranges: any byte ranges of an acquired piece, and nothing else of
+    # it, straight into local memory (a sharded get reads its boxes' bytes).
+    reads_ranges: ClassVar[bool] = False
     # Bytes a relaying receiver takes from its sender before it passes them
     # on: each hop of a chain adds one chunk's time.
     relay_chunk_nbytes: ClassVar[int] = 1 << 20
@@ -550,6 +583,14 @@ class Channel:
         (``pos``: positions in the piece) into local runs (``address``,
         ``nbytes``), straight out of the sender's tensors."""
         raise self._lacks("reads_source_runs", "read a snapshot=False piece out of the sender's tensors")
+
+    def read_ranges(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], pos: np.ndarray, address: np.ndarray,
+                    nbytes: np.ndarray, *, deadline: float) -> None:
+        """``reads_ranges``: bytes ``[pos, pos + nbytes)`` of the acquired
+        ``blocks`` (back to back), ascending and apart, into local host
+        memory at ``address`` (registered, for a channel that
+        ``reads_registered_only``); no other byte of the piece moves."""
+        raise self._lacks("reads_ranges", "read byte ranges of a piece (a sharded get)")
 
     def close(self) -> None:
         if self.closed:

@@ -10,14 +10,17 @@ required when the sender binds to anything but loopback.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import socket
 import time
 from typing import Any
 
+import numpy as np
+
 from .. import _protocol as P
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
-from ._base import Channel, Connection, ControlServer
+from ._base import Channel, Connection, ControlServer, block_ranges
 
 __all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
@@ -185,7 +188,12 @@ class TcpServer(TcpControlServer):
         if held is None:
             return True
         buffers = held.buffers()
-        if msg.start:
+        if msg.ranges:
+            buffers = _ranges_of(buffers, msg.ranges)
+            if buffers is None:
+                P.send_msg(conn.sock, P.Failure(kind="ranges", message="the ranges asked for are malformed or lie outside the piece"))
+                return True
+        elif msg.start:
             buffers = skip_bytes(buffers, msg.start)
         total = sum(b.nbytes for b in buffers)
         P.send_data_header(conn.sock, total)
@@ -194,6 +202,23 @@ class TcpServer(TcpControlServer):
         P.send_all_views(conn.sock, buffers)
         self.ledger.count_sent(total)
         return True
+
+
+def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | None:
+    """The parts of ``buffers`` (a piece, back to back) that ``ranges``
+    (a Fetch's int64 pairs) name; None if they are malformed."""
+    if len(ranges) % 16:
+        return None
+    pairs = np.frombuffer(ranges, dtype="<i8").reshape(-1, 2)
+    pos, n = pairs[:, 0], pairs[:, 1]
+    sizes = np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers))
+    total = int(sizes.sum())
+    if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1] + n[:-1]).any():
+        return None
+    off, _, ln = block_ranges(list(zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist())), pos, pos, n)
+    starts = np.cumsum(sizes) - sizes
+    which = np.searchsorted(starts, off, side="right") - 1
+    return [buffers[b][o - s : o - s + k] for b, o, s, k in zip(which.tolist(), off.tolist(), starts[which].tolist(), ln.tolist())]
 
 
 def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
@@ -206,25 +231,32 @@ def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
     return []
 
 
+# 16 bytes a range: 64k ranges make a 1 MiB Fetch, far inside a frame.
+_RANGES_PER_FETCH = 1 << 16
+
+
 class TcpChannel(Channel):
     transport = "tcp"
     receives_into_buffers = True
+    reads_ranges = True
     receives_by_loop = True
     relays = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         return connect(address, timeout)
 
-    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float, start: int = 0) -> int:
-        """Ask for the acquired blocks' bytes from byte ``start`` on; returns how many follow."""
+    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float, start: int = 0, ranges: np.ndarray | None = None) -> int:
+        """Ask for the acquired blocks' bytes from byte ``start`` on (or only
+        ``ranges``: (position, nbytes) rows); returns how many follow."""
         self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece, start=start))
+        wire = b"" if ranges is None else ranges.astype("<i8").tobytes()
+        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece, start=start, ranges=wire))
         reply = P.recv_msg(self.sock)
         if isinstance(reply, P.Failure):
             raise TransferError(f"sender at {self.address}: {reply.message}")
         if not (isinstance(reply, tuple) and reply[0] == "DATA"):
             raise ProtocolError(f"sender answered a Fetch with {type(reply).__name__}")
-        want = max(0, sum(n for _, n in blocks) - start)
+        want = max(0, sum(n for _, n in blocks) - start) if ranges is None else int(ranges[:, 1].sum())
         if reply[1] != want:
             raise ProtocolError(f"sender announced {reply[1]:,} bytes, the blocks hold {want:,}")
         return want
@@ -248,6 +280,16 @@ class TcpChannel(Channel):
             P.recv_exact_into(self.sock, buf[pos : pos + k], deadline=deadline)
             pos += k
             progress(pos)
+
+    def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
+        """Fetches of only these ranges (at most ``_RANGES_PER_FETCH`` a
+        frame), received straight into their local memory."""
+        for lo in range(0, pos.size, _RANGES_PER_FETCH):
+            part = slice(lo, lo + _RANGES_PER_FETCH)
+            self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([pos[part], nbytes[part]], axis=1))
+            # Buffers over the plan's target memory (what plans' buffer_at makes).
+            views = [memoryview((ctypes.c_char * n).from_address(a)).cast("B") for a, n in zip(address[part].tolist(), nbytes[part].tolist())]
+            P.recv_scatter_into(self.sock, views, deadline=deadline)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)
