@@ -145,3 +145,34 @@ def worker_main(rank: int, port: int, transports: tuple[str, ...], tickets: Any,
         dist.destroy_process_group()
     except BaseException:
         out.put(("error", rank, traceback.format_exc()))
+
+
+def gpt2(seed: int = 0) -> Any:
+    """A small GPT-2 from its config (random weights, nothing downloaded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=101, n_positions=32, bos_token_id=0, eos_token_id=0))
+
+
+def fsdp_source_main(rank: int, port: int, out: Any, go: Any) -> None:
+    """A trainer rank of a GPT-2 sharded with FSDP2's ``fully_shard`` on a
+    (2,) CPU mesh: its kept plan of the model's state dict, one put."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import tensorferry as tf
+
+    try:
+        mesh = _init(rank, 2, port, (2,))
+        model = gpt2()
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with tf.Sender("tcp") as s:
+            t = s.put(s.plan(model.state_dict()), readers=2)
+            out.put((rank, 1, [t.to_bytes()]))
+            go.get()
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, -1, traceback.format_exc()))

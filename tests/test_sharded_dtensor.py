@@ -90,3 +90,53 @@ def test_dtensor_sources_to_dtensor_workers_every_transport():
         # embedding once), over every transport.
         for tr in transports:
             assert report["received"][f"{tr}-1"] == report["share"], (rank, tr, report)
+
+
+def test_fsdp2_gpt2_to_a_whole_model_and_a_tensor_parallel_worker():
+    """A transformers GPT-2 sharded with fully_shard on 2 CPU ranks (uneven
+    vocab rows, tied embeddings) to one worker's whole model (into= the
+    module) and one worker's column slices (Boxes)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import tensorferry as tf
+    from tensorferry import Box
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    gos = [ctx.Queue() for _ in range(2)]
+    port = _port()
+    procs = [ctx.Process(target=W.fsdp_source_main, args=(k, port, out, gos[k])) for k in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+    try:
+        tickets = [None, None]
+        for _ in range(2):
+            rank, _, got = _take(out, deadline)
+            tickets[rank] = got[0]
+        reference = W.gpt2().state_dict()
+        whole = W.gpt2(seed=1)
+        slices = {k: Box(torch.zeros(v.shape[0], (v.shape[1] + 1) // 2), (0, v.shape[1] // 2), tuple(v.shape)) if v.dim() == 2 else torch.zeros_like(v)
+                  for k, v in reference.items()}
+        with tf.Receiver("tcp") as r:
+            r.get(tickets, into=whole)
+            r.get(tickets[::-1], into=slices)
+        for k, v in whole.state_dict().items():
+            assert torch.equal(v, reference[k]), k
+        for k, v in slices.items():
+            want = reference[k][:, reference[k].shape[1] // 2 :] if isinstance(v, Box) else reference[k]
+            assert torch.equal(v.tensor if isinstance(v, Box) else v, want), k
+        for q in gos:
+            q.put(True)
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            assert p.exitcode == 0
+    except queue.Empty:
+        pytest.fail("the ranks did not finish in time")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -132,7 +132,8 @@ class Fetch(msgspec.Struct, frozen=True):
     piece: int = 0
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Only these ranges of the piece (a sharded get): little-endian int64
-    # (position, nbytes) pairs, ascending and apart; empty: all of it.
+    # (position, nbytes) pairs, ascending (two may overlap: a tied tensor
+    # read into two targets); empty: all of it.
     ranges: bytes = b""
 
 

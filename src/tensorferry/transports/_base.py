@@ -587,7 +587,7 @@ class Channel:
     def read_ranges(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], pos: np.ndarray, address: np.ndarray,
                     nbytes: np.ndarray, *, deadline: float) -> None:
         """``reads_ranges``: bytes ``[pos, pos + nbytes)`` of the acquired
-        ``blocks`` (back to back), ascending and apart, into local host
+        ``blocks`` (back to back), ascending (they may overlap), into local host
         memory at ``address`` (registered, for a channel that
         ``reads_registered_only``); no other byte of the piece moves."""
         raise self._lacks("reads_ranges", "read byte ranges of a piece (a sharded get)")

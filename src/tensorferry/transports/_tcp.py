@@ -213,7 +213,7 @@ def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | N
     pos, n = pairs[:, 0], pairs[:, 1]
     sizes = np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers))
     total = int(sizes.sum())
-    if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1] + n[:-1]).any():
+    if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1]).any():
         return None
     off, _, ln = block_ranges(list(zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist())), pos, pos, n)
     starts = np.cumsum(sizes) - sizes
