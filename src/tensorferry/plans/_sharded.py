@@ -283,14 +283,31 @@ class ShardedPlan:
                 if len(tickets) == 1:
                     read(0, tickets[0])
                 else:
-                    with ThreadPoolExecutor(len(tickets), thread_name_prefix="tensorferry-sharded") as pool:
-                        futures = [pool.submit(read, k, t) for k, t in enumerate(tickets)]
-                    for f in futures:
-                        f.result()
+                    futures = [_readers().submit(read, k, t) for k, t in enumerate(tickets)]
+                    errors = [f.exception() for f in futures]  # waits for every read
+                    first = next((e for e in errors if e is not None), None)
+                    if first is not None:
+                        raise first
             finally:
                 if self._versioned:
                     torch.autograd.graph.increment_version(self._versioned)
         return self.result
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+# Reads of a sharded get, a thread per source; they only wait on sockets
+# and READs (the copies run on the copy threads), so many may wait at once.
+_MAX_READERS = 64
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The threads every sharded get's reads run on (made once: starting a
+    thread per source and get costs milliseconds on a loaded machine)."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(_MAX_READERS, thread_name_prefix="tensorferry-sharded"))
+        return _POOL[0]
 
 
 def _check_versions(tickets: list["Ticket"]) -> None:
