@@ -26,9 +26,17 @@ against ``sharded`` (time; target at least 3x on hosts with their own
 links) and rank 0's peak RSS growth in each (target: no more than its
 shards plus its pool). Transport tcp by default (``--transport``).
 
+``--hosts``: every rank and worker on a host of its own (a network
+namespace on a bridge, ``tests/_hosts.py``, each link ``--rate`` both
+ways; run as root): each process enters its host's namespace first thing
+(``setns``; the queues to the controller are pipes, which cross
+namespaces), gloo and tensorferry then use the host's address. Adds the
+sync's time against each worker's share over its link rate (target at
+most 1.3x). Every namespace is removed on exit, also on failure.
+
 Run: ``.venv/bin/python benchmarks/bench_sharded.py`` (``--nbytes 64``:
-MiB, for a loaded machine). Writes ``benchmarks/results/bench_sharded.json``.
-This run is one host (loopback); the network-namespace hosts are not done.
+MiB, for a loaded machine; ``--hosts --nbytes 256``). Writes
+``benchmarks/results/bench_sharded.json`` (``bench_sharded_hosts.json``).
 """
 
 from __future__ import annotations
@@ -39,11 +47,14 @@ os.environ["UCX_NET_DEVICES"] = "lo"
 os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 import argparse
+import ctypes
 import math
 import multiprocessing as mp
 import socket
 import time
+import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 from _common import MIB, environment, interleaved, log, med, reset_peak_rss, results_dir, status_nbytes, write_result
@@ -53,6 +64,25 @@ MODES = ("sharded", "unsharded", "gather")
 TARGET_BYTES_VS_SHARE = 1.0
 TARGET_SHARDED_VS_UNSHARDED = 1.3
 TARGET_GATHER_VS_SHARDED = 3.0
+TARGET_SHARDED_VS_LINK = 1.3
+TOKEN = "bench-sharded"  # servers off loopback need one
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_host(where: tuple[str, str] | None) -> str:
+    """Move this (still single-threaded) process into host ``(namespace,
+    address)``; returns the address to listen on (loopback without hosts)."""
+    if where is None:
+        return "127.0.0.1"
+    name, address = where
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    return address
 
 
 def values(k: int, rows: slice, cols: slice, d: int) -> Any:
@@ -71,8 +101,9 @@ def worker_box(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]
     return ((w * half, 0), (half, d)) if k % 2 == 0 else ((0, w * half), (d, half))
 
 
-def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: Any, out: Any) -> None:
+def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any, master: str) -> None:
     try:
+        here = enter_host(where)
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -81,7 +112,7 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
         import tensorferry as tf
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=SOURCES, init_method=f"tcp://127.0.0.1:{port}")
+        dist.init_process_group("gloo", rank=rank, world_size=SOURCES, init_method=f"tcp://{master}:{port}")
         mesh = init_device_mesh("cpu", (SOURCES,))
         rows = d // SOURCES
         sd = {f"w{k}": DTensor.from_local(values(k, slice(rank * rows, (rank + 1) * rows), slice(0, d), d), mesh, [Shard(0)], run_check=False)
@@ -92,11 +123,15 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
         # Pools: this rank's shards (sharded), plus one worker's share (rank 0's
         # unsharded peer), plus the whole model (rank 0's gather); apart so
         # each sync's memory is its own.
-        s = tf.Sender(transport, capacity_nbytes=shard_nbytes + MIB)
-        peer = tf.Sender(transport, capacity_nbytes=full_nbytes // 2 + MIB) if rank == 0 else None
-        whole = tf.Sender(transport, capacity_nbytes=full_nbytes + MIB) if rank == 0 else None
+        kw = {"host": here, "token": TOKEN}
+        s = tf.Sender(transport, capacity_nbytes=shard_nbytes + MIB, **kw)
+        peer = tf.Sender(transport, capacity_nbytes=full_nbytes // 2 + MIB, **kw) if rank == 0 else None
+        whole = tf.Sender(transport, capacity_nbytes=full_nbytes + MIB, **kw) if rank == 0 else None
         plan = s.plan(sd)
         peer_plan = peer.plan(share) if peer is not None else None
+        # What the trainer holds before any sync: its shards, plans, libraries.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        baseline = status_nbytes("VmRSS")
         out.put(("ready", rank, None))
         while True:
             cmd = cmds.get()
@@ -118,8 +153,12 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
             assert done == "done"
             if cmd == "gather":
                 del full
+            peak = status_nbytes("VmHWM")
+            # Freed memory back to the system, so the next mode's baseline
+            # is not this one's leftovers (glibc keeps freed heap otherwise).
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
             sent = sum(x.stats()["bytes_sent"] for n, x in (("s", s), ("peer", peer), ("whole", whole)) if x is not None) - sum(sent0.values())
-            out.put(("stats", rank, {"peak_growth_nbytes": status_nbytes("VmHWM") - base, "sent_nbytes": sent, "put_seconds": put_seconds,
+            out.put(("stats", rank, {"peak_growth_nbytes": peak - base, "peak_nbytes": peak, "over_baseline_nbytes": peak - baseline, "sent_nbytes": sent, "put_seconds": put_seconds,
                                      "shard_nbytes": shard_nbytes}))
         for x in (s, peer, whole):
             if x is not None:
@@ -129,8 +168,9 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
         out.put(("error", rank, traceback.format_exc()))
 
 
-def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any) -> None:
+def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
     try:
+        enter_host(where)
         import torch
 
         import tensorferry as tf
@@ -138,7 +178,7 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any)
         torch.set_num_threads(1)
         boxes = {f"w{k}": tf.Box(torch.zeros(worker_box(k, w, d)[1]), worker_box(k, w, d)[0], (d, d)) for k in range(count)}
         share = sum(b.tensor.numel() * 4 for b in boxes.values())
-        r = tf.Receiver(transport)
+        r = tf.Receiver(transport, token=TOKEN)
         sharded_plan = peer_plan = None
         out.put(("ready", 100 + w, None))  # apart from the source ranks' numbers
         while True:
@@ -194,7 +234,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmups", type=int, default=1)
     ap.add_argument("--transport", default="tcp", choices=("shm", "tcp", "nixl"))
+    ap.add_argument("--hosts", action="store_true", help="a network-namespace host per rank and worker (root)")
+    ap.add_argument("--rate", default="1gbit", help="with --hosts: every link's rate, as tc writes it")
     args = ap.parse_args()
+    if args.hosts:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the host harness, tests/_hosts.py
+        from _hosts import Hosts
+
+        with Hosts(SOURCES + WORKERS, rate=args.rate) as hosts:
+            run_all(args, hosts)
+    else:
+        run_all(args, None)
+
+
+def run_all(args: Any, hosts: Any) -> None:
     # Side a multiple of 8 (4 source rows, 2 worker halves) within the size.
     d = int(math.sqrt(args.nbytes * MIB / 4 / args.tensors)) // 8 * 8
     count = args.tensors
@@ -207,8 +260,10 @@ def main() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [ctx.Process(target=source_main, args=(k, port, d, count, args.transport, src_cmds[k], out)) for k in range(SOURCES)]
-    procs += [ctx.Process(target=worker_main, args=(w, d, count, args.transport, wrk_cmds[w], out)) for w in range(WORKERS)]
+    where = [None] * (SOURCES + WORKERS) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(SOURCES + WORKERS)]
+    master = "127.0.0.1" if hosts is None else hosts.address(0)
+    procs = [ctx.Process(target=source_main, args=(k, port, d, count, args.transport, src_cmds[k], out, where[k], master)) for k in range(SOURCES)]
+    procs += [ctx.Process(target=worker_main, args=(w, d, count, args.transport, wrk_cmds[w], out, where[SOURCES + w])) for w in range(WORKERS)]
     for p in procs:
         p.start()
     try:
@@ -247,6 +302,11 @@ def main() -> None:
             "worker_received_vs_share": [med([x["workers"][w]["received_nbytes"] / x["workers"][w]["share_nbytes"] for x in recs]) for w in range(WORKERS)],
             "source_sent_nbytes": [med([x["sources"][k]["sent_nbytes"] for x in recs]) for k in range(SOURCES)],
             "rank0_peak_growth_nbytes": med([x["sources"][0]["peak_growth_nbytes"] for x in recs]),
+            "rank0_peak_rss_nbytes": med([x["sources"][0]["peak_nbytes"] for x in recs]),
+            "max_rank_peak_rss_nbytes": med([max(x["sources"][k]["peak_nbytes"] for k in range(SOURCES)) for x in recs]),
+            "rank0_over_baseline_nbytes": med([x["sources"][0]["over_baseline_nbytes"] for x in recs]),
+            # Ranks 1 to 3 hold only their shards' sender (rank 0 also the other modes' pools).
+            "other_ranks_over_baseline_nbytes": med([max(x["sources"][k]["over_baseline_nbytes"] for k in range(1, SOURCES)) for x in recs]),
             "max_rank_peak_growth_nbytes": med([max(x["sources"][k]["peak_growth_nbytes"] for k in range(SOURCES)) for x in recs]),
             "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(WORKERS)),
             "first_seconds": r["first"]["seconds"],
@@ -258,21 +318,28 @@ def main() -> None:
         "sharded_worker_bytes_vs_share": max(res["sharded"]["worker_received_vs_share"]),
         "sharded_vs_unsharded_time": res["sharded"]["seconds_median"] / res["unsharded"]["seconds_median"],
         "gather_vs_sharded_time": res["gather"]["seconds_median"] / res["sharded"]["seconds_median"],
-        "gather_vs_sharded_rank0_peak": res["gather"]["rank0_peak_growth_nbytes"] / max(res["sharded"]["rank0_peak_growth_nbytes"], 1),
-        "sharded_max_rank_peak_vs_shard": res["sharded"]["max_rank_peak_growth_nbytes"] / shard_nbytes,
+        # Memory beyond what a trainer holds before syncing: rank 0 of a gather
+        # (the whole model, its pool) against any rank of a sharded sync (its pool).
+        "gather_rank0_vs_sharded_rank_over_baseline": res["gather"]["rank0_over_baseline_nbytes"] / res["sharded"]["other_ranks_over_baseline_nbytes"],
+        "sharded_rank_over_baseline_vs_shard": res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes,
     }
-    print(f"\n{'mode':<10} {'median s':>9} {'worker bytes/share':>20} {'rank0 peak MiB':>15} {'sent per source MiB':>28} ok")
+    if hosts is not None:
+        share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
+        ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
+    print(f"\n{'mode':<10} {'median s':>9} {'worker bytes/share':>20} {'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} ok")
     for mode in MODES:
         x = res[mode]
         print(f"{mode:<10} {x['seconds_median']:>9.3f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
-              f"{x['rank0_peak_growth_nbytes'] / MIB:>15.0f} {' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>28} {x['verified']}")
+              f"{x['rank0_over_baseline_nbytes'] / MIB:>22.0f} / {x['other_ranks_over_baseline_nbytes'] / MIB:<9.0f} "
+              f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} {x['verified']}")
     print(f"\nshard per rank {shard_nbytes / MIB:.0f} MiB; targets: bytes/share {TARGET_BYTES_VS_SHARE}, sharded/unsharded <= {TARGET_SHARDED_VS_UNSHARDED}, "
           f"gather/sharded >= {TARGET_GATHER_VS_SHARDED} (on hosts with their own links)")
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}")
     doc = {"benchmark": "bench_sharded", "environment": environment(), "args": vars(args), "model_nbytes": total, "side": d,
-           "hosts": "one host (loopback)", "results": res}
-    path = write_result(results_dir() / "bench_sharded.json", doc, ratios)
+           "hosts": "one host (loopback)" if hosts is None else f"{SOURCES + WORKERS} namespace hosts, links {hosts.rate} both ways",
+           "results": res}
+    path = write_result(results_dir() / ("bench_sharded.json" if hosts is None else "bench_sharded_hosts.json"), doc, ratios)
     log(f"wrote {path}")
 
 
