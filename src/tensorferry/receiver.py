@@ -192,6 +192,8 @@ class Receiver:
         """
         self._check_open()
         if isinstance(ticket, (list, tuple)) or isinstance(into, ShardedPlan):
+            if zero_copy:
+                raise ConfigurationError("a sharded get writes into its targets; leave zero_copy off")
             return self._get_sharded(ticket, into, timeout)
         ticket = _decoded(ticket)
         if self.transport is not None and ticket.transport != self.transport:
