@@ -222,7 +222,6 @@ class Sender:
             # A snapshot put of some bytes checks the tensors as they move
             # into the pool (SendPlan.fill_checked); any other, before.
             plan.check(self.ledger, tensors=not (snapshot and plan.total_nbytes))
-            plan.puts += 1
         else:
             plan = SendPlan(self.pool, obj, kept=False, owner=self.ledger)
         opts = PutOptions(readers, one_shot, snapshot, fanout, self.piece_nbytes)
@@ -239,9 +238,10 @@ class Sender:
             num_pieces=ex.num_pieces,
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
-            version=plan.puts,
+            version=plan.puts + 1 if plan.kept else 0,  # counted below, once the put stands
         )
         if ex.kind == "empty":
+            plan.puts = ticket.version
             return ticket  # nothing to read: done already
         entry = _Entry(
             ticket_id, readers, lease, deadline, ex.pieces, streamed=ex.kind != "resident", pack=ex.pack,
@@ -254,6 +254,7 @@ class Sender:
                 if piece.packed is not None:
                     piece.packed.release()
             raise
+        plan.puts = ticket.version
         return ticket
 
     def discard(self, ticket: Ticket) -> None:

@@ -54,7 +54,9 @@ class SyncReport(NamedTuple):
             weights in place (measured in the worker; Ray's call around it
             is not included).
         nbytes: bytes received by all workers together (the packed version,
-            after ``dtype=``, times ``num_workers``).
+            after ``dtype=``, times ``num_workers``); with a list of
+            trainers, the bytes they published together (each worker reads
+            only its part).
         num_workers: the workers updated.
     """
 
@@ -169,6 +171,10 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
         if plan is None or plan.dtype != dtype or not (plan.source is state_dict or plan.matches(state_dict)):
             plan = pub.plan = pub.sender.plan(state_dict, dtype=dtype)
         while True:
+            # The k-th publish's ticket says version k on every trainer, even
+            # after a plan was made again: a worker of several trainers
+            # takes one version of each (a sharded get checks it).
+            plan.puts = pub.version
             try:
                 ticket = pub.sender.put(plan, readers=None, one_shot=True, fanout=fanout)
                 break
@@ -211,13 +217,16 @@ def latest() -> WeightVersion | None:
     return None if _PUBLISHER is None else _PUBLISHER.latest_version
 
 
-def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> float:
+def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeout: float = 120.0) -> float:
     """Pull ``version`` into ``targets`` in place (runs in a worker process).
 
     ``targets`` is a module or a nesting of tensors. The first update plans
     it (``Receiver.plan``); later ones replay that plan while the layout is
     the same and ``targets`` is the planned module or made of the same
-    memory; otherwise it plans again.
+    memory; otherwise it plans again. A list of versions (one of every
+    trainer rank, each publishing its shards) is a sharded get: ``targets``
+    may hold DTensors and ``Box``es, and only their bytes are read, from
+    the trainers that hold them (a ``ShardedPlan``).
 
     Returns:
         Seconds the get took.
@@ -231,6 +240,8 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     from ..transports import channel_class
     from ._settings import settings
 
+    if isinstance(version, (list, tuple)):
+        return _update_sharded(list(version), targets, timeout)
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
     relaying = version.fanout is not None and channel_class(name).relays
@@ -255,6 +266,40 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
         # A parameter was replaced since the plan: plan the module as it is now.
         plan = _RECV_PLAN = _plan(receiver, ticket, targets)
         receiver.get(ticket, into=plan, timeout=timeout)
+    return time.perf_counter() - t0
+
+
+def _update_sharded(versions: list[WeightVersion], targets: Any, timeout: float) -> float:
+    """``update`` of one version of every trainer: each ticket by shm from
+    a trainer of this node, else tcp; the kept ShardedPlan replayed while
+    its targets and the tickets' layouts stay."""
+    global _RECEIVER, _RECV_PLAN
+    import ray
+
+    from ..errors import LayoutMismatchError, PlanStaleError
+    from ..plans import ShardedPlan
+    from ..receiver import Receiver
+    from ..ticket import Ticket
+    from ._settings import settings
+
+    node = ray.get_runtime_context().get_node_id()
+    tickets = [Ticket.from_bytes(v.tickets["shm" if v.node_id == node and "shm" in v.tickets else "tcp"]) for v in versions]
+    with _STATE_LOCK:
+        if _RECEIVER is None:
+            s = settings()
+            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, host=s.host)
+        receiver = _RECEIVER
+    t0 = time.perf_counter()
+    plan = _RECV_PLAN
+    if not isinstance(plan, ShardedPlan) or plan.result is not targets:
+        plan = _RECV_PLAN = receiver.plan(tickets, into=targets)
+    try:
+        receiver.get(tickets, into=plan, timeout=timeout)
+    except (PlanStaleError, LayoutMismatchError):
+        # Targets replaced, or another layout (a trainer planned again): plan
+        # as things are now (what cannot match raises here again, named).
+        plan = _RECV_PLAN = receiver.plan(tickets, into=targets)
+        receiver.get(tickets, into=plan, timeout=timeout)
     return time.perf_counter() - t0
 
 
@@ -336,7 +381,10 @@ class WeightSync:
     """Driver side: sync one trainer actor's weights to N worker actors.
 
     Args:
-        trainer: the trainer actor handle.
+        trainer: the trainer actor handle, or a list of them: one per rank
+            of a sharded trainer, each publishing its own shards (DTensors
+            or ``Box``es in its state dict); each worker then pulls only
+            its targets' bytes, from the ranks that hold them.
         workers: the worker actor handles.
         state_dict: ``fn(trainer_self) -> state dict or module`` (default
             ``self.model``, or the actor itself if it is a module, else its
@@ -385,9 +433,13 @@ class WeightSync:
             raise ConfigurationError(f"WeightSync(dtype={dtype!r}): expected a floating-point torch dtype such as torch.bfloat16")
         if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
             raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
+        self.trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
+        self._sharded = isinstance(trainer, (list, tuple))
+        if self._sharded and (fanout is not None or not self.trainers):
+            raise ConfigurationError("WeightSync(a list of trainers): give at least one trainer; fanout= relays one trainer's whole copy, leave it None")
         self.dtype = dtype
         self.fanout = fanout
-        self.trainer = trainer
+        self.trainer = self.trainers[0]
         self.workers = list(workers)
         self._state_dict = state_dict
         self._targets = targets
@@ -396,7 +448,7 @@ class WeightSync:
         self.version = 0
         # The trainer makes and prefaults its pool now, while the driver goes
         # on; the first sync waits for it (and raises what it raised).
-        self._prepared: Any = trainer.__ray_call__.remote(_actor_prepare, state_dict, capacity_nbytes)
+        self._prepared: Any = [t.__ray_call__.remote(_actor_prepare, state_dict, capacity_nbytes) for t in self.trainers]
 
     def _wait_prepared(self) -> None:
         import ray
@@ -405,23 +457,33 @@ class WeightSync:
             ray.get(self._prepared)
             self._prepared = None
 
+    def _versions(self, refs: list) -> Any:
+        """What workers update from: the one trainer's version, or the list of every trainer's."""
+        import ray
+
+        versions = ray.get(refs)
+        return versions if self._sharded else versions[0]
+
     def sync(self) -> SyncReport:
         """Publish a new version and wait until every worker holds it."""
         import ray
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout))
+        version = self._versions([t.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout)
+                                  for t in self.trainers])
         refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
-        self.version = version.version
+        first = version[0] if self._sharded else version
+        self.version = first.version
         return SyncReport(
-            version=version.version,
+            version=first.version,
             seconds=seconds,
-            pack_seconds=version.pack_seconds,
+            pack_seconds=max(v.pack_seconds for v in version) if self._sharded else version.pack_seconds,
+            # Sharded: what the trainers published (each worker reads its part of it).
+            nbytes=sum(v.nbytes for v in version) if self._sharded else version.nbytes * len(self.workers),
             worker_seconds=list(worker_seconds),
-            nbytes=version.nbytes * len(self.workers),
             num_workers=len(self.workers),
         )
 
@@ -435,7 +497,7 @@ class WeightSync:
 
         self.workers.append(worker)
         self._wait_prepared()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_latest))
-        if version is None:
+        version = self._versions([t.__ray_call__.remote(_actor_latest) for t in self.trainers])
+        if version is None or self._sharded and any(v is None for v in version):
             return None
         return ray.get(worker.__ray_call__.remote(_actor_update, version, self._targets, self.timeout))

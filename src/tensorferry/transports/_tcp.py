@@ -17,8 +17,10 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import _protocol as P
+from .._copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ._base import Channel, Connection, ControlServer, block_ranges
 
@@ -233,6 +235,12 @@ def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
 
 # 16 bytes a range: 64k ranges make a 1 MiB Fetch, far inside a frame.
 _RANGES_PER_FETCH = 1 << 16
+# Beyond this many ranges averaging under this size, a range read goes
+# through a scratch buffer: a recvmsg buffer per range costs more than
+# copying its bytes once more (the same bounds as a one-shot get's scatter).
+_SCATTER_MAX_RANGES = 256
+_SCATTER_MIN_MEAN_NBYTES = 256 << 10
+_STAGE_NBYTES = 16 << 20
 
 
 class TcpChannel(Channel):
@@ -283,16 +291,35 @@ class TcpChannel(Channel):
 
     def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
         """Fetches of only these ranges (at most ``_RANGES_PER_FETCH`` a
-        frame), received straight into their local memory."""
+        frame), received straight into their local memory; many small ones
+        (a row-parallel slice of a row-sharded tensor: a run per row) through
+        a scratch buffer, copied out by address."""
         for lo in range(0, pos.size, _RANGES_PER_FETCH):
             part = slice(lo, lo + _RANGES_PER_FETCH)
             self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([pos[part], nbytes[part]], axis=1))
+            if nbytes[part].size > _SCATTER_MAX_RANGES and int(nbytes[part].mean()) < _SCATTER_MIN_MEAN_NBYTES:
+                self._receive_staged(address[part], nbytes[part], deadline)
+                continue
             # Slices of one buffer over the span of the targets (a slice costs
             # a tenth of a ctypes buffer each; only the slices are ever written).
             a, n = address[part], nbytes[part]
             lo = int(a.min())
             span = memoryview((ctypes.c_char * (int((a + n).max()) - lo)).from_address(lo)).cast("B")
             P.recv_scatter_into(self.sock, [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())], deadline=deadline)
+
+    def _receive_staged(self, address: np.ndarray, nbytes: np.ndarray, deadline: float) -> None:
+        """The Fetch's reply (the ranges back to back) a chunk at a time into
+        a scratch buffer, each chunk's runs copied to ``address`` by the copy
+        loop: one large recv a chunk instead of a buffer a run."""
+        at = np.cumsum(nbytes) - nbytes
+        copy = CopyPlan.build(address, at, nbytes)
+        total = int(nbytes.sum())
+        scratch = torch.empty(min(total, _STAGE_NBYTES), dtype=torch.uint8)
+        view, base = memoryview(scratch.numpy()), scratch.data_ptr()
+        for c in range(0, total, len(view)):
+            k = min(len(view), total - c)
+            P.recv_exact_into(self.sock, view[:k], deadline=deadline)
+            copy.execute_window(c, c + k, 0, base - c)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)
