@@ -240,8 +240,8 @@ def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeou
     from ..transports import channel_class
     from ._settings import settings
 
-    if isinstance(version, (list, tuple)):
-        return _update_sharded(list(version), targets, timeout)
+    if isinstance(version, list):  # (a WeightVersion is a tuple itself)
+        return _update_sharded(version, targets, timeout)
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
     relaying = version.fanout is not None and channel_class(name).relays
