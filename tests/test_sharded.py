@@ -307,3 +307,18 @@ def test_tcp_serves_only_well_formed_ranges_of_the_piece():
     for bad in [((5, 1), (2, 1)), ((0, 0),), ((25, 6),), ((-1, 2),)]:
         assert ask(*bad) is None, bad
     assert _ranges_of(buffers, b"\x00" * 15) is None
+
+
+def test_block_ranges_cut_ranges_at_block_seams():
+    """A piece of several pool blocks (a fragmented pool): a range that
+    crosses a block's end becomes two pool ranges, the local side cut alike."""
+    from tensorferry.errors import ProtocolError
+    from tensorferry.transports._ranges import block_ranges
+
+    blocks = [(1000, 10), (5000, 20)]
+    off, addr, n = block_ranges(blocks, np.array([2, 8, 29]), np.array([100, 200, 300]), np.array([3, 4, 1]))
+    assert off.tolist() == [1002, 1008, 5000, 5019] and addr.tolist() == [100, 200, 202, 300] and n.tolist() == [3, 2, 2, 1]
+    with pytest.raises(ProtocolError):
+        block_ranges(blocks, np.array([29]), np.array([0]), np.array([2]))
+    with pytest.raises(ProtocolError):
+        block_ranges([(0, 8)], np.array([4]), np.array([0]), np.array([5]))

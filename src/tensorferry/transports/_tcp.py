@@ -22,7 +22,8 @@ import torch
 from .. import _protocol as P
 from .._copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
-from ._base import Channel, Connection, ControlServer, block_ranges
+from ._base import Channel, Connection, ControlServer
+from ._ranges import block_ranges
 
 __all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
