@@ -79,17 +79,19 @@ def test_box_sources_to_box_targets_planned_and_replayed(senders):
         assert torch.equal(t0["w"].tensor, -2 * W[:, :3]) and torch.equal(t0["e"], -2 * EMB) and t0["s"].item() == -6.0
 
 
-def test_streamed_sources_and_bf16_cast():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_streamed_sources_and_bf16_cast(transport):
     """Sources larger than their pools are streamed in pieces; dtype= casts."""
+    require(transport)
     big = torch.randn(64, 16384, generator=G)
     rows = [(0, 40), (40, 64)]
-    made = [tf.Sender("tcp", capacity_nbytes=1 << 20, piece_nbytes=1 << 18) for _ in rows]
+    made = [tf.Sender(transport, capacity_nbytes=1 << 20, piece_nbytes=1 << 18) for _ in rows]
     try:
         plans = [s.plan({"w": Box(big[a:b].clone(), (a, 0), (64, 16384))}, dtype=torch.bfloat16) for s, (a, b) in zip(made, rows)]
         tickets = [s.put(p) for s, p in zip(made, plans)]
         assert [t.streamed for t in tickets] == [True, False]  # 1.25 MiB of bf16 in a 1 MiB pool
         target = {"w": Box(torch.zeros(64, 300, dtype=torch.bfloat16), (0, 500), (64, 16384))}
-        with tf.Receiver("tcp") as r:
+        with tf.Receiver(transport) as r:
             r.get(tickets, into=target)
         assert torch.equal(target["w"].tensor, big[:, 500:800].to(torch.bfloat16))
     finally:
@@ -322,3 +324,22 @@ def test_block_ranges_cut_ranges_at_block_seams():
         block_ranges(blocks, np.array([29]), np.array([0]), np.array([2]))
     with pytest.raises(ProtocolError):
         block_ranges([(0, 8)], np.array([4]), np.array([0]), np.array([5]))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_snapshot_false_sources_serve_only_the_ranges(transport):
+    """put(plan, snapshot=False): the ranges come out of the sources' own
+    tensors (shm: process_vm_readv of the runs; tcp: sent from them)."""
+    made = [tf.Sender(transport) for _ in ROWS]
+    try:
+        plans = [s.plan(source(k)) for k, s in enumerate(made)]
+        tickets = [s.put(p, snapshot=False) for s, p in zip(made, plans)]
+        _, t1 = targets()
+        with tf.Receiver(transport) as r:
+            r.get(tickets, into=t1)
+        assert torch.equal(t1["w"].tensor, W[:, 3:]) and torch.equal(t1["e"].tensor, EMB[6:]) and torch.equal(t1["tied"], EMB)
+        if transport == "tcp":
+            assert sum(s.stats()["bytes_sent"] for s in made) == r.stats()["bytes_received"]
+    finally:
+        for s in made:
+            s.close()
