@@ -114,6 +114,32 @@ def worker_main(rank: int, port: int, transports: tuple[str, ...], tickets: Any,
                 bad.append(name)
         return bad
 
+    def errors(r: Any, first: dict, second: dict) -> dict[str, bool]:
+        """Each mismatch is refused, named, before any byte moves."""
+        from tensorferry import LayoutMismatchError
+
+        def refused(tickets: list, into: Any, *needles: str) -> bool:
+            try:
+                r.get(tickets, into=into)
+            except LayoutMismatchError as exc:
+                return all(n in str(exc) for n in needles) and not any(
+                    x.to_local().any() if hasattr(x, "to_local") else x.any() for x in into.values())
+            return False
+
+        wide = target(torch.float32)
+        wide["q.weight"] = distribute_tensor(torch.zeros(9, 6), mesh, [_placement("S0")])
+        half = target(torch.bfloat16)
+        extra = target(torch.float32)
+        extra["bias"] = torch.zeros(3)
+        return {
+            "global shape": refused([second[k][0] for k in sorted(second)], wide, "['q.weight']", "(9, 5)", "(9, 6)"),
+            "dtype": refused([second[k][0] for k in sorted(second)], half, "float32", "torch.bfloat16"),
+            "key on one side": refused([second[k][0] for k in sorted(second)], extra, "['bias'] is in the target"),
+            # Worker 0's vocab rows are only on rank 0; worker 1's mlp.up columns 7:13, rows 3:5 only on rank 3.
+            "uncovered": refused([second[k][0] for k in range(4) if k != (0 if rank == 0 else 3)], target(torch.float32), "no source holds region"),
+            "mixed versions": refused([first[0][0]] + [second[k][0] for k in (1, 2, 3)], target(torch.float32), "different versions"),
+        }
+
     try:
         mesh = _init(rank, 2, port, (2,))
         full = globals_()
@@ -131,7 +157,9 @@ def worker_main(rank: int, port: int, transports: tuple[str, ...], tickets: Any,
                 report["received"][f"{tr}-1"] = r.bytes_received - before
                 report["bad"][f"{tr}-1"] = check(targets[tr], full)
             out.put(("read", rank, 1))
+            first = by_rank
             _, by_rank = tickets.get()
+            report["errors"] = errors(r, first, by_rank)
             plus = {k: v + 1 for k, v in full.items()}
             for i, tr in enumerate(transports):
                 r.get([by_rank[k][i] for k in sorted(by_rank)], into=plans[tr])

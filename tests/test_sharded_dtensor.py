@@ -86,6 +86,7 @@ def test_dtensor_sources_to_dtensor_workers_every_transport():
     for rank, report in reports.items():
         assert report["bad"] == {k: [] for k in report["bad"]}, f"worker {rank}: wrong shards {report['bad']}"
         assert set(report["bad"]) == {f"{tr}-{n}" for tr in transports for n in (1, 2)} | {"bf16"}
+        assert report["errors"] == {k: True for k in report["errors"]} and len(report["errors"]) == 5, report["errors"]
         # Each worker received exactly its own shards' bytes (the tied
         # embedding once), over every transport.
         for tr in transports:
