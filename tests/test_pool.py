@@ -147,6 +147,8 @@ def test_all_is_exactly_the_public_api():
         "Receiver",
         "SendPlan",
         "RecvPlan",
+        "ShardedPlan",
+        "Box",
         "TensorferryError",
         "PoolExhaustedError",
         "PoolCreationError",

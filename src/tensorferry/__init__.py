@@ -47,6 +47,8 @@ _LAZY = {
     "Receiver": "tensorferry.receiver",
     "SendPlan": "tensorferry.plans",
     "RecvPlan": "tensorferry.plans",
+    "ShardedPlan": "tensorferry.plans",
+    "Box": "tensorferry.shards",
 }
 
 __all__ = [
@@ -63,6 +65,8 @@ __all__ = [
     "Receiver",
     "SendPlan",
     "RecvPlan",
+    "ShardedPlan",
+    "Box",
     "TensorferryError",
     "PoolExhaustedError",
     "PoolCreationError",
@@ -87,7 +91,8 @@ __all__ = [
 if TYPE_CHECKING:
     from ._views import unpack
     from .pool import Block, Lease, MemoryPool, Packed, PoolStats
-    from .plans import RecvPlan, SendPlan
+    from .plans import RecvPlan, SendPlan, ShardedPlan
+    from .shards import Box
     from .receiver import Receiver
     from .sender import Sender
     from .layout import Layout

@@ -19,6 +19,7 @@ import torch
 from ._tensor_types import _CODE_BY_TORCH, _PLAIN_TENSOR_TYPES, _get_dtype, _get_shape, _listed, _path
 from .errors import UnsupportedTensorError
 from .layout import _NO_ALIASES, Layout, TreeOp
+from .shards import Box, is_shard, local_box
 
 try:
     from . import _ptrs as _native
@@ -46,11 +47,6 @@ def _leaf_problem(t: torch.Tensor) -> str | None:
         return f"has dtype {t.dtype}, which tensorferry cannot send; convert it with .to(...)"
     if t.numel() and _address(t) == 0:
         # A copy by address would read address 0 (a segmentation fault).
-        if hasattr(t, "device_mesh") and hasattr(t, "to_local"):
-            return (
-                "is a DTensor (sharded over a device mesh): it has no memory of its own to send; send its local shard "
-                "(.to_local()) or the whole tensor (.full_tensor()); sending shards as such is not supported yet"
-            )
         return f"is a {type(t).__name__} whose memory cannot be addressed (data_ptr() is 0); send a plain tensor of its values"
     return None
 
@@ -62,12 +58,14 @@ def _address(t: torch.Tensor) -> int:
     except (RuntimeError, TypeError):
         return -1
 
-def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[Any], int]:
+def flatten(obj: Any, boxes: list | None = None) -> tuple[list[torch.Tensor], list[int], list[int], list[Any], int]:
     """Flatten ``obj`` into leaf tensors and nesting tokens.
 
     numpy arrays become tensors sharing their memory (``torch.from_numpy``);
     an array torch cannot share (negative strides, read-only) is copied and
-    counted in the returned ``copied`` number.
+    counted in the returned ``copied`` number. A shard (a DTensor, a
+    :class:`~tensorferry.shards.Box`) is its local tensor; ``boxes``, if
+    given, gets ``(leaf index, global shape, offsets)`` of each.
 
     Returns:
         ``(leaves, ops, counts, keys, copied)``.
@@ -89,6 +87,14 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
 
     def leaf(t: Any) -> None:
         nonlocal copied, merge_ok
+        if type(t) not in _PLAIN_TENSOR_TYPES and is_shard(t):
+            found = local_box(t)
+            if isinstance(found, str):
+                problems.append(f"{_path(path)} {found}")
+                return
+            t, shape, offsets = found
+            if boxes is not None:
+                boxes.append((len(leaves), shape, offsets))
         if isinstance(t, np.ndarray):
             if t.dtype == object or t.dtype.kind not in "biufc":
                 problems.append(f"{_path(path)} is a numpy array of dtype {t.dtype}; use a numeric dtype")
@@ -117,7 +123,7 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], list[int], list[int], list[An
             raise UnsupportedTensorError(
                 f"{_path(path)} is nested deeper than {_MAX_DEPTH} levels; is there a cycle?"
             )
-        if isinstance(x, (torch.Tensor, np.ndarray)):
+        if isinstance(x, (torch.Tensor, np.ndarray, Box)):
             leaf(x)
             return
         merge_ok = False
@@ -223,6 +229,8 @@ def _find_problems(obj: Any) -> list[str]:
     problems: list[str] = []
 
     def walk(x: Any, path: list[Any]) -> None:
+        if is_shard(x):
+            x = local_box(x)[0]  # flatten took it: its local tensor is the leaf
         if isinstance(x, torch.Tensor):
             problem = _leaf_problem(x)
             if problem:

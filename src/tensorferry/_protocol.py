@@ -131,6 +131,10 @@ class Fetch(msgspec.Struct, frozen=True):
     ticket_id: int
     piece: int = 0
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Only these ranges of the piece (a sharded get): little-endian int64
+    # (position, nbytes) pairs, ascending (two may overlap: a tied tensor
+    # read into two targets); empty: all of it.
+    ranges: bytes = b""
 
 
 class Pull(msgspec.Struct, frozen=True):

@@ -35,7 +35,7 @@ from . import packing
 from ._copy import StagedCopy, executor, finish
 from ._delta_receive import reads_delta, receive_delta, settle, version_of
 from ._recv_cache import ReceiveCache
-from .errors import PeerGoneError, PoolExhaustedError, ProtocolError, TicketError, TransferTimeoutError
+from .errors import ConfigurationError, PeerGoneError, PoolExhaustedError, ProtocolError, TicketError, TransferTimeoutError
 from .plans import RecvPlan
 from .ticket import Ticket
 from .transports import Channel, ReceiveContext, RelayBook, Releaser, SameHostReads, pull
@@ -149,6 +149,30 @@ class Fetcher:
             plan.finish()
             plan.version = version_of(plan, ticket)
         return plan.result
+
+    def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any], deadline: float) -> None:
+        """A sharded get's part from one source: every piece of ``ticket``
+        acquired and released (this receiver is one of its readers), and of
+        each only the ranges ``ranges(geometry, lo, hi)`` names read."""
+        if not ch.reads_ranges:
+            raise ConfigurationError(f"the {ch.transport} transport cannot read byte ranges; a sharded get needs shm, tcp or nixl")
+        if ticket.streamed:
+            geometry = (ticket.total_nbytes,)
+            pieces = range(ticket.num_pieces)
+        else:
+            geometry = tuple(n for _, n in ticket.blocks)
+            pieces = range(1)
+        for piece in pieces:
+            if ticket.streamed:
+                blocks, lo = self._acquire_piece(ch, ticket, piece, deadline)
+            else:
+                blocks, lo = self._acquire_resident(ch, ticket, deadline)[0], 0
+            try:
+                pos, addr, n = ranges(geometry, lo, lo + sum(b for _, b in blocks))
+                if pos.size:
+                    ch.read_ranges(ticket.id, piece, blocks, pos, addr, n, deadline=deadline)
+            finally:
+                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],
               source: str | None, deadline: float) -> None:

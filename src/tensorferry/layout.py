@@ -22,6 +22,7 @@ from typing import Union
 
 import numpy as np
 
+from . import _boxes
 from .errors import LayoutMismatchError, TicketError
 
 __all__ = [
@@ -80,6 +81,9 @@ _FLAG_DIMS32 = 2
 # count of such pairs follows the header, and the body ends with the pairs.
 _FLAG_ALIASES = 4
 _ALIAS_COUNT = struct.Struct("<I")
+# Some tensors are boxes of larger global tensors (shards, _boxes.py): two
+# u32 counts follow (after the alias count), and the body ends with them.
+_FLAG_BOXES = 8
 # magic, version, flags, tensors, dims, tree tokens, keys, key blob bytes,
 # body bytes (uncompressed), crc32 of the uncompressed body
 _HEADER = struct.Struct("<4sHHIQIIQQI")
@@ -119,6 +123,8 @@ class Layout:
             the same view of the same memory as ``earlier`` (tied weights).
             Its bytes are not packed (``nbytes`` is 0 for it); the receiver
             gives both positions one tensor.
+        boxes: which tensors are shards (boxes of a larger global tensor),
+            with their global shapes and offsets; None for whole tensors.
         nbytes: bytes each tensor occupies in the packing (0 for an alias).
     """
 
@@ -129,6 +135,7 @@ class Layout:
     tree_counts: np.ndarray
     keys: tuple[Key, ...] = ()
     aliases: np.ndarray = field(default_factory=lambda: _NO_ALIASES)
+    boxes: "_boxes.Boxes | None" = None
     nbytes: np.ndarray = field(init=False, repr=False)
     alignments: np.ndarray = field(init=False, repr=False)
     numels: np.ndarray = field(init=False, repr=False)
@@ -188,6 +195,8 @@ class Layout:
             and np.array_equal(self.tree_counts, other.tree_counts)
             and self.keys == other.keys
             and np.array_equal(self.aliases, other.aliases)
+            and (self.boxes is None) == (other.boxes is None)
+            and (self.boxes is None or self.boxes.same_as(other.boxes))
         )
 
     # -- encoding ------------------------------------------------------------
@@ -196,6 +205,7 @@ class Layout:
         """Encode as versioned, checksummed bytes (zlib when large)."""
         dims32 = not self.dims.size or int(self.dims.max()) < (1 << 32)
         key_kinds, key_lens, key_blob = _encode_keys(self.keys)
+        box_head, box_body = self.boxes.encode() if self.boxes is not None else (b"", b"")
         body = b"".join(
             (
                 self.dtype_codes.astype(np.uint8).tobytes(),
@@ -207,11 +217,14 @@ class Layout:
                 key_lens.tobytes(),
                 key_blob,
                 self.aliases.astype("<u4").tobytes(),
+                box_body,
             )
         )
         flags = _FLAG_DIMS32 if dims32 else 0
         if self.aliases.size:
             flags |= _FLAG_ALIASES
+        if self.boxes is not None:
+            flags |= _FLAG_BOXES
         payload = body
         if len(body) > _COMPRESS_ABOVE:
             packed = zlib.compress(body, 1)
@@ -231,7 +244,7 @@ class Layout:
         )
         if self.aliases.size:
             header += _ALIAS_COUNT.pack(len(self.aliases))
-        return header + payload
+        return header + box_head + payload
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = MAX_LAYOUT_NBYTES) -> "Layout":
@@ -258,7 +271,7 @@ class Layout:
                 f"layout version {version} is not supported (this tensorferry reads "
                 f"version {_VERSION}); use the same tensorferry version on both sides"
             )
-        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32 | _FLAG_ALIASES):
+        if flags & ~(_FLAG_ZLIB | _FLAG_DIMS32 | _FLAG_ALIASES | _FLAG_BOXES):
             raise TicketError(f"layout has unknown flags {flags:#x}")
         head = _HEADER.size
         naliases = 0
@@ -269,6 +282,11 @@ class Layout:
             head += _ALIAS_COUNT.size
             if not 0 < naliases < max(n, 1):
                 raise TicketError(f"layout claims {naliases:,} aliases among {n:,} tensors")
+        nboxed = nboxdims = 0
+        if flags & _FLAG_BOXES:
+            nboxed, nboxdims, head = _boxes.decode(view, head)
+            if not 0 < nboxed <= n or nboxdims > nboxed * MAX_NDIM:
+                raise TicketError(f"layout claims {nboxed:,} boxes of {nboxdims:,} dimensions among {n:,} tensors")
         if n > MAX_TENSORS or ntok > MAX_TREE_TOKENS or nkeys > MAX_TENSORS or ndims_total > n * MAX_NDIM:
             raise TicketError(
                 f"layout header claims {n:,} tensors, {ndims_total:,} dims, {ntok:,} tree "
@@ -276,7 +294,7 @@ class Layout:
                 f"{MAX_NDIM} dims each)"
             )
         dim_width = 4 if flags & _FLAG_DIMS32 else 8
-        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n + 8 * naliases
+        expected = 2 * n + dim_width * ndims_total + 5 * ntok + 5 * nkeys + key_blob_n + 8 * naliases + 4 * nboxed + 16 * nboxdims
         if expected != body_n or expected > max_nbytes:
             raise TicketError(
                 f"layout body size {body_n:,} does not match its counts ({expected:,}) "
@@ -330,6 +348,7 @@ class Layout:
         key_blob = body[pos : pos + key_blob_n]
         pos += key_blob_n
         aliases = take(2 * naliases, "<u4").astype(np.int64).reshape(naliases, 2)
+        box_arrays = (take(nboxed, "<u4").astype(np.int64), take(nboxdims, "<i8").astype(np.int64), take(nboxdims, "<i8").astype(np.int64))
 
         if n and int(codes.max()) >= _ELEMENT_SIZE_BY_CODE.size or (n and not _ELEMENT_SIZE_BY_CODE[codes].all()):
             raise LayoutMismatchError("layout names a dtype code this tensorferry does not know")
@@ -345,7 +364,8 @@ class Layout:
         _check_tree(ops, counts, n, nkeys)
         if naliases:
             _check_aliases(aliases, codes, ndims, dims)
-        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys, aliases if naliases else _NO_ALIASES)
+        boxes = _boxes.check(*box_arrays, ndims, dims, MAX_DIM) if nboxed else None
+        layout = cls(codes.copy(), ndims.copy(), dims, ops.copy(), counts, keys, aliases if naliases else _NO_ALIASES, boxes)
         # numel <= MAX_NUMEL alone still lets numel * 16 wrap around int64
         # (2^62 complex128 elements "are" 0 bytes); bound the bytes in floats.
         if n and float(layout.numels.astype(np.float64) @ layout.alignments) > MAX_NUMEL:

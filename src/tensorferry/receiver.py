@@ -35,7 +35,7 @@ from ._memory import _huge_pages_off
 from ._receive import Fetcher
 from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
 from .errors import ConfigurationError, PeerGoneError, TicketError, TransferError
-from .plans import RecvPlan
+from .plans import RecvPlan, ShardedPlan
 from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
 from .ticket import Ticket, TransportName
 from .transports import Channel, ChannelPool, ReceiveContext, RelayBook, RelayServer, Releaser, SameHostReads, channel_class, is_loopback
@@ -191,6 +191,10 @@ class Receiver:
                 map the sender's memory; another receiver's plan.
         """
         self._check_open()
+        if isinstance(ticket, (list, tuple)) or isinstance(into, ShardedPlan):
+            if zero_copy:
+                raise ConfigurationError("a sharded get writes into its targets; leave zero_copy off")
+            return self._get_sharded(ticket, into, timeout)
         ticket = _decoded(ticket)
         if self.transport is not None and ticket.transport != self.transport:
             raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
@@ -247,12 +251,46 @@ class Receiver:
             ConfigurationError: the receiver is closed.
         """
         self._check_open()
+        if isinstance(ticket, (list, tuple)):
+            return ShardedPlan(self._owner, self._tickets(ticket), into)
         ticket = _decoded(ticket)
         layout = ticket.layout
         _check_size(ticket, packing.packed_offsets(layout.nbytes, layout.alignments)[1])
         # Its own destination comes from where a get's would (the receive
         # pool where it has room, registered for NIXL; else the cache).
         return RecvPlan(self._owner, ticket, into, allocate=self._fetcher.destination)
+
+    def _get_sharded(self, tickets: Any, into: Any, timeout: float | None) -> Any:
+        """``get(tickets, into=target or ShardedPlan)``: the plan's ranges
+        from every source at once (see :class:`~tensorferry.plans.ShardedPlan`)."""
+        if not isinstance(tickets, (list, tuple)):
+            raise ConfigurationError("get(into=sharded plan) takes the list of every source rank's tickets")
+        tickets = self._tickets(tickets)
+        timeout = self.timeout if timeout is None else positive_seconds("get(timeout)", timeout)
+        deadline = time.monotonic() + timeout
+        plan = into if isinstance(into, ShardedPlan) else ShardedPlan(self._owner, tickets, into, kept=False)
+        tickets = plan.order(self._owner, tickets)
+
+        def read(k: int, t: Ticket) -> None:
+            if t.blocks or t.streamed:
+                with self._channel(t, timeout) as ch:
+                    self._fetcher.read_ranges(ch, t, lambda g, lo, hi: plan.ranges(k, g, lo, hi), deadline)
+
+        # Reads land only in registered memory on some channels: the targets
+        # are registered once for all sources (through one channel).
+        registers = channel_class(tickets[0].transport).reads_registered_only
+        with self._channel(tickets[0], timeout) if registers else contextlib.nullcontext() as ch0, plan.registered(ch0):
+            result = plan.execute(tickets, read)
+        self.bytes_received += plan.nbytes
+        self.gets += 1
+        return result
+
+    def _tickets(self, tickets: list | tuple) -> list[Ticket]:
+        out = [_decoded(t) for t in tickets]
+        for t in out:
+            if self.transport is not None and t.transport != self.transport:
+                raise TicketError(f"ticket is for the {t.transport} transport, this receiver speaks {self.transport}")
+        return out
 
     def _one_shot(self, ticket: Ticket, into: Any) -> RecvPlan:
         """The plan of one get of ``ticket`` (its layout decoded once)."""

@@ -255,9 +255,11 @@ class Sender:
             num_pieces=ex.num_pieces,
             readers=0 if readers == _UNLIMITED else readers,
             lease_seconds=lease,
+            version=plan.puts + 1 if plan.kept else 0,  # counted below, once the put stands
             delta=offer,
         )
         if ex.kind == "empty":
+            plan.puts = ticket.version
             return ticket  # nothing to read: done already
         entry = _Entry(
             ticket_id, readers, lease, deadline, ex.pieces, streamed=ex.kind != "resident", pack=ex.pack,
@@ -275,6 +277,7 @@ class Sender:
             if delta_packed is not None:
                 delta_packed.release()
             raise
+        plan.puts = ticket.version
         return ticket
 
     def discard(self, ticket: Ticket) -> None:

@@ -72,6 +72,9 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
         readers: how many gets the sender waits for before freeing (0: any
             number, until the sender discards it).
         lease_seconds: how long unredeemed slots are kept.
+        version: the how-manyth put of a kept plan this is (0: a one-shot
+            put; omitted from the bytes then); a sharded get refuses
+            tickets of different versions mixed.
         delta: a delta plan's versions and delta (None for any other put;
             omitted from the bytes then).
     """
@@ -87,6 +90,8 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
     num_pieces: Annotated[int, msgspec.Meta(ge=1)]
     readers: Annotated[int, msgspec.Meta(ge=0)]
     lease_seconds: float
+    # Optional, at the end: left out of the bytes at their defaults.
+    version: Annotated[int, msgspec.Meta(ge=0)] = 0
     delta: DeltaOffer | None = None
 
     @property
@@ -122,12 +127,12 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
         return Layout.from_bytes(self.layout_bytes)
 
     def to_bytes(self) -> bytes:
-        # Optional sections left out (msgspec would write a trailing nil for
+        # Optional sections at their defaults left out (msgspec would write
         # each): a ticket without them has the bytes it had before they
         # existed, and decodes with their defaults.
         fields = msgspec.structs.astuple(self)
         n = len(fields)
-        while n > _REQUIRED_FIELDS and fields[n - 1] is None:
+        while n > _REQUIRED_FIELDS and fields[n - 1] == _DEFAULTS[n - 1]:
             n -= 1
         return _MAGIC + _VERSION.to_bytes(2, "little") + _ENCODER.encode(fields[:n])
 
@@ -177,5 +182,6 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)
-# The fields every ticket has; the optional sections (None by default) follow.
+# The fields every ticket has; the optional sections follow, with their defaults.
 _REQUIRED_FIELDS = len(Ticket.__struct_fields__) - len(Ticket.__struct_defaults__)
+_DEFAULTS = (None,) * _REQUIRED_FIELDS + Ticket.__struct_defaults__

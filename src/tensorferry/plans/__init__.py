@@ -31,5 +31,6 @@ from __future__ import annotations
 
 from ._recv import RecvPlan
 from ._send import SendPlan, SourcedPiece
+from ._sharded import ShardedPlan
 
-__all__ = ["SendPlan", "RecvPlan", "SourcedPiece"]
+__all__ = ["SendPlan", "RecvPlan", "ShardedPlan", "SourcedPiece"]

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .. import packing
+from .._boxes import Boxes
 from .._copy import PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, copy_values, leaf_runs, many_small_runs, pack_leaves, run_parts
 from .._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, torch_dtype
 from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorError
@@ -120,8 +121,11 @@ class SendPlan:
         self.source = obj  # what was planned (a module, or the object itself)
         module = obj if isinstance(obj, torch.nn.Module) else None
         src = module.state_dict(keep_vars=True) if module is not None else obj
-        leaves, ops, counts, keys, staged = flatten(src)
+        boxes: list = []  # shards (DTensors, Box): their local tensors are the leaves
+        leaves, ops, counts, keys, staged = flatten(src, boxes)
         info = inspect_leaves(src, leaves, ops, counts, keys)
+        if boxes:
+            info = info._replace(layout=dataclasses.replace(info.layout, boxes=Boxes.of(boxes)))
         if staged and kept:
             raise UnsupportedTensorError(
                 f"{staged} numpy arrays are read-only or have negative strides, so torch cannot share their memory; "
@@ -143,7 +147,10 @@ class SendPlan:
         self._info = info._replace(layout=sent, raw=info.raw & ~convert)
         self._inspected = info  # as found: what the conversions read
         self._host = info.all_cpu and pool.device.type == "cpu"
-        self._watch = Watch(leaves, keys_of, module, ops, counts, keys, hold=self._host) if kept else None
+        # A sharded module's slots hold DTensors, not the local leaves: its
+        # tensors are watched by address only.
+        self._watch = Watch(leaves, keys_of, None if boxes else module, ops, counts, keys, hold=self._host) if kept else None
+        self.puts = 0  # puts of a kept plan: the version its tickets carry
         self._copy: CopyPlan | None = None
         self._sources: BufferList | None = None
         self._gather: list[list[tuple[int, int, list[torch.Tensor]]]] | None = None

@@ -57,8 +57,10 @@ class SyncReport(NamedTuple):
             ``WeightSync.workers``: its get, including the copy into its own
             weights in place (measured in the worker; Ray's call around it
             is not included).
-        nbytes: the packed version (after ``dtype=``) times ``num_workers``:
-            what all workers read without deltas.
+        nbytes: bytes received by all workers together without deltas (the
+            packed version, after ``dtype=``, times ``num_workers``); with a
+            list of trainers, the bytes they published together (each
+            worker reads only its part).
         num_workers: the workers updated.
         delta_nbytes: ``WeightSync(delta=True)``: the delta a worker that
             held the previous version read instead of the whole version
@@ -189,6 +191,10 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
             pub.sender.discard(pub.latest)
             pub.latest = None
         while True:
+            # The k-th publish's ticket says version k on every trainer, even
+            # after a plan was made again: a worker of several trainers
+            # takes one version of each (a sharded get checks it).
+            plan.puts = pub.version
             try:
                 ticket = pub.sender.put(plan, readers=None, one_shot=True, fanout=fanout)
                 break
@@ -233,13 +239,16 @@ def latest() -> WeightVersion | None:
     return None if _PUBLISHER is None else _PUBLISHER.latest_version
 
 
-def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> float:
+def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeout: float = 120.0) -> float:
     """Pull ``version`` into ``targets`` in place (runs in a worker process).
 
     ``targets`` is a module or a nesting of tensors. The first update plans
     it (``Receiver.plan``); later ones replay that plan while the layout is
     the same and ``targets`` is the planned module or made of the same
-    memory; otherwise it plans again.
+    memory; otherwise it plans again. A list of versions (one of every
+    trainer rank, each publishing its shards) is a sharded get: ``targets``
+    may hold DTensors and ``Box``es, and only their bytes are read, from
+    the trainers that hold them (a ``ShardedPlan``).
 
     Returns:
         Seconds the get took.
@@ -253,6 +262,8 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
     from ..transports import channel_class
     from ._settings import settings
 
+    if isinstance(version, list):  # (a WeightVersion is a tuple itself)
+        return _update_sharded(version, targets, timeout)
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
     relaying = version.fanout is not None and channel_class(name).relays
@@ -277,6 +288,40 @@ def update(version: WeightVersion, targets: Any, *, timeout: float = 120.0) -> f
         # A parameter was replaced since the plan: plan the module as it is now.
         plan = _RECV_PLAN = _plan(receiver, ticket, targets)
         receiver.get(ticket, into=plan, timeout=timeout)
+    return time.perf_counter() - t0
+
+
+def _update_sharded(versions: list[WeightVersion], targets: Any, timeout: float) -> float:
+    """``update`` of one version of every trainer: each ticket by shm from
+    a trainer of this node, else tcp; the kept ShardedPlan replayed while
+    its targets and the tickets' layouts stay."""
+    global _RECEIVER, _RECV_PLAN
+    import ray
+
+    from ..errors import LayoutMismatchError, PlanStaleError
+    from ..plans import ShardedPlan
+    from ..receiver import Receiver
+    from ..ticket import Ticket
+    from ._settings import settings
+
+    node = ray.get_runtime_context().get_node_id()
+    tickets = [Ticket.from_bytes(v.tickets["shm" if v.node_id == node and "shm" in v.tickets else "tcp"]) for v in versions]
+    with _STATE_LOCK:
+        if _RECEIVER is None:
+            s = settings()
+            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, host=s.host)
+        receiver = _RECEIVER
+    t0 = time.perf_counter()
+    plan = _RECV_PLAN
+    if not isinstance(plan, ShardedPlan) or plan.result is not targets:
+        plan = _RECV_PLAN = receiver.plan(tickets, into=targets)
+    try:
+        receiver.get(tickets, into=plan, timeout=timeout)
+    except (PlanStaleError, LayoutMismatchError):
+        # Targets replaced, or another layout (a trainer planned again): plan
+        # as things are now (what cannot match raises here again, named).
+        plan = _RECV_PLAN = receiver.plan(tickets, into=targets)
+        receiver.get(tickets, into=plan, timeout=timeout)
     return time.perf_counter() - t0
 
 
@@ -359,7 +404,10 @@ class WeightSync:
     """Driver side: sync one trainer actor's weights to N worker actors.
 
     Args:
-        trainer: the trainer actor handle.
+        trainer: the trainer actor handle, or a list of them: one per rank
+            of a sharded trainer, each publishing its own shards (DTensors
+            or ``Box``es in its state dict); each worker then pulls only
+            its targets' bytes, from the ranks that hold them.
         workers: the worker actor handles.
         state_dict: ``fn(trainer_self) -> state dict or module`` (default
             ``self.model``, or the actor itself if it is a module, else its
@@ -380,7 +428,8 @@ class WeightSync:
             it in its pool) and workers that hold it read only what changed
             (``Sender.plan(delta=True)``, ``docs/delta.md``); a worker that
             joins late or missed a sync reads the whole version. With
-            ``fanout``, the relays pass the delta on.
+            ``fanout``, the relays pass the delta on. Not with a list of
+            trainers (sharded workers read ranges of whole versions).
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
@@ -414,10 +463,17 @@ class WeightSync:
             raise ConfigurationError(f"WeightSync(dtype={dtype!r}): expected a floating-point torch dtype such as torch.bfloat16")
         if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
             raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
+        self.trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
+        self._sharded = isinstance(trainer, (list, tuple))
+        if self._sharded and (fanout is not None or not self.trainers):
+            raise ConfigurationError("WeightSync(a list of trainers): give at least one trainer; fanout= relays one trainer's whole copy, leave it None")
+        if self._sharded and delta:
+            raise ConfigurationError("WeightSync(a list of trainers, delta=True): sharded workers read byte ranges of each trainer's whole "
+                                     "version, not deltas; leave delta False with a list of trainers")
         self.dtype = dtype
         self.fanout = fanout
         self.delta = bool(delta)
-        self.trainer = trainer
+        self.trainer = self.trainers[0]
         self.workers = list(workers)
         self._state_dict = state_dict
         self._targets = targets
@@ -426,7 +482,7 @@ class WeightSync:
         self.version = 0
         # The trainer makes and prefaults its pool now, while the driver goes
         # on; the first sync waits for it (and raises what it raised).
-        self._prepared: Any = trainer.__ray_call__.remote(_actor_prepare, state_dict, capacity_nbytes)
+        self._prepared: Any = [t.__ray_call__.remote(_actor_prepare, state_dict, capacity_nbytes) for t in self.trainers]
 
     def _wait_prepared(self) -> None:
         import ray
@@ -435,27 +491,37 @@ class WeightSync:
             ray.get(self._prepared)
             self._prepared = None
 
+    def _versions(self, refs: list) -> Any:
+        """What workers update from: the one trainer's version, or the list of every trainer's."""
+        import ray
+
+        versions = ray.get(refs)
+        return versions if self._sharded else versions[0]
+
     def sync(self) -> SyncReport:
         """Publish a new version and wait until every worker holds it."""
         import ray
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout,
-                                                            self.delta))
+        version = self._versions([t.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout,
+                                                         self.delta)
+                                  for t in self.trainers])
         refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
-        self.version = version.version
+        first = version[0] if self._sharded else version
+        self.version = first.version
         return SyncReport(
-            version=version.version,
+            version=first.version,
             seconds=seconds,
-            pack_seconds=version.pack_seconds,
+            pack_seconds=max(v.pack_seconds for v in version) if self._sharded else version.pack_seconds,
+            # Sharded: what the trainers published (each worker reads its part of it).
+            nbytes=sum(v.nbytes for v in version) if self._sharded else version.nbytes * len(self.workers),
             worker_seconds=list(worker_seconds),
-            nbytes=version.nbytes * len(self.workers),
             num_workers=len(self.workers),
-            delta_nbytes=version.delta_nbytes,
-            changed=version.changed,
+            delta_nbytes=first.delta_nbytes,  # delta=True takes one trainer
+            changed=first.changed,
         )
 
     def add_worker(self, worker: Any) -> float | None:
@@ -468,7 +534,7 @@ class WeightSync:
 
         self.workers.append(worker)
         self._wait_prepared()
-        version = ray.get(self.trainer.__ray_call__.remote(_actor_latest))
-        if version is None:
+        version = self._versions([t.__ray_call__.remote(_actor_latest) for t in self.trainers])
+        if version is None or self._sharded and any(v is None for v in version):
             return None
         return ray.get(worker.__ray_call__.remote(_actor_update, version, self._targets, self.timeout))

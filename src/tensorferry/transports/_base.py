@@ -16,7 +16,8 @@ A transport is a pair of small classes:
   mapped pool; tcp: ``recv_into`` straight into the destination; nixl: a
   one-sided READ). What more it can do it declares as class attributes
   (``maps_sender_memory``, ``receives_into_buffers``, ``receives_by_loop``,
-  ``reads_registered_only``, ``relays``, ``reads_source_runs``): the
+  ``reads_registered_only``, ``relays``, ``reads_source_runs``,
+  ``reads_ranges``): the
   receiver chooses how bytes move from those, never from the name.
 
 Everything in and out is plain data: lists of ``(offset, nbytes)`` and 1-D
@@ -362,6 +363,9 @@ class Channel:
     # read_runs: a snapshot=False piece is read straight out of the sender's
     # tensors (is_sourced says whether an acquired piece is one).
     reads_source_runs: ClassVar[bool] = False
+    # read_ranges: any byte ranges of an acquired piece, and nothing else of
+    # it, straight into local memory (a sharded get reads its boxes' bytes).
+    reads_ranges: ClassVar[bool] = False
     # Bytes a relaying receiver takes from its sender before it passes them
     # on: each hop of a chain adds one chunk's time.
     relay_chunk_nbytes: ClassVar[int] = 1 << 20
@@ -554,6 +558,14 @@ class Channel:
         (``pos``: positions in the piece) into local runs (``address``,
         ``nbytes``), straight out of the sender's tensors."""
         raise self._lacks("reads_source_runs", "read a snapshot=False piece out of the sender's tensors")
+
+    def read_ranges(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], pos: np.ndarray, address: np.ndarray,
+                    nbytes: np.ndarray, *, deadline: float) -> None:
+        """``reads_ranges``: bytes ``[pos, pos + nbytes)`` of the acquired
+        ``blocks`` (back to back), ascending (they may overlap), into local host
+        memory at ``address`` (registered, for a channel that
+        ``reads_registered_only``); no other byte of the piece moves."""
+        raise self._lacks("reads_ranges", "read byte ranges of a piece (a sharded get)")
 
     def close(self) -> None:
         if self.closed:

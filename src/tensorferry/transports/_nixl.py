@@ -26,6 +26,7 @@ from .. import _protocol as P
 from .._copy import StagedCopy
 from ..errors import TransferError
 from ._base import Channel
+from ._ranges import block_ranges
 from ._connections import ReceiveContext
 from ._nixl_agent import NixlEndpoint
 from ._nixl_reads import ReadPipeline
@@ -113,6 +114,7 @@ class NixlChannel(Channel):
     transport = "nixl"
     reads_registered_only = True
     relays = True
+    reads_ranges = True
     relay_chunk_nbytes = RELAY_CHUNK_NBYTES
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
@@ -172,6 +174,12 @@ class NixlChannel(Channel):
                 progress(pipe.wait())
         finally:
             pipe.close()
+
+    def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
+        """One READ of only these ranges, into registered memory (the
+        receive pool, or targets the caller holds :meth:`registered`)."""
+        off, addr, n = block_ranges(blocks, pos, address, nbytes)
+        self.endpoint.read(self.remote, np.stack([off + self.base, n], axis=1), np.stack([addr, n], axis=1), timeout=_left(deadline))
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         pool = self.pool

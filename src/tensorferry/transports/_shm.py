@@ -25,6 +25,7 @@ from .._copy import CopyPlan, copy_bytes, vectored_io
 from .._views import owned_view
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
 from ._base import Channel, Connection, ControlServer, check_same_user
+from ._ranges import block_ranges
 
 __all__ = ["ShmServer", "ShmChannel"]
 
@@ -126,6 +127,7 @@ class ShmChannel(Channel):
     maps_sender_memory = True
     receives_into_buffers = True  # preadv of the pool's file
     reads_source_runs = True
+    reads_ranges = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         if not address.startswith("@"):
@@ -214,6 +216,15 @@ class ShmChannel(Channel):
         nbytes = np.fromiter((n for _, n in blocks), dtype=np.int64, count=len(blocks))
         dst = np.fromiter(map(torch.Tensor.data_ptr, dests), dtype=np.int64, count=len(dests))
         CopyPlan.build(dst, src, nbytes).execute(src_base=self.remote.data_ptr())
+
+    def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
+        """Ranges of the mapped pool by address (of the sender's tensors,
+        a snapshot=False piece, by process_vm_readv)."""
+        if (ticket_id, piece) in self._sourced:
+            self.read_runs(ticket_id, piece, pos, address, nbytes, deadline=deadline)
+            return
+        off, addr, n = block_ranges(blocks, pos, address, nbytes)
+        CopyPlan.build(addr, off, n).execute(src_base=self.remote.data_ptr())
 
     def read_buffers(self, ticket_id, piece, blocks, buffers, *, deadline):
         """The acquired blocks' bytes into byte ``buffers`` (covering the

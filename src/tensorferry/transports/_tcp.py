@@ -10,14 +10,20 @@ required when the sender binds to anything but loopback.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import socket
 import time
 from typing import Any
 
+import numpy as np
+import torch
+
 from .. import _protocol as P
+from .._copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ._base import Channel, Connection, ControlServer
+from ._ranges import block_ranges
 
 __all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
@@ -185,7 +191,12 @@ class TcpServer(TcpControlServer):
         if held is None:
             return True
         buffers = held.buffers()
-        if msg.start:
+        if msg.ranges:
+            buffers = _ranges_of(buffers, msg.ranges)
+            if buffers is None:
+                P.send_msg(conn.sock, P.Failure(kind="ranges", message="the ranges asked for are malformed or lie outside the piece"))
+                return True
+        elif msg.start:
             buffers = skip_bytes(buffers, msg.start)
         total = sum(b.nbytes for b in buffers)
         P.send_data_header(conn.sock, total)
@@ -194,6 +205,23 @@ class TcpServer(TcpControlServer):
         P.send_all_views(conn.sock, buffers)
         self.ledger.count_sent(total)
         return True
+
+
+def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | None:
+    """The parts of ``buffers`` (a piece, back to back) that ``ranges``
+    (a Fetch's int64 pairs) name; None if they are malformed."""
+    if len(ranges) % 16:
+        return None
+    pairs = np.frombuffer(ranges, dtype="<i8").reshape(-1, 2)
+    pos, n = pairs[:, 0], pairs[:, 1]
+    sizes = np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers))
+    total = int(sizes.sum())
+    if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1]).any():
+        return None
+    off, _, ln = block_ranges(list(zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist())), pos, pos, n)
+    starts = np.cumsum(sizes) - sizes
+    which = np.searchsorted(starts, off, side="right") - 1
+    return [buffers[b][o - s : o - s + k] for b, o, s, k in zip(which.tolist(), off.tolist(), starts[which].tolist(), ln.tolist())]
 
 
 def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
@@ -206,25 +234,38 @@ def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
     return []
 
 
+# 16 bytes a range: 64k ranges make a 1 MiB Fetch, far inside a frame.
+_RANGES_PER_FETCH = 1 << 16
+# Beyond this many ranges averaging under this size, a range read goes
+# through a scratch buffer: a recvmsg buffer per range costs more than
+# copying its bytes once more (the same bounds as a one-shot get's scatter).
+_SCATTER_MAX_RANGES = 256
+_SCATTER_MIN_MEAN_NBYTES = 256 << 10
+_STAGE_NBYTES = 16 << 20
+
+
 class TcpChannel(Channel):
     transport = "tcp"
     receives_into_buffers = True
+    reads_ranges = True
     receives_by_loop = True
     relays = True
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         return connect(address, timeout)
 
-    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float, start: int = 0) -> int:
-        """Ask for the acquired blocks' bytes from byte ``start`` on; returns how many follow."""
+    def _fetch(self, ticket_id: int, piece: int, blocks, deadline: float, start: int = 0, ranges: np.ndarray | None = None) -> int:
+        """Ask for the acquired blocks' bytes from byte ``start`` on (or only
+        ``ranges``: (position, nbytes) rows); returns how many follow."""
         self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece, start=start))
+        wire = b"" if ranges is None else ranges.astype("<i8").tobytes()
+        P.send_msg(self.sock, P.Fetch(ticket_id=ticket_id, piece=piece, start=start, ranges=wire))
         reply = P.recv_msg(self.sock)
         if isinstance(reply, P.Failure):
             raise TransferError(f"sender at {self.address}: {reply.message}")
         if not (isinstance(reply, tuple) and reply[0] == "DATA"):
             raise ProtocolError(f"sender answered a Fetch with {type(reply).__name__}")
-        want = max(0, sum(n for _, n in blocks) - start)
+        want = max(0, sum(n for _, n in blocks) - start) if ranges is None else int(ranges[:, 1].sum())
         if reply[1] != want:
             raise ProtocolError(f"sender announced {reply[1]:,} bytes, the blocks hold {want:,}")
         return want
@@ -248,6 +289,38 @@ class TcpChannel(Channel):
             P.recv_exact_into(self.sock, buf[pos : pos + k], deadline=deadline)
             pos += k
             progress(pos)
+
+    def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
+        """Fetches of only these ranges (at most ``_RANGES_PER_FETCH`` a
+        frame), received straight into their local memory; many small ones
+        (a row-parallel slice of a row-sharded tensor: a run per row) through
+        a scratch buffer, copied out by address."""
+        for lo in range(0, pos.size, _RANGES_PER_FETCH):
+            part = slice(lo, lo + _RANGES_PER_FETCH)
+            self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([pos[part], nbytes[part]], axis=1))
+            if nbytes[part].size > _SCATTER_MAX_RANGES and int(nbytes[part].mean()) < _SCATTER_MIN_MEAN_NBYTES:
+                self._receive_staged(address[part], nbytes[part], deadline)
+                continue
+            # Slices of one buffer over the span of the targets (a slice costs
+            # a tenth of a ctypes buffer each; only the slices are ever written).
+            a, n = address[part], nbytes[part]
+            lo = int(a.min())
+            span = memoryview((ctypes.c_char * (int((a + n).max()) - lo)).from_address(lo)).cast("B")
+            P.recv_scatter_into(self.sock, [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())], deadline=deadline)
+
+    def _receive_staged(self, address: np.ndarray, nbytes: np.ndarray, deadline: float) -> None:
+        """The Fetch's reply (the ranges back to back) a chunk at a time into
+        a scratch buffer, each chunk's runs copied to ``address`` by the copy
+        loop: one large recv a chunk instead of a buffer a run."""
+        at = np.cumsum(nbytes) - nbytes
+        copy = CopyPlan.build(address, at, nbytes)
+        total = int(nbytes.sum())
+        scratch = torch.empty(min(total, _STAGE_NBYTES), dtype=torch.uint8)
+        view, base = memoryview(scratch.numpy()), scratch.data_ptr()
+        for c in range(0, total, len(view)):
+            k = min(len(view), total - c)
+            P.recv_exact_into(self.sock, view[:k], deadline=deadline)
+            copy.execute_window(c, c + k, 0, base - c)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)

@@ -1,0 +1,347 @@
+"""Sharded weight sync: FSDP-style trainer ranks to tensor-parallel workers.
+
+A model of ``--nbytes`` fp32 (default 1 GiB: ``--tensors`` square
+matrices) is held by 4 source ranks as DTensors, ``Shard(0)`` on a (4,)
+gloo CPU mesh; 2 worker processes hold tensor-parallel slices of it
+(matrices alternately column-parallel, rows split in two, and
+row-parallel, columns split in two: a worker's share is half the model),
+as :class:`tensorferry.Box` targets. Three ways to sync, interleaved
+(every round runs each once, the order rotated), each timed from the
+command to the sources until both workers hold their slices:
+
+* ``sharded``: every source ``put(plan)`` of its shards; each worker
+  ``get(tickets, into=sharded_plan)``: it reads only its slices' bytes,
+  from the ranks that hold them, all at once;
+* ``unsharded``: the peer of the same bytes per worker: rank 0 alone holds
+  a plain object of one worker's share, ``put(plan)``; each worker
+  ``get(ticket, into=recv_plan)`` into the same target tensors;
+* ``gather``: the naive way: every rank ``full_tensor()`` (an all-gather),
+  rank 0 ``put``s the whole model, each worker gets it whole and copies
+  its slices out.
+
+Reported as ratios of the same run (medians): each worker's received bytes
+against its share (target 1.00x) and each source's sent bytes;
+``sharded`` against ``unsharded`` (target at most 1.3x); ``gather``
+against ``sharded`` (time; target at least 3x on hosts with their own
+links) and rank 0's peak RSS growth in each (target: no more than its
+shards plus its pool). Transport tcp by default (``--transport``).
+
+``--hosts``: every rank and worker on a host of its own (a network
+namespace on a bridge, ``tests/_hosts.py``, each link ``--rate`` both
+ways; run as root): each process enters its host's namespace first thing
+(``setns``; the queues to the controller are pipes, which cross
+namespaces), gloo and tensorferry then use the host's address. Adds the
+sync's time against each worker's share over its link rate (target at
+most 1.3x). Every namespace is removed on exit, also on failure.
+
+Run: ``.venv/bin/python benchmarks/bench_sharded.py`` (``--nbytes 64``:
+MiB, for a loaded machine; ``--hosts --nbytes 256``). Writes
+``benchmarks/results/bench_sharded.json`` (``bench_sharded_hosts.json``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["UCX_NET_DEVICES"] = "lo"
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+import argparse
+import ctypes
+import math
+import multiprocessing as mp
+import socket
+import time
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from _common import MIB, environment, interleaved, log, med, reset_peak_rss, results_dir, status_nbytes, write_result
+
+SOURCES, WORKERS = 4, 2
+MODES = ("sharded", "unsharded", "gather")
+TARGET_BYTES_VS_SHARE = 1.0
+TARGET_SHARDED_VS_UNSHARDED = 1.3
+TARGET_GATHER_VS_SHARDED = 3.0
+TARGET_SHARDED_VS_LINK = 1.3
+TOKEN = "bench-sharded"  # servers off loopback need one
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_host(where: tuple[str, str] | None) -> str:
+    """Move this (still single-threaded) process into host ``(namespace,
+    address)``; returns the address to listen on (loopback without hosts)."""
+    if where is None:
+        return "127.0.0.1"
+    name, address = where
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+    return address
+
+
+def values(k: int, rows: slice, cols: slice, d: int) -> Any:
+    """Global matrix ``k``'s block ``[rows, cols]``: element (i, j) is
+    ``(k * 7919 + i * d + j) % 1000003`` (any block is made without the rest)."""
+    import torch
+
+    i = torch.arange(rows.start, rows.stop, dtype=torch.int64).unsqueeze(1)
+    j = torch.arange(cols.start, cols.stop, dtype=torch.int64).unsqueeze(0)
+    return ((k * 7919 + i * d + j) % 1000003).to(torch.float32)
+
+
+def worker_box(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Worker ``w``'s slice of matrix ``k``: (offsets, sizes)."""
+    half = d // 2
+    return ((w * half, 0), (half, d)) if k % 2 == 0 else ((0, w * half), (d, half))
+
+
+def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any, master: str) -> None:
+    try:
+        here = enter_host(where)
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        import tensorferry as tf
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=SOURCES, init_method=f"tcp://{master}:{port}")
+        mesh = init_device_mesh("cpu", (SOURCES,))
+        rows = d // SOURCES
+        sd = {f"w{k}": DTensor.from_local(values(k, slice(rank * rows, (rank + 1) * rows), slice(0, d), d), mesh, [Shard(0)], run_check=False)
+              for k in range(count)}
+        shard_nbytes = count * rows * d * 4
+        share = {f"w{k}": values(k, *(slice(o, o + n) for o, n in zip(*worker_box(k, 0, d))), d) for k in range(count)} if rank == 0 else None
+        full_nbytes = count * d * d * 4
+        # Pools: this rank's shards (sharded), plus one worker's share (rank 0's
+        # unsharded peer), plus the whole model (rank 0's gather); apart so
+        # each sync's memory is its own.
+        kw = {"host": here, "token": TOKEN}
+        s = tf.Sender(transport, capacity_nbytes=shard_nbytes + MIB, **kw)
+        peer = tf.Sender(transport, capacity_nbytes=full_nbytes // 2 + MIB, **kw) if rank == 0 else None
+        whole = tf.Sender(transport, capacity_nbytes=full_nbytes + MIB, **kw) if rank == 0 else None
+        plan = s.plan(sd)
+        peer_plan = peer.plan(share) if peer is not None else None
+        # What the trainer holds before any sync: its shards, plans, libraries.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        baseline = status_nbytes("VmRSS")
+        out.put(("ready", rank, None))
+        while True:
+            cmd = cmds.get()
+            if cmd is None:
+                break
+            base = reset_peak_rss()
+            t0 = time.perf_counter()
+            sent0 = {n: x.stats()["bytes_sent"] for n, x in (("s", s), ("peer", peer), ("whole", whole)) if x is not None}
+            if cmd == "sharded":
+                ticket = s.put(plan, readers=WORKERS).to_bytes()
+            elif cmd == "unsharded":
+                ticket = peer.put(peer_plan, readers=WORKERS).to_bytes() if rank == 0 else None
+            else:
+                full = {k: v.full_tensor() for k, v in sd.items()}
+                ticket = whole.put(full, readers=WORKERS).to_bytes() if rank == 0 else None
+            put_seconds = time.perf_counter() - t0
+            out.put(("ticket", rank, ticket))
+            done = cmds.get()  # the workers are done
+            assert done == "done"
+            if cmd == "gather":
+                del full
+            peak = status_nbytes("VmHWM")
+            # Freed memory back to the system, so the next mode's baseline
+            # is not this one's leftovers (glibc keeps freed heap otherwise).
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            sent = sum(x.stats()["bytes_sent"] for n, x in (("s", s), ("peer", peer), ("whole", whole)) if x is not None) - sum(sent0.values())
+            out.put(("stats", rank, {"peak_growth_nbytes": peak - base, "peak_nbytes": peak, "over_baseline_nbytes": peak - baseline, "sent_nbytes": sent, "put_seconds": put_seconds,
+                                     "shard_nbytes": shard_nbytes}))
+        for x in (s, peer, whole):
+            if x is not None:
+                x.close()
+        dist.destroy_process_group()
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
+    try:
+        enter_host(where)
+        import torch
+
+        import tensorferry as tf
+
+        torch.set_num_threads(1)
+        boxes = {f"w{k}": tf.Box(torch.zeros(worker_box(k, w, d)[1]), worker_box(k, w, d)[0], (d, d)) for k in range(count)}
+        share = sum(b.tensor.numel() * 4 for b in boxes.values())
+        r = tf.Receiver(transport, token=TOKEN)
+        sharded_plan = peer_plan = None
+        out.put(("ready", 100 + w, None))  # apart from the source ranks' numbers
+        while True:
+            cmd = cmds.get()
+            if cmd is None:
+                break
+            mode, tickets = cmd
+            before = r.bytes_received
+            t0 = time.perf_counter()
+            if mode == "sharded":
+                if sharded_plan is None:
+                    sharded_plan = r.plan(tickets, into=boxes)
+                r.get(tickets, into=sharded_plan)
+            elif mode == "unsharded":
+                if peer_plan is None:
+                    peer_plan = r.plan(tickets[0], into={k: b.tensor for k, b in boxes.items()})
+                r.get(tickets[0], into=peer_plan)
+            else:
+                got = r.get(tickets[0])
+                for k, b in boxes.items():
+                    (o0, o1), (n0, n1) = b.offsets, b.tensor.shape
+                    b.tensor.copy_(got[k][o0 : o0 + n0, o1 : o1 + n1])
+                del got
+            seconds = time.perf_counter() - t0
+            end = time.monotonic()  # one clock for every process of the host: the sync's end
+            ok = None
+            if mode != "unsharded":  # its bytes are worker 0's share for both: not this worker's slices
+                ok = all(torch.equal(b.tensor, values(int(k[1:]), *(slice(o, o + n) for o, n in zip(b.offsets, b.tensor.shape)), d))
+                         for k, b in boxes.items())
+                for b in boxes.values():
+                    b.tensor.zero_()
+            out.put(("got", w, {"received_nbytes": r.bytes_received - before, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok}))
+        r.close()
+    except BaseException:
+        out.put(("error", w, traceback.format_exc()))
+
+
+def _take(q: Any, kind: str, n: int, timeout: float = 600.0) -> dict[int, Any]:
+    got: dict[int, Any] = {}
+    while len(got) < n:
+        k, who, item = q.get(timeout=timeout)
+        if k == "error":
+            raise RuntimeError(f"rank {who} failed:\n{item}")
+        assert k == kind, (k, kind)
+        got[who] = item
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nbytes", type=int, default=1024, help="model size in MiB (fp32)")
+    ap.add_argument("--tensors", type=int, default=16, help="square matrices in the model")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmups", type=int, default=1)
+    ap.add_argument("--transport", default="tcp", choices=("shm", "tcp", "nixl"))
+    ap.add_argument("--hosts", action="store_true", help="a network-namespace host per rank and worker (root)")
+    ap.add_argument("--rate", default="1gbit", help="with --hosts: every link's rate, as tc writes it")
+    args = ap.parse_args()
+    if args.hosts:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the host harness, tests/_hosts.py
+        from _hosts import Hosts
+
+        with Hosts(SOURCES + WORKERS, rate=args.rate) as hosts:
+            run_all(args, hosts)
+    else:
+        run_all(args, None)
+
+
+def run_all(args: Any, hosts: Any) -> None:
+    # Side a multiple of 8 (4 source rows, 2 worker halves) within the size.
+    d = int(math.sqrt(args.nbytes * MIB / 4 / args.tensors)) // 8 * 8
+    count = args.tensors
+    total = count * d * d * 4
+    log(f"{count} matrices of {d} x {d} fp32: {total / MIB:.0f} MiB on {SOURCES} ranks (Shard(0)) to {WORKERS} TP workers, {args.transport}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    src_cmds = [ctx.Queue() for _ in range(SOURCES)]
+    wrk_cmds = [ctx.Queue() for _ in range(WORKERS)]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    where = [None] * (SOURCES + WORKERS) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(SOURCES + WORKERS)]
+    master = "127.0.0.1" if hosts is None else hosts.address(0)
+    procs = [ctx.Process(target=source_main, args=(k, port, d, count, args.transport, src_cmds[k], out, where[k], master)) for k in range(SOURCES)]
+    procs += [ctx.Process(target=worker_main, args=(w, d, count, args.transport, wrk_cmds[w], out, where[SOURCES + w])) for w in range(WORKERS)]
+    for p in procs:
+        p.start()
+    try:
+        _take(out, "ready", SOURCES + WORKERS)
+
+        def run(i: int, _round: int) -> dict:
+            mode = MODES[i]
+            t0 = time.monotonic()
+            for q in src_cmds:
+                q.put(mode)
+            tickets = _take(out, "ticket", SOURCES)
+            listed = [tickets[k] for k in range(SOURCES) if tickets[k] is not None]
+            for q in wrk_cmds:
+                q.put((mode, listed))
+            got = _take(out, "got", WORKERS)
+            # Until the last worker's get returned (its check of the values after is not timed).
+            seconds = max(g["end"] for g in got.values()) - t0
+            for q in src_cmds:
+                q.put("done")
+            stats = _take(out, "stats", SOURCES)
+            return {"seconds": seconds, "workers": got, "sources": stats}
+
+        runs = interleaved(len(MODES), args.warmups, args.repeats, run)
+    finally:
+        for q in src_cmds + wrk_cmds:
+            q.put(None)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    res: dict[str, Any] = {}
+    for mode, r in zip(MODES, runs):
+        recs = r["records"]
+        res[mode] = {
+            "seconds_median": med([x["seconds"] for x in recs]),
+            "worker_received_vs_share": [med([x["workers"][w]["received_nbytes"] / x["workers"][w]["share_nbytes"] for x in recs]) for w in range(WORKERS)],
+            "source_sent_nbytes": [med([x["sources"][k]["sent_nbytes"] for x in recs]) for k in range(SOURCES)],
+            "rank0_peak_growth_nbytes": med([x["sources"][0]["peak_growth_nbytes"] for x in recs]),
+            "rank0_peak_rss_nbytes": med([x["sources"][0]["peak_nbytes"] for x in recs]),
+            "max_rank_peak_rss_nbytes": med([max(x["sources"][k]["peak_nbytes"] for k in range(SOURCES)) for x in recs]),
+            "rank0_over_baseline_nbytes": med([x["sources"][0]["over_baseline_nbytes"] for x in recs]),
+            # Ranks 1 to 3 hold only their shards' sender (rank 0 also the other modes' pools).
+            "other_ranks_over_baseline_nbytes": med([max(x["sources"][k]["over_baseline_nbytes"] for k in range(1, SOURCES)) for x in recs]),
+            "max_rank_peak_growth_nbytes": med([max(x["sources"][k]["peak_growth_nbytes"] for k in range(SOURCES)) for x in recs]),
+            "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(WORKERS)),
+            "first_seconds": r["first"]["seconds"],
+            "worker_get_seconds_median": med([max(x["workers"][w]["seconds"] for w in range(WORKERS)) for x in recs]),
+            "source_put_seconds_median": med([max(x["sources"][k]["put_seconds"] for k in range(SOURCES)) for x in recs]),
+        }
+    shard_nbytes = runs[0]["records"][0]["sources"][0]["shard_nbytes"]
+    ratios = {
+        "sharded_worker_bytes_vs_share": max(res["sharded"]["worker_received_vs_share"]),
+        "sharded_vs_unsharded_time": res["sharded"]["seconds_median"] / res["unsharded"]["seconds_median"],
+        "gather_vs_sharded_time": res["gather"]["seconds_median"] / res["sharded"]["seconds_median"],
+        # Memory beyond what a trainer holds before syncing: rank 0 of a gather
+        # (the whole model, its pool) against any rank of a sharded sync (its pool).
+        "gather_rank0_vs_sharded_rank_over_baseline": res["gather"]["rank0_over_baseline_nbytes"] / res["sharded"]["other_ranks_over_baseline_nbytes"],
+        "sharded_rank_over_baseline_vs_shard": res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes,
+    }
+    if hosts is not None:
+        share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
+        ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
+    print(f"\n{'mode':<10} {'median s':>9} {'worker bytes/share':>20} {'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} ok")
+    for mode in MODES:
+        x = res[mode]
+        print(f"{mode:<10} {x['seconds_median']:>9.3f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
+              f"{x['rank0_over_baseline_nbytes'] / MIB:>22.0f} / {x['other_ranks_over_baseline_nbytes'] / MIB:<9.0f} "
+              f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} {x['verified']}")
+    print(f"\nshard per rank {shard_nbytes / MIB:.0f} MiB; targets: bytes/share {TARGET_BYTES_VS_SHARE}, sharded/unsharded <= {TARGET_SHARDED_VS_UNSHARDED}, "
+          f"gather/sharded >= {TARGET_GATHER_VS_SHARDED} (on hosts with their own links)")
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.2f}")
+    doc = {"benchmark": "bench_sharded", "environment": environment(), "args": vars(args), "model_nbytes": total, "side": d,
+           "hosts": "one host (loopback)" if hosts is None else f"{SOURCES + WORKERS} namespace hosts, links {hosts.rate} both ways",
+           "results": res}
+    path = write_result(results_dir() / ("bench_sharded.json" if hosts is None else "bench_sharded_hosts.json"), doc, ratios)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

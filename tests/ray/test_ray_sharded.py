@@ -1,0 +1,80 @@
+"""WeightSync from a sharded trainer (a list of trainer actors, one per
+rank, each publishing its shards) to tensor-parallel workers, on a real
+single-node Ray cluster. The trainers hold row shards as ``Box``es; the
+workers hold column slices and a replicated norm; every worker's values
+are compared with the global tensors' slices, across versions changed in
+place on the trainers."""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+torch = pytest.importorskip("torch")
+
+import tensorferry.ray as tfr  # noqa: E402
+from tensorferry import Box  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+RANKS, WORKERS = 2, 2
+SHAPE = (10, 6)  # rows split unevenly over the trainer ranks: 5 / 5; columns 3 / 3 over the workers
+
+
+def glob(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + version)
+    return {"w": torch.randn(SHAPE, generator=g), "norm": torch.randn(4, generator=g), "step": torch.tensor(float(version))}
+
+
+@ray.remote
+class Trainer:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        rows = SHAPE[0] // RANKS
+        self.lo, self.hi = rank * rows, (rank + 1) * rows
+        g = glob(0)
+        self.state = {"w": Box(g["w"][self.lo : self.hi].clone(), (self.lo, 0), SHAPE), "norm": g["norm"].clone(), "step": g["step"].clone()}
+
+    def step(self, version: int) -> None:
+        """The weights of ``version``, in place (the plan's memory)."""
+        g = glob(version)
+        self.state["w"].tensor.copy_(g["w"][self.lo : self.hi])
+        self.state["norm"].copy_(g["norm"])
+        self.state["step"].copy_(g["step"])
+
+
+@ray.remote
+class Worker:
+    def __init__(self, w: int) -> None:
+        cols = SHAPE[1] // WORKERS
+        self.lo = w * cols
+        self.targets = {"w": Box(torch.zeros(SHAPE[0], cols), (0, self.lo), SHAPE), "norm": torch.zeros(4), "step": torch.zeros(())}
+
+    def matches(self, version: int) -> bool:
+        g = glob(version)
+        t = self.targets
+        cols = t["w"].tensor.shape[1]
+        return bool(torch.equal(t["w"].tensor, g["w"][:, self.lo : self.lo + cols]) and torch.equal(t["norm"], g["norm"])
+                    and torch.equal(t["step"], g["step"]))
+
+
+@pytest.mark.timeout(180)
+def test_sharded_trainer_actors_to_tensor_parallel_workers(local_ray):
+    trainers = [Trainer.remote(k) for k in range(RANKS)]
+    workers = [Worker.remote(w) for w in range(WORKERS)]
+    sync = tfr.WeightSync(trainers, workers, state_dict=lambda self: self.state, targets=lambda self: self.targets)
+    for version in (1, 2, 3):
+        ray.get([t.step.remote(version) for t in trainers])
+        report = sync.sync()
+        assert report.version == version == sync.version
+        assert ray.get([w.matches.remote(version) for w in workers]) == [True] * WORKERS
+    late = Worker.remote(1)
+    assert sync.add_worker(late) > 0
+    assert ray.get(late.matches.remote(3))
+
+
+def test_a_list_of_trainers_refuses_fanout(local_ray):
+    from tensorferry.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="fanout"):
+        tfr.WeightSync([Trainer.remote(0)], [], fanout=1, state_dict=lambda self: self.state)

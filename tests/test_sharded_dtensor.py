@@ -1,0 +1,143 @@
+"""DTensor trainers to DTensor workers, with real process groups: 4 source
+ranks on a (2, 2) gloo CPU mesh (mixed Shard/Replicate placements, uneven
+sizes, tied embeddings, a 0-d tensor) to 2 worker ranks on a (2,) mesh
+(vocab-, column-, row-parallel and replicated targets), over every
+transport; a second sync after the sources changed their shards in place
+replays the plans; a third casts to bf16. Workers' processes in
+``_sharded_workers.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _sharded_workers as W  # noqa: E402
+
+pytest.importorskip("torch.distributed")
+
+_TIMEOUT_SECONDS = 240.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _take(q, deadline: float):
+    item = q.get(timeout=max(deadline - time.monotonic(), 0.1))
+    if item[1] == -1 or item[0] == "error":
+        raise AssertionError(f"a rank failed:\n{item[2]}")
+    return item
+
+
+def test_dtensor_sources_to_dtensor_workers_every_transport():
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    transports = ("tcp", "shm") + (("nixl",) if importlib.util.find_spec("nixl") else ())
+    ctx = mp.get_context("spawn")
+    out, results = ctx.Queue(), ctx.Queue()
+    gos = [ctx.Queue() for _ in range(4)]
+    to_workers = [ctx.Queue() for _ in range(2)]
+    src_port, dst_port = _port(), _port()
+    procs = [ctx.Process(target=W.source_main, args=(k, src_port, transports, 2 * len(transports), out, gos[k])) for k in range(4)]
+    procs += [ctx.Process(target=W.worker_main, args=(k, dst_port, transports, to_workers[k], results)) for k in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+    reports = {}
+    try:
+        for sync in (1, 2, 3):
+            by_rank = {}
+            while len(by_rank) < 4:
+                rank, got_sync, tickets = _take(out, deadline)
+                assert got_sync == sync
+                by_rank[rank] = tickets
+            for q in to_workers:
+                q.put((sync, by_rank))
+            if sync < 3:
+                for _ in range(2):
+                    _take(results, deadline)
+            else:
+                while len(reports) < 2:
+                    kind, rank, report = _take(results, deadline)
+                    if kind == "report":
+                        reports[rank] = report
+            for q in gos:
+                q.put(True)
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            assert p.exitcode == 0
+    except queue.Empty:
+        pytest.fail("the ranks did not finish in time")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, report in reports.items():
+        assert report["bad"] == {k: [] for k in report["bad"]}, f"worker {rank}: wrong shards {report['bad']}"
+        assert set(report["bad"]) == {f"{tr}-{n}" for tr in transports for n in (1, 2)} | {"bf16"}
+        assert report["errors"] == {k: True for k in report["errors"]} and len(report["errors"]) == 5, report["errors"]
+        # Each worker received exactly its own shards' bytes (the tied
+        # embedding once), over every transport.
+        for tr in transports:
+            assert report["received"][f"{tr}-1"] == report["share"], (rank, tr, report)
+
+
+def test_fsdp2_gpt2_to_a_whole_model_and_a_tensor_parallel_worker():
+    """A transformers GPT-2 sharded with fully_shard on 2 CPU ranks (uneven
+    vocab rows, tied embeddings) to one worker's whole model (into= the
+    module) and one worker's column slices (Boxes)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import tensorferry as tf
+    from tensorferry import Box
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    gos = [ctx.Queue() for _ in range(2)]
+    port = _port()
+    procs = [ctx.Process(target=W.fsdp_source_main, args=(k, port, out, gos[k])) for k in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+    try:
+        tickets = [None, None]
+        for _ in range(2):
+            rank, _, got = _take(out, deadline)
+            tickets[rank] = got[0]
+        reference = W.gpt2().state_dict()
+        whole = W.gpt2(seed=1)
+        slices = {k: Box(torch.zeros(v.shape[0], (v.shape[1] + 1) // 2), (0, v.shape[1] // 2), tuple(v.shape)) if v.dim() == 2 else torch.zeros_like(v)
+                  for k, v in reference.items()}
+        with tf.Receiver("tcp") as r:
+            r.get(tickets, into=whole)
+            r.get(tickets[::-1], into=slices)
+        for k, v in whole.state_dict().items():
+            assert torch.equal(v, reference[k]), k
+        for k, v in slices.items():
+            want = reference[k][:, reference[k].shape[1] // 2 :] if isinstance(v, Box) else reference[k]
+            assert torch.equal(v.tensor if isinstance(v, Box) else v, want), k
+        for q in gos:
+            q.put(True)
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 1.0))
+            assert p.exitcode == 0
+    except queue.Empty:
+        pytest.fail("the ranks did not finish in time")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
