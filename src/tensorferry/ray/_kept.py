@@ -15,10 +15,11 @@ time. The producer keeps one plan (``Sender.plan``) of what it sent:
   segment and sent by that plan;
 * later objects that the plan matches (``SendPlan.matches``: the same
   nesting, and tensors at the same addresses with the same dtypes, sizes
-  and strides, one C++ pass) replay it; anything else takes the fresh path, and the plan stays for the next
-  call (a producer that returns its weights from one method and fresh
-  outputs from another keeps replaying the weights' plan) until another
-  object is sent twice in a row, which replaces it.
+  and strides, one C++ pass) replay it; anything else takes the fresh
+  path, and the plan stays for the next call (a producer that returns its
+  weights from one method and fresh outputs from another keeps replaying
+  the weights' plan) until another object is sent twice in a row, which
+  replaces it.
 
 The plan holds the tensors it was made of (and, for views of a few
 buffers, those buffers) until it is replaced or the process ends: the
