@@ -1,4 +1,4 @@
-/* Per-tensor reads in one C++ loop, for kept plans (see _tensors.py).
+/* Per-tensor reads in C++ loops, for kept plans and the sender's inspection (see _flatten.py, _tensor_meta.py).
  *
  * A kept plan checks, on every put and every get into existing tensors,
  * that each planned tensor still lives where the plan found it. From
