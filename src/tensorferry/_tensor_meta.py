@@ -15,8 +15,10 @@ from Python passes.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import warnings
+from itertools import chain
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -177,6 +179,18 @@ def _python_columns(tensors: list) -> TensorColumns | None:
     )
 
 
+def _unreadable(t: object) -> bool:
+    try:
+        t.data_ptr(), t.shape, t.stride(), t.dtype  # type: ignore[attr-defined]
+    except (RuntimeError, TypeError, AttributeError):
+        return True
+    return False
+
+
+_get_dtype = operator.attrgetter("dtype")
+_get_shape = operator.attrgetter("shape")
+
+
 class Recorded:
     """Tensors' addresses, dtypes, sizes and strides as found now, to tell
     later whether tensors (the same objects, or others) are as recorded:
@@ -225,15 +239,28 @@ class Recorded:
             return min(len(tensors), c.ptrs.size)
         if self._native:
             return _native.differs(tensors, c.ptrs, c.numbers, c.ndims, c.sizes, c.strides)
-        sizes, strides, at = c.sizes.tolist(), c.strides.tolist(), 0
-        for i, (t, ptr, dt, k) in enumerate(zip(tensors, c.ptrs.tolist(), self._dtypes, c.ndims.tolist())):
-            try:
-                if t.data_ptr() != ptr or t.dtype is not dt or list(t.shape) != sizes[at : at + k] or list(t.stride()) != strides[at : at + k]:
-                    return i
-            except (RuntimeError, TypeError, AttributeError):
-                return i
-            at += k
-        return -1
+        return self._python_first_changed(tensors)
+
+    def _python_first_changed(self, tensors: list) -> int:
+        """first_changed by Python passes (a pass per attribute, compared as arrays)."""
+        c, n = self.columns, len(tensors)
+        try:
+            ptrs = np.fromiter(map(torch.Tensor.data_ptr, tensors), dtype=np.int64, count=n)
+            ndims = np.fromiter(map(torch.Tensor.dim, tensors), dtype=np.int64, count=n)
+            same = np.fromiter(map(operator.is_, map(_get_dtype, tensors), self._dtypes), dtype=bool, count=n)
+            same &= (ptrs == c.ptrs) & (ndims == c.ndims)
+            # Dims before the first tensor that differs line up with the
+            # recorded ones: a size or stride that differs there comes first.
+            first = int(np.flatnonzero(~same)[0]) if not same.all() else n
+            k = int(c.ndims[:first].sum())
+            flat = np.fromiter(chain.from_iterable(map(_get_shape, tensors[:first])), dtype=np.int64, count=k)
+            flat_strides = np.fromiter(chain.from_iterable(map(torch.Tensor.stride, tensors[:first])), dtype=np.int64, count=k)
+        except (RuntimeError, TypeError, AttributeError):
+            return next(i for i, t in enumerate(tensors) if _unreadable(t))
+        diff = np.flatnonzero((flat != c.sizes[:k]) | (flat_strides != c.strides[:k]))
+        if diff.size:
+            return int(np.searchsorted(np.cumsum(c.ndims), diff[0], side="right"))
+        return first if first < n else -1
 
     def dtype(self, i: int) -> torch.dtype | None:
         """The recorded dtype of tensor ``i``."""
