@@ -17,7 +17,10 @@ result. A transport's share in a round is its time less the ``none`` time of
 that round; the figures are medians over rounds, and the ratios are the
 peers' median shares over tensorferry's. Tensorferry's share is split by
 timing its hooks in the actors (the pack with Ray's metadata, the receive,
-the release) and Ray's calls around them.
+the release) and Ray's calls around them; the actors' monotonic stamps of
+the producer's return and the consumer method's start put Ray's part on a
+timeline (from the return to the pack, the pack to the receive, the
+receive to the consumer's method).
 
 Repeat (``--share`` too): the producer keeps ``REPEAT_COUNTS`` tensors of
 ``SHARE_NBYTES`` and returns the same ones on every call (a model's weights
@@ -79,7 +82,8 @@ def checksum(tensors: list[torch.Tensor]) -> int:
 
 
 def instrument() -> None:
-    """Time tensorferry's Ray hooks in this process (wall seconds each call)."""
+    """Time tensorferry's Ray hooks in this process: ``(name, start, end)``
+    per call, ``time.monotonic`` (one clock for every process of the machine)."""
     from tensorferry.ray import _transport as tft
 
     if getattr(tft, "_share_records", None) is not None:
@@ -90,24 +94,47 @@ def instrument() -> None:
         orig = getattr(cls, name)
 
         def timed(*a: Any, _orig: Callable = orig, _name: str = name, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             try:
                 return _orig(*a, **k)
             finally:
-                tft._share_records.append((_name, time.perf_counter() - t0))
+                tft._share_records.append((_name, t0, time.monotonic()))
 
         setattr(cls, name, timed)
 
 
+def mark(name: str) -> None:
+    """A moment in this process's records (a method's return, a method's start)."""
+    from tensorferry.ray import _transport as tft
+
+    now = time.monotonic()
+    tft._share_records.append((name, now, now))
+
+
 def records() -> dict:
+    """This process's records since the last call: seconds per hook (summed),
+    and every record as ``(name, start, end)`` under ``"stamps"``."""
     from tensorferry.ray import _transport as tft
 
     recs = getattr(tft, "_share_records", None) or []
-    out: dict = {}
-    for name, s in recs:
-        out[name] = out.get(name, 0.0) + s
+    out: dict = {"stamps": list(recs)}
+    for name, t0, t1 in recs:
+        out[name] = out.get(name, 0.0) + (t1 - t0)
     recs.clear()
     return out
+
+
+def gaps(producer: dict, consumer: dict) -> dict:
+    """One tf call's timeline from both actors' stamps: what Ray does
+    between the producer's return and the pack, between the pack and the
+    receive, and between the receive and the consumer's method (seconds)."""
+    at = {name: (t0, t1) for name, t0, t1 in producer["stamps"] + consumer["stamps"]}
+    need = ("returned", "extract_tensor_transport_metadata", "recv_multiple_tensors", "consume_started")
+    if not all(k in at for k in need):
+        return {}
+    pack, recv = at["extract_tensor_transport_metadata"], at["recv_multiple_tensors"]
+    return {"return_to_pack_s": pack[0] - at["returned"][0], "pack_to_recv_s": recv[0] - pack[1],
+            "recv_to_consume_s": at["consume_started"][0] - recv[1]}
 
 
 def define_actors(ray: Any) -> tuple[Any, Any]:
@@ -123,7 +150,9 @@ def define_actors(ray: Any) -> tuple[Any, Any]:
 
         @ray.method(tensor_transport="tensorferry")
         def make_tf(self, seed: int, n: int, numel: int) -> list:
-            return fresh_tensors(seed, n, numel)
+            out = fresh_tensors(seed, n, numel)
+            mark("returned")
+            return out
 
         @ray.method(tensor_transport="nixl")
         def make_nixl(self, seed: int, n: int, numel: int) -> list:
@@ -168,6 +197,7 @@ def define_actors(ray: Any) -> tuple[Any, Any]:
             instrument()
 
         def consume(self, tensors: list) -> int:
+            mark("consume_started")
             return checksum(tensors)
 
         def consume_own(self, _n: int) -> int:
@@ -215,6 +245,7 @@ def run_share(ray: Any, log: Callable[[str], None], *, rounds: int = SHARE_ROUND
                     rec["pack_s"] = prec.get("extract_tensor_transport_metadata", 0.0)
                     rec["release_s"] = prec.get("garbage_collect", 0.0)
                     rec["recv_s"] = crec.get("recv_multiple_tensors", 0.0)
+                    rec.update(gaps(prec, crec))
                 else:
                     ray.get([producer.records.remote(), consumer.records.remote()], timeout=CALL_TIMEOUT_SECONDS)
                 ok &= rec["ok"]
@@ -233,6 +264,9 @@ def run_share(ray: Any, log: Callable[[str], None], *, rounds: int = SHARE_ROUND
         share = out["methods"]["tf"]["share_s"]
         out["tf_breakdown"] = {"pack_s": pack, "recv_s": recv, "release_s": release,
                                "ray_s": share - pack - recv}
+        for k in ("return_to_pack_s", "pack_to_recv_s", "recv_to_consume_s"):
+            if all(k in x for x in tf):
+                out["tf_breakdown"][k] = statistics.median(x[k] for x in tf)
         ours = out["methods"]["tf"]
         out["ratios"] = {}
         for m in ("nixl", "objstore"):
@@ -301,6 +335,10 @@ def print_share_report(share: dict, repeat: dict) -> None:
         b = share["tf_breakdown"]
         print(f"  tensorferry's share: pack + metadata {b['pack_s'] * 1e3:.1f} ms, receive {b['recv_s'] * 1e3:.1f} ms, "
               f"release {b['release_s'] * 1e3:.1f} ms (after the result), Ray's calls {b['ray_s'] * 1e3:.1f} ms")
+        if "return_to_pack_s" in b:
+            print(f"  Ray's calls, from the actors' clocks: producer's return to the pack {b['return_to_pack_s'] * 1e3:.1f} ms, "
+                  f"pack to the receive {b['pack_to_recv_s'] * 1e3:.1f} ms, receive to the consumer's method "
+                  f"{b['recv_to_consume_s'] * 1e3:.1f} ms (medians)")
         for m, r in share["ratios"].items():
             met = r["share"] is not None and r["share"] >= r["target"]
             s = f"{r['share']:.1f}x" if r["share"] is not None else "n/a"

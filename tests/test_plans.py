@@ -301,6 +301,47 @@ def test_plain_plans_refuse_moved_and_regrown_tensors(sender):
     assert pool_empty(sender.pool)
 
 
+def test_a_tensor_re_viewed_in_place_makes_the_plan_stale_on_both_sides(sender, receiver):
+    # The same storage and address in another layout: a kept plan would
+    # send (or write) the bytes in the planned order under the planned
+    # shape, which is no longer the tensor's. Each change is refused by name.
+    changes = [
+        (lambda w: w.t_(), r"'w' was \(4, 6\) with strides \(6, 1\) and is \(6, 4\) with strides \(1, 6\)"),
+        (lambda w: setattr(w, "data", w.data.view(6, 4)), r"'w' was \(4, 6\) .* is \(6, 4\) with strides \(4, 1\)"),
+        (lambda w: w.resize_(2, 6), r"'w' was \(4, 6\) .* is \(2, 6\)"),  # shrinks: the address stays
+        (lambda w: w.as_strided_((4, 3), (6, 2)), r"'w' was \(4, 6\) .* is \(4, 3\) with strides \(6, 2\)"),
+    ]
+    for change, pattern in changes:
+        w = torch.arange(24, dtype=torch.float32).view(4, 6).clone()
+        plan = sender.plan({"w": w, "b": torch.ones(3)})
+        change(w)
+        with pytest.raises(PlanStaleError, match=pattern + ".*nothing was sent"):
+            sender.put(plan)
+        assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
+        assert not plan.matches({"w": w, "b": plan.source["b"]})
+
+    obj = [torch.arange(12, dtype=torch.float32).view(3, 4)]
+    targets = [torch.zeros(3, 4)]
+    rplan = first_sync(sender, receiver, sender.plan(obj), into=targets)
+    targets[0].t_()
+    ticket = sender.put(obj)
+    with pytest.raises(PlanStaleError, match=r"#0 was \(3, 4\) .* is \(4, 3\).*nothing was written"):
+        receiver.get(ticket, into=rplan)
+    assert targets[0].t().equal(obj[0])  # as the first sync left it
+    sender.discard(ticket)
+
+
+def test_matches_needs_the_planned_shapes_strides_and_dtypes_not_only_the_memory(sender):
+    flat = torch.arange(24, dtype=torch.float32)
+    plan = sender.plan([flat[:12].view(3, 4), flat[12:]])
+    assert plan.matches([flat[:12].view(3, 4), flat[12:]])  # new tensor objects, the same views
+    assert not plan.matches([flat[:12].view(4, 3), flat[12:]])  # same address and size
+    assert not plan.matches([flat[:12].view(3, 4).t(), flat[12:]])
+    assert not plan.matches([flat[:12].view(3, 4), flat[12:].view(torch.int32)])
+    assert not plan.matches([flat[:12].view(3, 4), flat[12:].view(3, 4)])
+    assert not plan.matches([flat[:12].view(3, 4)])
+
+
 def test_many_separate_targets_are_marked_written_while_the_bytes_land(sender, receiver):
     # 5,000 separate targets: their version counters are bumped on a copy
     # thread during the get, and all of them by the time it returns; a

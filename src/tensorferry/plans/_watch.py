@@ -1,6 +1,7 @@
 """What a kept plan checks before each use: its tensors are still where it
-found them (addresses, sizes, a module's own slots), and the storages it
-holds so that a copy by the planned addresses reads live memory."""
+found them, as it found them (addresses, dtypes, sizes, strides, a module's
+own slots), and the storages it holds so that a copy by the planned
+addresses reads live memory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from .._copy import executor, finish
+from .._tensor_meta import Recorded
 from .._tensors import data_ptrs, first_replaced, flatten
 from ..errors import PlanStaleError, UnsupportedTensorError
 
@@ -20,16 +22,19 @@ __all__ = ["PUT", "Watch", "outcome"]
 
 class Watch:
     """What a kept plan checks before each use: that its tensors are still
-    where it found them (same addresses and sizes) and, for a module, still
-    the module's own (a parameter or buffer replaced is another tensor)."""
+    where and as it found them (same addresses, dtypes, sizes and strides:
+    a tensor re-viewed in place, ``t_()`` or ``.data =`` a view of the same
+    memory in another shape, keeps its address but not its layout) and,
+    for a module, still the module's own (a parameter or buffer replaced
+    is another tensor). Each check is one C++ pass over the tensors
+    (``_tensor_meta``)."""
 
     def __init__(self, leaves: Sequence[torch.Tensor], names: list[Any] | None, module: torch.nn.Module | None, ops: Sequence[int], counts: Sequence[int], keys: Sequence[Any], *, hold: bool = False) -> None:
-        n = len(leaves)
         self.leaves = leaves = leaves if type(leaves) is list else list(leaves)
         self.names = names
-        self.ptrs = data_ptrs(leaves)
-        self.numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
-        self.dtypes = list(map(_get_dtype, leaves))
+        self.recorded = Recorded(leaves)
+        self.ptrs = self.recorded.ptrs
+        self.numels = self.recorded.numels()
         self.tree = (list(ops), list(counts), list(keys))
         # Per tensor, the module dict it lives in and its name there.
         self.slots = _module_slots(module, names or [], leaves) if module is not None else None
@@ -47,30 +52,37 @@ class Watch:
                     f"(reassigned, e.g. by load_state_dict(assign=True) or a new nn.Parameter); {outcome(what)}: "
                     f"make a new plan with {fix}"
                 )
-        # One pass, the addresses only (0.015 to 0.03 us a tensor): what can
-        # make the plan read or write memory that is no longer the tensor's
-        # (`.data =`, set_, module.to(), a resize_ that grows) moves it. A
-        # resize_ that shrinks keeps the address and the storage's bytes:
-        # the plan still moves the planned bytes, safely; it is caught by
-        # the size check below only when the address moved too.
-        try:
-            ptrs = data_ptrs(leaves)
-        except (RuntimeError, TypeError):  # one has no memory now (swap_tensors)
-            i = next(i for i, t in enumerate(leaves) if _no_address(t))
-            raise PlanStaleError(
-                f"{what}: {self.name(i)} has no memory of its own any more (a sparse or storage-less tensor was "
-                f"swapped in, e.g. by torch.utils.swap_tensors); {outcome(what)}: make a new plan with {fix}"
-            ) from None
-        bad = np.flatnonzero(ptrs != self.ptrs)
-        if bad.size:
-            i = int(bad[0])
-            numel = leaves[i].numel()
-            change = f"moved from address {self.ptrs[i]:#x} to {ptrs[i]:#x}" + (
+        # One pass (0.05 us a tensor): what can make the plan read or write
+        # memory that is no longer the tensor's (`.data =`, set_,
+        # module.to(), a resize_ that grows) moves it; what makes the
+        # planned bytes another layout of the tensor (t_(), as_strided_(),
+        # `.data =` a view of the same memory) changes its sizes or strides.
+        # A resize_ that shrinks keeps the address and the storage's bytes:
+        # it is caught as a change of sizes.
+        i = self.recorded.first_changed(leaves)
+        if i >= 0:
+            raise PlanStaleError(f"{what}: {self._change(i)}; {outcome(what)}: make a new plan with {fix}")
+
+    def _change(self, i: int) -> str:
+        """What became of tensor ``i`` since the plan was made (the first that changed)."""
+        t = self.leaves[i]
+        if _no_address(t):
+            return (f"{self.name(i)} has no memory of its own any more (a sparse or storage-less tensor was swapped in, "
+                    "e.g. by torch.utils.swap_tensors)")
+        ptr, numel = t.data_ptr(), t.numel()
+        if ptr != self.ptrs[i]:
+            try:
+                moved = int((data_ptrs(self.leaves) != self.ptrs).sum())
+            except (RuntimeError, TypeError):
+                moved = 1
+            change = f"moved from address {self.ptrs[i]:#x} to {ptr:#x}" + (
                 f" and was resized from {self.numels[i]:,} to {numel:,} elements" if numel != self.numels[i] else "")
-            raise PlanStaleError(
-                f"{what}: {self.name(i)} {change} since the plan was made ({bad.size:,} tensors changed; e.g. "
-                f"`.data` reassigned, module.to(), resize_); {outcome(what)}: make a new plan with {fix}"
-            )
+            return f"{self.name(i)} {change} since the plan was made ({moved:,} tensors moved; e.g. `.data` reassigned, module.to(), resize_)"
+        sizes, strides = self.recorded.shape_of(i)
+        dtype = self.recorded.dtype(i)
+        now = f"{tuple(t.shape)} with strides {t.stride()}" + (f" as {t.dtype}" if t.dtype is not dtype else "")
+        return (f"{self.name(i)} was {sizes} with strides {strides} and is {now} at the same address since the plan was made "
+                "(re-viewed in place: t_(), as_strided_(), resize_(), `.data =` a view of the same memory)")
 
     def guarded(self, move: Callable[[], Any], what: str, fix: str, *, overlap: bool) -> Any:
         """``move()``, which reads or writes the planned tensors' memory by
@@ -103,20 +115,17 @@ class Watch:
             raise
 
     def matches(self, obj: Any) -> bool:
+        """Whether ``obj``'s tensors are the planned tensors' memory as
+        planned (addresses, dtypes, sizes, strides), nested the same way:
+        a flatten and one C++ pass."""
         src = obj.state_dict(keep_vars=True) if isinstance(obj, torch.nn.Module) else obj
         try:
             leaves, ops, counts, keys, staged = flatten(src)
         except UnsupportedTensorError:
             return False
-        n = len(leaves)
-        if staged or n != len(self.leaves) or (ops, counts, keys) != self.tree or list(map(_get_dtype, leaves)) != self.dtypes:
+        if staged or len(leaves) != len(self.leaves) or (ops, counts, keys) != self.tree:
             return False
-        try:
-            ptrs = data_ptrs(leaves)
-        except RuntimeError:  # a tensor without memory (meta, sparse)
-            return False
-        numels = np.fromiter(map(torch.Tensor.numel, leaves), dtype=np.int64, count=n)
-        return bool((ptrs == self.ptrs).all() and (numels == self.numels).all())
+        return self.recorded.first_changed(leaves) < 0
 
     def name(self, i: int) -> str:
         if self.names is not None and i < len(self.names):
@@ -194,7 +203,6 @@ class _Storages:
 
 
 
-_get_dtype = operator.attrgetter("dtype")
 _get_cdata = operator.attrgetter("_cdata")
 
 
