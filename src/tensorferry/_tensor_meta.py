@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ._tensor_types import _CODE_BY_TORCH, _TORCH_BY_CODE
+from .errors import UnsupportedTensorError
 
 try:
     from . import _ptrs as _native
@@ -211,7 +212,8 @@ class Recorded:
         if cols is None:
             for t in tensors:  # raises what data_ptr() or shape raises
                 t.data_ptr(), t.shape, t.stride()
-            raise TypeError("a tensor has no sizes or strides to record")
+            raise UnsupportedTensorError(f"one of these {len(tensors)} tensors has no address, sizes or strides to record; "
+                                         "a plan needs strided tensors (not sparse, nested or meta)")
         self.columns = cols
         self._dtypes = None if self._native else [t.dtype for t in tensors]
 

@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .errors import ConfigurationError
+
 __all__ = ["Box", "local_box", "is_shard"]
 
 
@@ -37,23 +39,23 @@ class Box:
         global_shape: the global tensor's shape.
 
     Raises:
-        ValueError: the part does not lie inside the global shape, or the
-            numbers of dimensions differ.
+        ConfigurationError: not a tensor, the part does not lie inside the
+            global shape, or the numbers of dimensions differ.
     """
 
     __slots__ = ("tensor", "offsets", "global_shape")
 
     def __init__(self, tensor: torch.Tensor, offsets: Sequence[int], global_shape: Sequence[int]) -> None:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"Box(tensor=...) takes a torch.Tensor, not a {type(tensor).__name__}")
+            raise ConfigurationError(f"Box(tensor=...) takes a torch.Tensor, not a {type(tensor).__name__}: wrap the local part's tensor")
         offsets, global_shape = tuple(int(o) for o in offsets), tuple(int(s) for s in global_shape)
         if not len(offsets) == len(global_shape) == tensor.dim():
-            raise ValueError(
+            raise ConfigurationError(
                 f"Box: a {tensor.dim()}-d tensor needs {tensor.dim()} offsets and a {tensor.dim()}-d global shape; "
                 f"got offsets {offsets} and global shape {global_shape}"
             )
         if any(o < 0 or o + n > g for o, n, g in zip(offsets, tensor.shape, global_shape)):
-            raise ValueError(
+            raise ConfigurationError(
                 f"Box: a part of shape {tuple(tensor.shape)} at offsets {offsets} does not lie inside the global shape {global_shape}"
             )
         self.tensor, self.offsets, self.global_shape = tensor, offsets, global_shape
