@@ -50,6 +50,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _first_sync(s: tf.Sender, r: tf.Receiver, w: dict[str, torch.Tensor]) -> tuple[tf.SendPlan, tf.RecvPlan]:
+    """A bf16 delta plan of ``w``, its first (whole) version received into a
+    kept receive plan and released: the state every later delta builds on."""
+    plan = s.plan(w, dtype=torch.bfloat16, delta=True)
+    t = s.put(plan)
+    rp = r.plan(t)
+    r.get(t, into=rp)
+    s.wait_released(t, timeout=10)
+    return plan, rp
+
+
 def _assert_exact(got: dict[str, torch.Tensor], w: dict[str, torch.Tensor]) -> None:
     want = _sent(w)
     assert set(got) == set(want)
@@ -166,11 +177,7 @@ def test_a_delta_denser_than_the_object_is_never_larger():
     g = torch.Generator().manual_seed(2)
     w = {"x": torch.randn(100_000, generator=g)}
     with tf.Sender("tcp", capacity_nbytes=8 * MiB) as s, tf.Receiver("tcp", timeout=20.0) as r:
-        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
-        t = s.put(plan)
-        rp = r.plan(t)
-        r.get(t, into=rp)
-        s.wait_released(t, timeout=10)
+        plan, rp = _first_sync(s, r, w)
         for fraction in (0.3, 0.6, 1.0):
             w["x"] += torch.randn(100_000, generator=g) * (1.0 if fraction == 1.0 else 0.0)
             idx = torch.randperm(100_000, generator=g)[: int(100_000 * fraction)]
@@ -418,11 +425,7 @@ def test_a_delta_that_does_not_pay_is_not_sent_and_comparing_backs_off():
     for transport, offered in (("tcp", True), ("shm", False)):
         w = {"x": torch.randn(200_000, generator=g)}
         with tf.Sender(transport, capacity_nbytes=8 * MiB) as s, tf.Receiver(transport, timeout=20.0) as r:
-            plan = s.plan(w, dtype=torch.bfloat16, delta=True)
-            t = s.put(plan)
-            rp = r.plan(t)
-            r.get(t, into=rp)
-            s.wait_released(t, timeout=10)
+            plan, rp = _first_sync(s, r, w)
             bases = []
             for fraction in (0.1, 0.001, 0.001):
                 idx = torch.randperm(200_000, generator=g)[: int(200_000 * fraction)]
@@ -443,11 +446,7 @@ def test_across_hosts_a_delta_over_the_limit_is_not_sent():
     g = torch.Generator().manual_seed(11)
     w = {"x": torch.randn(200_000, generator=g)}
     with tf.Sender("tcp", capacity_nbytes=8 * MiB) as s, tf.Receiver("tcp", timeout=20.0) as r:
-        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
-        t = s.put(plan)
-        rp = r.plan(t)
-        r.get(t, into=rp)
-        s.wait_released(t, timeout=10)
+        plan, rp = _first_sync(s, r, w)
         offered = []
         for fraction in (0.1, 0.5):
             idx = torch.randperm(200_000, generator=g)[: int(200_000 * fraction)]
@@ -535,11 +534,7 @@ def test_a_corrupted_delta_is_refused_and_the_next_get_reads_the_whole(transport
     g = torch.Generator().manual_seed(9)
     w = _weights()
     with tf.Sender(transport, capacity_nbytes=8 * MiB) as s, tf.Receiver(transport, timeout=20.0) as r:
-        plan = s.plan(w, dtype=torch.bfloat16, delta=True)
-        t = s.put(plan)
-        rp = r.plan(t)
-        r.get(t, into=rp)
-        s.wait_released(t, timeout=10)
+        plan, rp = _first_sync(s, r, w)
         _change(w, g, 0.001)
         t = s.put(plan)
         (offset, nbytes), = t.delta.blocks
