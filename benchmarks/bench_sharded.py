@@ -49,6 +49,7 @@ os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 import argparse
 import ctypes
 import math
+import resource
 import multiprocessing as mp
 import socket
 import time
@@ -187,6 +188,7 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
                 break
             mode, tickets = cmd
             before = r.bytes_received
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             if mode == "sharded":
                 if sharded_plan is None:
@@ -203,6 +205,7 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
                     b.tensor.copy_(got[k][o0 : o0 + n0, o1 : o1 + n1])
                 del got
             seconds = time.perf_counter() - t0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # page faults of the get (all threads)
             end = time.monotonic()  # one clock for every process of the host: the sync's end
             ok = None
             if mode != "unsharded":  # its bytes are worker 0's share for both: not this worker's slices
@@ -210,7 +213,8 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
                          for k, b in boxes.items())
                 for b in boxes.values():
                     b.tensor.zero_()
-            out.put(("got", w, {"received_nbytes": r.bytes_received - before, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok}))
+            out.put(("got", w, {"received_nbytes": r.bytes_received - before, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok,
+                                "faults": faults}))
         r.close()
     except BaseException:
         out.put(("error", w, traceback.format_exc()))
@@ -311,6 +315,8 @@ def run_all(args: Any, hosts: Any) -> None:
             "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(WORKERS)),
             "first_seconds": r["first"]["seconds"],
             "worker_get_seconds_median": med([max(x["workers"][w]["seconds"] for w in range(WORKERS)) for x in recs]),
+            # Minor page faults during a worker's get (its mappings of the sources' pools, its targets).
+            "worker_get_faults_median": med([max(x["workers"][w]["faults"] for w in range(WORKERS)) for x in recs]),
             "source_put_seconds_median": med([max(x["sources"][k]["put_seconds"] for k in range(SOURCES)) for x in recs]),
         }
     shard_nbytes = runs[0]["records"][0]["sources"][0]["shard_nbytes"]
@@ -326,10 +332,11 @@ def run_all(args: Any, hosts: Any) -> None:
     if hosts is not None:
         share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
         ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
-    print(f"\n{'mode':<10} {'median s':>9} {'worker bytes/share':>20} {'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} ok")
+    print(f"\n{'mode':<10} {'median s':>9} {'worker get s':>12} {'get faults':>10} {'worker bytes/share':>20} "
+          f"{'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} ok")
     for mode in MODES:
         x = res[mode]
-        print(f"{mode:<10} {x['seconds_median']:>9.3f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
+        print(f"{mode:<10} {x['seconds_median']:>9.3f} {x['worker_get_seconds_median']:>12.3f} {x['worker_get_faults_median']:>10.0f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
               f"{x['rank0_over_baseline_nbytes'] / MIB:>22.0f} / {x['other_ranks_over_baseline_nbytes'] / MIB:<9.0f} "
               f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} {x['verified']}")
     print(f"\nshard per rank {shard_nbytes / MIB:.0f} MiB; targets: bytes/share {TARGET_BYTES_VS_SHARE}, sharded/unsharded <= {TARGET_SHARDED_VS_UNSHARDED}, "
