@@ -8,6 +8,7 @@ replays the plans; a third casts to bf16. Workers' processes in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing as mp
 import os
@@ -39,6 +40,29 @@ def _take(q, deadline: float):
     return item
 
 
+@contextlib.contextmanager
+def _ranks(procs: list):
+    """The ranks' processes started, and killed if the body fails; a rank
+    that does not answer in time fails the test."""
+    for p in procs:
+        p.start()
+    try:
+        yield
+    except queue.Empty:
+        pytest.fail("the ranks did not finish in time")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _joined(procs: list, deadline: float) -> None:
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 1.0))
+        assert p.exitcode == 0
+
+
 def test_dtensor_sources_to_dtensor_workers_every_transport():
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["UCX_NET_DEVICES"] = "lo"
@@ -50,11 +74,9 @@ def test_dtensor_sources_to_dtensor_workers_every_transport():
     src_port, dst_port = _port(), _port()
     procs = [ctx.Process(target=W.source_main, args=(k, src_port, transports, 2 * len(transports), out, gos[k])) for k in range(4)]
     procs += [ctx.Process(target=W.worker_main, args=(k, dst_port, transports, to_workers[k], results)) for k in range(2)]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + _TIMEOUT_SECONDS
     reports = {}
-    try:
+    with _ranks(procs):
         for sync in (1, 2, 3):
             by_rank = {}
             while len(by_rank) < 4:
@@ -73,16 +95,7 @@ def test_dtensor_sources_to_dtensor_workers_every_transport():
                         reports[rank] = report
             for q in gos:
                 q.put(True)
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 1.0))
-            assert p.exitcode == 0
-    except queue.Empty:
-        pytest.fail("the ranks did not finish in time")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _joined(procs, deadline)
     for rank, report in reports.items():
         assert report["bad"] == {k: [] for k in report["bad"]}, f"worker {rank}: wrong shards {report['bad']}"
         assert set(report["bad"]) == {f"{tr}-{n}" for tr in transports for n in (1, 2)} | {"bf16"}
@@ -109,10 +122,8 @@ def test_fsdp2_gpt2_to_a_whole_model_and_a_tensor_parallel_worker():
     gos = [ctx.Queue() for _ in range(2)]
     port = _port()
     procs = [ctx.Process(target=W.fsdp_source_main, args=(k, port, out, gos[k])) for k in range(2)]
-    for p in procs:
-        p.start()
     deadline = time.monotonic() + _TIMEOUT_SECONDS
-    try:
+    with _ranks(procs):
         tickets = [None, None]
         for _ in range(2):
             rank, _, got = _take(out, deadline)
@@ -131,13 +142,4 @@ def test_fsdp2_gpt2_to_a_whole_model_and_a_tensor_parallel_worker():
             assert torch.equal(v.tensor if isinstance(v, Box) else v, want), k
         for q in gos:
             q.put(True)
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 1.0))
-            assert p.exitcode == 0
-    except queue.Empty:
-        pytest.fail("the ranks did not finish in time")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _joined(procs, deadline)

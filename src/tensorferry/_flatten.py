@@ -231,7 +231,11 @@ def _find_problems(obj: Any) -> list[str]:
 
     def walk(x: Any, path: list[Any]) -> None:
         if is_shard(x):
-            x = local_box(x)[0]  # flatten took it: its local tensor is the leaf
+            found = local_box(x)  # its local tensor is the leaf, or a str saying why none is
+            if isinstance(found, str):
+                problems.append(f"{_path(path)} {found}")
+                return
+            x = found[0]
         if isinstance(x, torch.Tensor):
             problem = _leaf_problem(x)
             if problem:

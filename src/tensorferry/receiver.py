@@ -195,9 +195,7 @@ class Receiver:
             if zero_copy:
                 raise ConfigurationError("a sharded get writes into its targets; leave zero_copy off")
             return self._get_sharded(ticket, into, timeout)
-        ticket = _decoded(ticket)
-        if self.transport is not None and ticket.transport != self.transport:
-            raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
+        ticket = self._spoken(ticket)
         timeout = self.timeout if timeout is None else positive_seconds("get(timeout)", timeout)
         deadline = time.monotonic() + timeout
         if isinstance(into, RecvPlan):
@@ -286,11 +284,14 @@ class Receiver:
         return result
 
     def _tickets(self, tickets: list | tuple) -> list[Ticket]:
-        out = [_decoded(t) for t in tickets]
-        for t in out:
-            if self.transport is not None and t.transport != self.transport:
-                raise TicketError(f"ticket is for the {t.transport} transport, this receiver speaks {self.transport}")
-        return out
+        return [self._spoken(t) for t in tickets]
+
+    def _spoken(self, ticket: Ticket | bytes | bytearray | memoryview) -> Ticket:
+        """The ticket decoded, for a transport this receiver speaks."""
+        ticket = _decoded(ticket)
+        if self.transport is not None and ticket.transport != self.transport:
+            raise TicketError(f"ticket is for the {ticket.transport} transport, this receiver speaks {self.transport}")
+        return ticket
 
     def _one_shot(self, ticket: Ticket, into: Any) -> RecvPlan:
         """The plan of one get of ``ticket`` (its layout decoded once)."""
