@@ -584,28 +584,44 @@ def _sourced_sender(kind: str, rounds: int, out_q, in_q) -> None:
 @pytest.mark.parametrize("kind", ["shm", "tcp"])
 def test_snapshot_false_from_another_process(kind):
     # shm readers copy the sender's tensors out of its memory (process_vm_readv).
+    def streamed(ticket: Ticket) -> None:
+        assert ticket.streamed  # more than the sender's small pool: pieces
+
+    def pool_unused(out_q) -> None:
+        assert out_q.get(timeout=30) == 0  # the sender's pool never held any of it
+
+    _replayed_from_another_process(_sourced_sender, kind, 2, state_dict(12, scale=64), each=streamed, after=pool_unused)
+
+
+def _replayed_from_another_process(sender_main, transport: str, rounds: int, want, *, each=None, after=None) -> None:
+    """``sender_main(transport, rounds, out_q, in_q)`` in a spawned process
+    puts its plan ``rounds`` times; each ticket is received into one kept
+    receive plan and must equal ``want`` bumped once more (``each(ticket)``
+    checks it first); ``after(out_q)`` reads what the sender reports last."""
     ctx = mp.get_context("spawn")
     out_q, in_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_sourced_sender, args=(kind, 2, out_q, in_q), daemon=True)
+    proc = ctx.Process(target=sender_main, args=(transport, rounds, out_q, in_q), daemon=True)
     proc.start()
     try:
-        want = state_dict(12, scale=64)
-        with Receiver(kind, timeout=30.0) as receiver:
+        with Receiver(transport, timeout=30.0) as receiver:
             rplan = None
-            for _ in range(2):
+            for _ in range(rounds):
                 ticket = Ticket.from_bytes(out_q.get(timeout=120))
-                assert ticket.streamed  # more than the sender's small pool: pieces
+                if each is not None:
+                    each(ticket)
                 rplan = rplan or receiver.plan(ticket)
                 got = receiver.get(ticket, into=rplan)
                 bump(want)
                 assert_same(got, want)
                 in_q.put(None)
-        assert out_q.get(timeout=30) == 0  # the sender's pool never held any of it
+        if after is not None:
+            after(out_q)
         proc.join(timeout=30)
         assert proc.exitcode == 0
     finally:
         if proc.is_alive():
             proc.kill()
+        gc.collect()
 
 
 # -- another process ------------------------------------------------------------------------------
@@ -627,27 +643,7 @@ def _plan_sender(transport: str, rounds: int, out_q, in_q) -> None:
 
 
 def test_a_sender_process_replays_its_plan(transport):
-    ctx = mp.get_context("spawn")
-    out_q, in_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_plan_sender, args=(transport, 3, out_q, in_q), daemon=True)
-    proc.start()
-    try:
-        want = state_dict(11, scale=8)
-        with Receiver(transport, timeout=30.0) as receiver:
-            rplan = None
-            for _ in range(3):
-                ticket = Ticket.from_bytes(out_q.get(timeout=120))
-                rplan = rplan or receiver.plan(ticket)
-                got = receiver.get(ticket, into=rplan)
-                bump(want)
-                assert_same(got, want)
-                in_q.put(None)
-        proc.join(timeout=30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        gc.collect()
+    _replayed_from_another_process(_plan_sender, transport, 3, state_dict(11, scale=8))
 
 
 def test_a_plan_into_a_module_checks_its_parameters_each_get(sender, receiver):
