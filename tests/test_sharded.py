@@ -79,6 +79,38 @@ def test_box_sources_to_box_targets_planned_and_replayed(senders):
         assert torch.equal(t0["w"].tensor, -2 * W[:, :3]) and torch.equal(t0["e"], -2 * EMB) and t0["s"].item() == -6.0
 
 
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_delta_plan_sources_are_read_whole_and_their_delta_slots_given_back(transport):
+    """A sharded get reads ranges of the whole object; the delta a delta
+    plan's ticket also offers (tcp, nixl: a one-element change pays across
+    hosts) is not read, and its reader slot goes back, so the source's
+    wait_released returns."""
+    require(transport)
+    senders = [tf.Sender(transport, capacity_nbytes=1 << 20) for _ in range(3)]
+    try:
+        plans = [s.plan(source(k), delta=True) for k, s in enumerate(senders)]
+        with tf.Receiver(transport) as r:
+            t0, _ = targets()
+            p0 = None
+            for step in range(2):
+                if step:
+                    for p in plans:
+                        p._leaves[0].view(-1)[0] += 1  # one element: the second puts offer a delta
+                tickets = [s.put(p) for s, p in zip(senders, plans)]
+                assert all(bool(t.delta.ticket_id) == bool(step) for t in tickets)
+                p0 = p0 or r.plan(tickets, into=t0)
+                r.get(tickets, into=p0)
+                for s, t in zip(senders, tickets):
+                    s.wait_released(t, timeout=10)
+        want = W.clone()
+        for a, _ in ROWS:
+            want[a, 0] += 1  # each source's first element of its rows of w
+        assert torch.equal(t0["w"].tensor, want[:, :3]) and torch.equal(t0["e"], EMB)
+    finally:
+        for s in senders:
+            s.close()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_streamed_sources_and_bf16_cast(transport):
     """Sources larger than their pools are streamed in pieces; dtype= casts."""

@@ -153,7 +153,8 @@ class Fetcher:
     def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any], deadline: float) -> None:
         """A sharded get's part from one source: every piece of ``ticket``
         acquired and released (this receiver is one of its readers), and of
-        each only the ranges ``ranges(geometry, lo, hi)`` names read."""
+        each only the ranges ``ranges(geometry, lo, hi)`` names read; the
+        slot of a delta plan's delta is given back unread."""
         if not ch.reads_ranges:
             raise ConfigurationError(f"the {ch.transport} transport cannot read byte ranges; a sharded get needs shm, tcp or nixl")
         if ticket.streamed:
@@ -173,6 +174,7 @@ class Fetcher:
                     ch.read_ranges(ticket.id, piece, blocks, pos, addr, n, deadline=deadline)
             finally:
                 ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
+        settle(ch, ticket, deadline)  # ranges of the whole object: a delta plan's delta slot goes back unread
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],
               source: str | None, deadline: float) -> None:
