@@ -60,8 +60,10 @@ class _Entry:
     # the plan: one such ticket of a plan is read at a time.
     sourced: bool = False
     source: object = None
-    # A broadcast ticket (put with fanout=): who pulls from whom.
+    # A broadcast ticket (put with fanout=): who pulls from whom; the
+    # readers of the same byte ranges (sharded gets), a tree for each range set.
     tree: Tree | None = None
+    ranged: dict[bytes, Tree] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -180,9 +182,10 @@ class Ledger(Holdings):
             if msg.failed_source:
                 # A receiver that holds its slot lost the relay it pulled
                 # from: another source, the same slot.
-                if entry.tree is None or not conn.holds.get(key) or piece.packed is None:
+                tree = _tree(entry, msg.ranges)
+                if tree is None or not conn.holds.get(key) or piece.packed is None:
                     return P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not held on this connection, or is no broadcast")
-                source = entry.tree.reassign(msg.relay, msg.failed_source)
+                source = tree.reassign(msg.relay, msg.failed_source)
                 return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
@@ -199,7 +202,8 @@ class Ledger(Holdings):
             conn.holds[key] = conn.holds.get(key, 0) + 1
             # Only readers of a broadcasting server join the tree: shm
             # readers on the sender's host map its pool.
-            source = entry.tree.join(msg.relay, conn.remote_host) if entry.tree is not None and conn.server.broadcasts else SENDER
+            tree = _tree(entry, msg.ranges)
+            source = tree.join(msg.relay, conn.remote_host) if tree is not None and conn.server.broadcasts else SENDER
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
     def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
@@ -320,3 +324,15 @@ class Ledger(Holdings):
                 if piece.packed is None and piece.finished < piece.readers:
                     return entry, piece  # pieces of one entry go in order
         return None
+
+
+def _tree(entry: _Entry, ranges: bytes) -> Tree | None:
+    """The relay tree a reader joins: the broadcast's own (the whole piece),
+    or, for a sharded get's reader, the tree of its range set (made as the
+    first of them acquires; at most one a reader slot). None: no broadcast."""
+    if entry.tree is None or not ranges:
+        return entry.tree
+    tree = entry.ranged.get(ranges)
+    if tree is None:
+        tree = entry.ranged[ranges] = Tree(entry.tree.fanout)
+    return tree

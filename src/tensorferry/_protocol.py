@@ -110,6 +110,10 @@ class Acquire(msgspec.Struct, frozen=True):
     # source that failed it.
     relay: Annotated[str, msgspec.Meta(max_length=512)] = ""
     failed_source: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    # A sharded get's reader: a digest of the byte ranges it reads (b"":
+    # the whole piece). Of a broadcast ticket, the readers of the same
+    # ranges pull from each other, in a relay tree of their own.
+    ranges: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Located(msgspec.Struct, frozen=True):

@@ -25,14 +25,16 @@ window of the plan's runs inside its byte range.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from . import packing
-from ._copy import StagedCopy, executor, finish
+from ._copy import CopyPlan, StagedCopy, executor, finish
 from ._delta_receive import reads_delta, receive_delta, settle, version_of
 from ._recv_cache import ReceiveCache
 from .errors import ConfigurationError, PeerGoneError, PoolExhaustedError, ProtocolError, TicketError, TransferTimeoutError
@@ -150,31 +152,56 @@ class Fetcher:
             plan.version = version_of(plan, ticket)
         return plan.result
 
-    def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any], deadline: float) -> None:
+    def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any],
+                    digest: Callable[[tuple[int, ...]], bytes], deadline: float, *, group: object = None) -> None:
         """A sharded get's part from one source: every piece of ``ticket``
         acquired and released (this receiver is one of its readers), and of
         each only the ranges ``ranges(geometry, lo, hi)`` names read; the
-        slot of a delta plan's delta is given back unread."""
+        slot of a delta plan's delta is given back unread.
+
+        Of a resident ticket over a relaying channel the acquire names the
+        ranges (``digest(geometry)``): readers of the same ranges of a
+        broadcast pull them from each other, as one stream
+        (:meth:`_receive_ranges`; ``group``: the get, whose streams a
+        relay keeps side by side)."""
         if not ch.reads_ranges:
             raise ConfigurationError(f"the {ch.transport} transport cannot read byte ranges; a sharded get needs shm, tcp or nixl")
         if ticket.streamed:
-            geometry = (ticket.total_nbytes,)
-            pieces = range(ticket.num_pieces)
+            for piece in range(ticket.num_pieces):
+                blocks, lo = self._acquire_piece(ch, ticket, piece, deadline)
+                try:
+                    pos, addr, n = ranges((ticket.total_nbytes,), lo, lo + sum(b for _, b in blocks))
+                    if pos.size:
+                        ch.read_ranges(ticket.id, piece, blocks, pos, addr, n, deadline=deadline)
+                finally:
+                    ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
         else:
             geometry = tuple(n for _, n in ticket.blocks)
-            pieces = range(1)
-        for piece in pieces:
-            if ticket.streamed:
-                blocks, lo = self._acquire_piece(ch, ticket, piece, deadline)
-            else:
-                blocks, lo = self._acquire_resident(ch, ticket, deadline)[0], 0
+            pos, addr, n = ranges(geometry, 0, sum(geometry))
+            named = _stream_digest(ticket, digest(geometry)) if ch.relays and pos.size else b""
+            blocks, source = self._acquire_resident(ch, ticket, deadline, ranges=named)
             try:
-                pos, addr, n = ranges(geometry, lo, lo + sum(b for _, b in blocks))
-                if pos.size:
-                    ch.read_ranges(ticket.id, piece, blocks, pos, addr, n, deadline=deadline)
+                if pos.size and (source or (named and self._book is not None and len(blocks) == 1)):
+                    self._receive_ranges(ch, ticket, blocks, source, (pos, addr, n), named, deadline, group)
+                elif pos.size:
+                    ch.read_ranges(ticket.id, 0, blocks, pos, addr, n, deadline=deadline)
             finally:
-                ch.release(ticket.id, piece, timeout=max(deadline - time.monotonic(), 5.0))
+                ch.release(ticket.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
         settle(ch, ticket, deadline)  # ranges of the whole object: a delta plan's delta slot goes back unread
+
+    def _receive_ranges(self, ch: Channel, ticket: Ticket, blocks: list, source: str, runs: tuple, named: bytes, deadline: float,
+                        group: object) -> None:
+        """A sharded get's ranges of a broadcast as one stream (``named``:
+        the ranges back to back), from ``source`` (a relay of the same
+        ranges, or ``""``: the sender), passed on to this receiver's
+        children if it relays; then copied out to the targets."""
+        pos, addr, n = runs
+
+        def from_sender(buf: memoryview, start: int, progress: Any) -> None:
+            ch.receive_ranges(ticket.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+
+        stream = self._receive_stream(ch, ticket, int(n.sum()), named, source, from_sender, deadline, group)
+        CopyPlan.build(addr, np.cumsum(n) - n, n).execute(src_base=stream.data_ptr())
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],
               source: str | None, deadline: float) -> None:
@@ -297,10 +324,11 @@ class Fetcher:
 
     # -- reader slots ------------------------------------------------------------------
 
-    def _acquire_resident(self, ch: Channel, ticket: Ticket, deadline: float) -> tuple[list[tuple[int, int]], str]:
+    def _acquire_resident(self, ch: Channel, ticket: Ticket, deadline: float, ranges: bytes = b"") -> tuple[list[tuple[int, int]], str]:
         """Take a reader slot: the blocks, and where to pull them from
-        (``""``: the sender; a broadcast may name a relay)."""
-        located = ch.acquire(ticket.id, 0, timeout=_left(deadline), digest=ticket.digest, relay=self._relay_address)
+        (``""``: the sender; a broadcast may name a relay, of the same
+        ``ranges`` for a sharded get's reader)."""
+        located = ch.acquire(ticket.id, 0, timeout=_left(deadline), digest=ticket.digest, relay=self._relay_address, ranges=ranges)
         blocks = [tuple(b) for b in located.blocks]
         if blocks != [tuple(b) for b in ticket.blocks]:
             ch.release(ticket.id, 0, timeout=_left(deadline))
@@ -322,12 +350,24 @@ class Fetcher:
     def _receive_broadcast(self, ch: Channel, ticket: Ticket, blocks: list, source: str, plan: RecvPlan, deadline: float) -> torch.Tensor:
         """The one block of a ticket, chunk by chunk, from ``source`` (a
         relay, or ``""``: the sender), into memory of its own; published to
-        this receiver's children as it arrives if it relays. A relay that
-        fails or stalls is reported to the sender, which names another
-        source; the receive resumes from the bytes it has."""
+        this receiver's children as it arrives if it relays."""
         if len(blocks) != 1:
             raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
-        total = blocks[0][1]
+
+        def from_sender(buf: memoryview, start: int, progress: Any) -> None:
+            ch.receive_range(ticket.id, 0, blocks, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+
+        return self._receive_stream(ch, ticket, blocks[0][1], ticket.digest, source, from_sender, deadline)
+
+    def _receive_stream(self, ch: Channel, ticket: Ticket, total: int, digest: bytes, source: str,
+                        from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None) -> torch.Tensor:
+        """A stream of ``total`` bytes of ``ticket`` (``digest``: the
+        ticket's, or a sharded get's ranges of it) into memory of its own,
+        from ``source`` (a relay; ``""``: the sender, ``from_sender(buf,
+        start, progress)``); published to this receiver's children as it
+        arrives if it relays (``group``: see :meth:`RelayBook.add`). A relay
+        that fails or stalls is reported to the sender, which names another
+        source; the receive resumes from the bytes it has."""
         if self._book is not None:
             # Shareable: children on this host map its file (the receive
             # pool, if any, is left to other gets).
@@ -335,7 +375,7 @@ class Fetcher:
         else:
             stream, fd = self.destination([total])[0][0], -1
         buf = memoryview(stream.numpy())
-        held = self._book.add(ticket.id, ticket.digest, buf, fd) if self._book is not None else None
+        held = self._book.add(ticket.id, digest, buf, fd, group) if self._book is not None else None
         got = [0]
 
         def progress(end: int) -> None:
@@ -346,23 +386,25 @@ class Fetcher:
         ok = False
         try:
             with ch.registered(stream):
-                self._pull_broadcast(ch, ticket, blocks, source, buf, got, progress, deadline)
+                self._pull(ch, ticket, source, buf, got, functools.partial(from_sender, buf, progress=progress), progress, digest, deadline)
             ok = True
         finally:
             if held is not None:
                 held.finish(ok)
         return stream
 
-    def _pull_broadcast(self, ch: Channel, ticket: Ticket, blocks: list, source: str, buf: memoryview, got: list[int],
-                        progress: Any, deadline: float) -> None:
-        """Fill ``buf`` from ``got[0]`` on: from the sender (``source``
-        ""), else from relays, as the sender names them."""
+    def _pull(self, ch: Channel, ticket: Ticket, source: str, buf: memoryview, got: list[int], from_sender: Callable[[int], None],
+              progress: Any, digest: bytes, deadline: float) -> None:
+        """Fill ``buf`` (the stream of ``digest``: the ticket's, or a sharded
+        get's ranges of it) from ``got[0]`` on: from the sender
+        (``source`` "": ``from_sender(start)``), else from relays, as the
+        sender names them."""
         while got[0] < len(buf):
             try:
                 if not source:
-                    ch.receive_range(ticket.id, 0, blocks, buf, got[0], progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+                    from_sender(got[0])
                 else:
-                    pull(source, token=self._token, ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=got[0], progress=progress,
+                    pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
                          stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint)
             except (PeerGoneError, TransferTimeoutError, ProtocolError):
                 if not source or time.monotonic() > deadline:
@@ -370,8 +412,15 @@ class Fetcher:
                 # The relay died or stalled: the sender names another
                 # source (or itself); resume from what has arrived.
                 located = ch.acquire(ticket.id, 0, timeout=_left(deadline), digest=ticket.digest,
-                                     relay=self._relay_address, failed_source=source)
+                                     relay=self._relay_address, failed_source=source, ranges=digest if digest != ticket.digest else b"")
                 source = located.source
+
+
+def _stream_digest(ticket: Ticket, ranges: bytes) -> bytes:
+    """What names a sharded get's ranges of ``ticket`` (``ranges``: their
+    digest) to the sender and to relays: readers of the same ranges of the
+    same ticket share it."""
+    return hashlib.blake2b(ticket.digest + ranges, digest_size=16).digest()
 
 
 def _left(deadline: float) -> float:

@@ -9,7 +9,8 @@ compute the same byte layout without exchanging per-tensor offsets:
   each received block, it finds which consecutive tensors each block holds;
 * :func:`merge_runs` merges copies adjacent on both sides (byte ranges
   that touch: the same ranges as both sides), so one copy or one transfer
-  descriptor covers a whole run of tensors.
+  descriptor covers a whole run of tensors; :func:`window` cuts runs to a
+  byte range of one side (a piece of a stream).
 
 Zero-size tensors take no space and never move the cursor: their offset is the
 cursor, unaligned, and they are not part of any block's bytes.
@@ -304,6 +305,21 @@ def merge_runs(dst, src, nbytes, breaks=None) -> Runs:
     if heads.size == n.size:
         return Runs(d, s, n, heads)
     return Runs(d[heads], s[heads], np.add.reduceat(n, heads), heads)
+
+
+def window(runs: tuple[np.ndarray, np.ndarray, np.ndarray], lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The parts inside ``[lo, hi)`` of runs ``(position, other side,
+    nbytes)``, ascending by position and not overlapping there; positions
+    from ``lo``, the other side moved by as much as a run was cut."""
+    pos, other, n = runs
+    first = int(np.searchsorted(pos + n, lo, side="right"))
+    last = int(np.searchsorted(pos, hi, side="left"))
+    pos, other, n = pos[first:last], other[first:last], n[first:last]
+    if pos.size:
+        cut_lo = np.maximum(lo - pos, 0)
+        end = np.minimum(pos + n, hi)
+        pos, other, n = pos + cut_lo, other + cut_lo, end - pos - cut_lo
+    return pos - lo, other, n
 
 
 def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:

@@ -269,10 +269,12 @@ class Receiver:
         plan = into if isinstance(into, ShardedPlan) else ShardedPlan(self._owner, tickets, into, kept=False)
         tickets = plan.order(self._owner, tickets)
 
+        group = object()  # this get's streams, if it relays: kept side by side
+
         def read(k: int, t: Ticket) -> None:
             if t.blocks or t.streamed:
                 with self._channel(t, timeout) as ch:
-                    self._fetcher.read_ranges(ch, t, lambda g, lo, hi: plan.ranges(k, g, lo, hi), deadline)
+                    self._fetcher.read_ranges(ch, t, lambda g, lo, hi: plan.ranges(k, g, lo, hi), lambda g: plan.digest(k, g), deadline, group=group)
 
         # Reads land only in registered memory on some channels: the targets
         # are registered once for all sources (through one channel).

@@ -577,7 +577,7 @@ def test_a_relay_file_smaller_than_its_stream_is_a_protocol_error():
 
     book, server, stream, fd = _relay_with_file(2 * MiB, 2 * MiB, sealed=True)
     try:
-        held = book.find(7, timeout=1.0)
+        held = book.find(7, b"d" * 16, timeout=1.0)
         held.total = 4 * MiB  # what the relay claims: more than its file has
         with pytest.raises(ProtocolError, match="2,097,152-byte file"):
             _pull_by_file(server, 4 * MiB)

@@ -19,6 +19,7 @@ holds, tickets of different versions mixed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ class _Source:
         self.alias_of = dict(lay.aliases.tolist()) if lay.aliases.size else {}
         self.parts: list[Runs] = []  # (tensor, byte in tensor, address, nbytes) gathered while planning
         self._runs: dict[tuple[int, ...], Runs] = {}
+        self._digests: dict[tuple[int, ...], bytes] = {}
 
     def add(self, tensor: int, within: np.ndarray, address: np.ndarray, nbytes: int) -> None:
         tensor = self.alias_of.get(tensor, tensor)  # a tied tensor's bytes are its original's
@@ -95,18 +97,15 @@ class _Source:
             r = self._runs[geometry] = (merged.dst, merged.src, merged.nbytes)
         return r
 
-
-def window(runs: Runs, lo: int, hi: int) -> Runs:
-    """The runs' parts inside stream bytes ``[lo, hi)``, positions from ``lo``."""
-    pos, addr, n = runs
-    first = int(np.searchsorted(pos + n, lo, side="right"))
-    last = int(np.searchsorted(pos, hi, side="left"))
-    pos, addr, n = pos[first:last], addr[first:last], n[first:last]
-    if pos.size:
-        cut_lo = np.maximum(lo - pos, 0)
-        end = np.minimum(pos + n, hi)
-        pos, addr, n = pos + cut_lo, addr + cut_lo, end - pos - cut_lo
-    return pos - lo, addr, n
+    def digest(self, geometry: tuple[int, ...]) -> bytes:
+        """What names the ranges this receiver reads (positions and sizes,
+        not where they land): receivers of the same boxes have the same
+        one, and pull a broadcast's ranges from each other (cached)."""
+        d = self._digests.get(geometry)
+        if d is None:
+            pos, _, n = self.runs(geometry)
+            d = self._digests[geometry] = hashlib.blake2b(pos.astype("<i8").tobytes() + n.astype("<i8").tobytes(), digest_size=16).digest()
+        return d
 
 
 class ShardedPlan:
@@ -231,7 +230,12 @@ class ShardedPlan:
         """What this receiver reads of stream bytes ``[lo, hi)`` of source
         ``k`` (in the plan's order) whose ticket has blocks of these sizes:
         (position from ``lo``, address here, nbytes), ascending."""
-        return window(self._sources[k].runs(geometry), lo, hi)
+        return packing.window(self._sources[k].runs(geometry), lo, hi)
+
+    def digest(self, k: int, geometry: tuple[int, ...]) -> bytes:
+        """What names the ranges this receiver reads of source ``k`` (see
+        :meth:`ranges`): the same for every receiver of the same boxes."""
+        return self._sources[k].digest(geometry)
 
     def order(self, owner: object, tickets: list["Ticket"]) -> list["Ticket"]:
         """The tickets in the plan's source order (each matched by its

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .. import _protocol as P
+from .. import packing
 from .._copy import executor, finish
 from ..errors import (
     AuthenticationError,
@@ -427,14 +428,18 @@ class Channel:
             raise TransferError(f"sender at {self.address}: {reply.message}")
         return reply
 
-    def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes, relay: str = "", failed_source: str = "") -> P.Located:
+    def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes, relay: str = "", failed_source: str = "",
+                ranges: bytes = b"") -> P.Located:
         """Take a reader slot of a ticket's piece: where its blocks are
         (checked against the sender's pool), and for a broadcast whom to
         pull from (``relay``: this receiver's relay address, if it relays;
-        ``failed_source``: a relay that failed us)."""
+        ``failed_source``: a relay that failed us; ``ranges``: the digest
+        of the byte ranges a sharded get reads, whose readers relay to
+        each other)."""
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
-        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay, failed_source=failed_source)
+        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay, failed_source=failed_source,
+                        ranges=ranges)
         located = self.request(msg, P.Located, timeout=timeout + 5.0)
         pool_n = self.welcome.pool_nbytes
         for off, n in located.blocks:
@@ -566,6 +571,23 @@ class Channel:
         memory at ``address`` (registered, for a channel that
         ``reads_registered_only``); no other byte of the piece moves."""
         raise self._lacks("reads_ranges", "read byte ranges of a piece (a sharded get)")
+
+    def receive_ranges(self, ticket_id: int, piece: int, blocks: list[tuple[int, int]], pos: np.ndarray, nbytes: np.ndarray,
+                       buf: memoryview, start: int, progress: Any, *, deadline: float, chunk_nbytes: int) -> None:
+        """``reads_ranges`` and ``relays``: the ranges ``[pos, pos + nbytes)``
+        of the acquired ``blocks``, back to back, as a stream into ``buf``
+        (registered, for a channel that ``reads_registered_only``): its
+        bytes from ``start`` on, ``chunk_nbytes`` at a time, ``progress(end)``
+        after each. A sharded get's relay passes each chunk on to the
+        readers of the same ranges while the rest comes in. Here: a
+        :meth:`read_ranges` a chunk."""
+        at = np.cumsum(nbytes) - nbytes
+        here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+        for lo in range(start, len(buf), chunk_nbytes):
+            hi = min(lo + chunk_nbytes, len(buf))
+            w_at, w_pos, w_n = packing.window((at, pos, nbytes), lo, hi)
+            self.read_ranges(ticket_id, piece, blocks, w_pos, here + lo + w_at, w_n, deadline=deadline)
+            progress(hi)
 
     def close(self) -> None:
         if self.closed:

@@ -164,8 +164,8 @@ class ShmChannel(Channel):
         self._sourced: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
         self.remote = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
 
-    def acquire(self, ticket_id, piece, *, timeout, digest, relay="", failed_source=""):
-        located = super().acquire(ticket_id, piece, timeout=timeout, digest=digest, relay=relay, failed_source=failed_source)
+    def acquire(self, ticket_id, piece, *, timeout, digest, relay="", failed_source="", ranges=b""):
+        located = super().acquire(ticket_id, piece, timeout=timeout, digest=digest, relay=relay, failed_source=failed_source, ranges=ranges)
         if located.sourced:
             self._sourced[(ticket_id, piece)] = self._source_runs(ticket_id, piece, timeout)
         else:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import _protocol as P
+from .. import packing
 from .._copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ._base import Channel, Connection, ControlServer
@@ -307,6 +308,22 @@ class TcpChannel(Channel):
             lo = int(a.min())
             span = memoryview((ctypes.c_char * (int((a + n).max()) - lo)).from_address(lo)).cast("B")
             P.recv_scatter_into(self.sock, [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())], deadline=deadline)
+
+    def receive_ranges(self, ticket_id, piece, blocks, pos, nbytes, buf, start, progress, *, deadline, chunk_nbytes):
+        """Fetches of the ranges from ``start`` on (at most
+        ``_RANGES_PER_FETCH`` a frame), each reply received ``chunk_nbytes``
+        at a time (see :meth:`Channel.receive_ranges`)."""
+        at, p, n = packing.window((np.cumsum(nbytes) - nbytes, pos, nbytes), start, len(buf))
+        at += start
+        for lo in range(0, p.size, _RANGES_PER_FETCH):
+            part = slice(lo, lo + _RANGES_PER_FETCH)
+            self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([p[part], n[part]], axis=1))
+            at_, end = int(at[part][0]), int(at[part][-1] + n[part][-1])
+            while at_ < end:
+                k = min(chunk_nbytes, end - at_)
+                P.recv_exact_into(self.sock, buf[at_ : at_ + k], deadline=deadline)
+                at_ += k
+                progress(at_)
 
     def _receive_staged(self, address: np.ndarray, nbytes: np.ndarray, deadline: float) -> None:
         """The Fetch's reply (the ranges back to back) a chunk at a time into

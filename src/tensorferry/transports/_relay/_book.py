@@ -26,8 +26,10 @@ CHUNK_NBYTES = 1 << 20
 class _Held:
     """One ticket's stream in a relay, and how much of it has arrived."""
 
-    def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview, fd: int) -> None:
+    def __init__(self, book: "RelayBook", ticket_id: int, digest: bytes, buf: memoryview, fd: int, group: object) -> None:
         self.book, self.ticket_id, self.digest, self.buf = book, ticket_id, digest, buf
+        self.key = (ticket_id, digest)
+        self.group = group  # streams of one get (a sharded get's, one a source) do not let each other go
         # The memfd whose bytes from 0 on are ``buf`` (-1: none), open as
         # long as ``buf`` is alive (ReceiveCache.take_shared).
         self.fd = fd
@@ -87,21 +89,24 @@ class RelayBook(Holdings):
         # Called (outside the lock, perhaps twice: it must not mind) with
         # each ticket let go, once no child pulls it.
         self.on_drop = on_drop
-        self._held: dict[int, _Held] = {}
+        self._held: dict[tuple[int, bytes], _Held] = {}  # by (ticket id, digest)
         self._timer: threading.Timer | None = None
         self._closed = False
 
-    def add(self, ticket_id: int, digest: bytes, buf: memoryview, fd: int = -1) -> _Held:
-        """A ticket this receiver starts to receive (into ``buf``, which is
-        bytes 0 on of the memfd ``fd`` if not -1). Tickets it finished
-        that no child is pulling are let go now: a weight sync sends a new
-        version every few seconds, and a child that still wants an old one
-        is sent elsewhere by the sender (its pull here fails)."""
-        held = _Held(self, ticket_id, digest, buf, fd)
+    def add(self, ticket_id: int, digest: bytes, buf: memoryview, fd: int = -1, group: object = None) -> _Held:
+        """A stream this receiver starts to receive (into ``buf``, which is
+        bytes 0 on of the memfd ``fd`` if not -1): a ticket's (``digest``:
+        the ticket's), or the byte ranges of it a sharded get reads (a
+        digest of the ticket's and the ranges). Streams it finished that no
+        child is pulling are let go now, but for those of the same
+        ``group`` (a sharded get's, one a source): a weight sync sends a
+        new version every few seconds, and a child that still wants an old
+        one is sent elsewhere by the sender (its pull here fails)."""
+        held = _Held(self, ticket_id, digest, buf, fd, group)
         with self.cond:
-            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls]
+            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls and (group is None or h.group is not group)]
             self._drop(gone)
-            self._held[ticket_id] = held
+            self._held[held.key] = held
             self.cond.notify_all()
         self._dropped(gone)
         return held
@@ -110,8 +115,8 @@ class RelayBook(Holdings):
         """Under the lock: forget these tickets (no pull starts on them)."""
         for h in gone:
             h.dropped = True
-            if self._held.get(h.ticket_id) is h:
-                del self._held[h.ticket_id]
+            if self._held.get(h.key) is h:
+                del self._held[h.key]
 
     def _dropped(self, gone: list[_Held]) -> None:
         """After :meth:`_drop`: ``on_drop`` for each ticket no child pulls
@@ -121,17 +126,19 @@ class RelayBook(Holdings):
                 if not h.pulls:
                     self.on_drop(h)
 
-    def find(self, ticket_id: int, timeout: float) -> _Held | None:
-        """The ticket's stream; waits up to ``timeout`` for the receive to
-        start (a child may ask a moment before its relay acquired)."""
+    def find(self, ticket_id: int, digest: bytes, timeout: float) -> _Held | None:
+        """The stream of this ticket and digest; waits up to ``timeout`` for
+        the receive to start (a child may ask a moment before its relay
+        acquired)."""
         deadline = time.monotonic() + timeout
+        key = (ticket_id, bytes(digest))
         with self.cond:
-            while ticket_id not in self._held and not self._closed:
+            while key not in self._held and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self.cond.wait(left)
-            return self._held.get(ticket_id)
+            return self._held.get(key)
 
     def begin_pull(self, held: _Held) -> bool:
         """Count a child's pull; False if the ticket was let go meanwhile."""

@@ -109,7 +109,7 @@ class RelayServer(TcpControlServer):
     def _handle_extra(self, conn: Connection, msg: Any) -> bool:
         if not isinstance(msg, P.Pull):
             return False
-        held = self.book.find(msg.ticket_id, timeout=10.0)
+        held = self.book.find(msg.ticket_id, msg.digest, timeout=10.0)
         if held is None or not hmac.compare_digest(held.digest, msg.digest):
             P.send_msg(conn.sock, P.Failure(kind="unknown", message=f"this relay holds no ticket {msg.ticket_id} with that digest"))
             return True
