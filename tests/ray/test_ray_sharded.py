@@ -73,8 +73,10 @@ def test_sharded_trainer_actors_to_tensor_parallel_workers(local_ray):
     assert ray.get(late.matches.remote(3))
 
 
-def test_a_list_of_trainers_refuses_fanout(local_ray):
+def test_a_list_of_trainers_refuses_delta_and_an_empty_list(local_ray):
     from tensorferry.errors import ConfigurationError
 
-    with pytest.raises(ConfigurationError, match="fanout"):
-        tfr.WeightSync([Trainer.remote(0)], [], fanout=1, state_dict=lambda self: self.state)
+    with pytest.raises(ConfigurationError, match="delta"):
+        tfr.WeightSync([Trainer.remote(0)], [], delta=True, state_dict=lambda self: self.state)
+    with pytest.raises(ConfigurationError, match="at least one trainer"):
+        tfr.WeightSync([], [])

@@ -204,3 +204,62 @@ def test_weight_sync_relays_deltas_between_the_workers_of_the_other_node(two_nod
     assert nbytes <= sent < nbytes + 2 * (nbytes // 10), (sent, nbytes)
     for actor in (trainer, *far, near):
         ray.kill(actor)
+
+
+ROWS, COLS = 64, 48  # a weight matrix row-sharded on 2 trainer ranks, column-parallel over 2 workers a replica
+
+
+def _global(version: int) -> dict:
+    g = torch.Generator().manual_seed(200 + version)
+    return {"w": torch.randn(ROWS, COLS, generator=g), "norm": torch.randn(COLS, generator=g)}
+
+
+@ray.remote
+class RankTrainer:
+    def __init__(self, rank: int) -> None:
+        from tensorferry import Box
+
+        self.lo, self.hi = rank * ROWS // 2, (rank + 1) * ROWS // 2
+        g = _global(0)
+        self.state = {"w": Box(g["w"][self.lo : self.hi].clone(), (self.lo, 0), (ROWS, COLS)), "norm": g["norm"].clone()}
+
+    def step(self, version: int) -> None:
+        g = _global(version)
+        self.state["w"].tensor.copy_(g["w"][self.lo : self.hi])
+        self.state["norm"].copy_(g["norm"])
+
+
+@ray.remote
+class TPWorker:
+    def __init__(self, tp_rank: int) -> None:
+        from tensorferry import Box
+
+        self.lo = tp_rank * COLS // 2
+        self.targets = {"w": Box(torch.zeros(ROWS, COLS // 2), (0, self.lo), (ROWS, COLS)), "norm": torch.zeros(COLS)}
+
+    def matches(self, version: int) -> bool:
+        g = _global(version)
+        return bool(torch.equal(self.targets["w"].tensor, g["w"][:, self.lo : self.lo + COLS // 2]) and torch.equal(self.targets["norm"], g["norm"]))
+
+
+def test_sharded_weight_sync_relays_each_slice_set_between_the_replicas_on_the_other_node(two_nodes):
+    """Two trainer ranks on one node; three replicas of a 2-way
+    tensor-parallel group on the other. With fanout=1 each rank sends each
+    worker rank's slices once a version (a chain through the replicas),
+    not once a replica."""
+    trainers = [RankTrainer.options(resources={"node_a": 1}).remote(k) for k in range(2)]
+    workers = [TPWorker.options(resources={"node_b": 1}).remote(tp) for _ in range(3) for tp in range(2)]
+    sync = tfr.WeightSync(trainers, workers, fanout=1, state_dict=lambda self: self.state, targets=lambda self: self.targets)
+    for version in (1, 2):
+        ray.get([t.step.remote(version) for t in trainers])
+        assert sync.sync().version == version
+        assert ray.get([w.matches.remote(version) for w in workers]) == [True] * len(workers)
+    # Each rank holds half the rows of w; the norm is read once per worker
+    # rank, from one of the two ranks.
+    shard = ROWS // 2 * COLS * 4
+    sent = ray.get([t.__ray_call__.remote(_sent_by_trainer) for t in trainers])
+    assert sum(sent) == 2 * (2 * shard + 2 * COLS * 4), sent
+    relayed = ray.get([w.__ray_call__.remote(_relayed) for w in workers])
+    assert sum(relayed) == 2 * 2 * (2 * shard + 2 * COLS * 4), relayed  # two of three replicas pass each version on
+    for actor in (*trainers, *workers):
+        ray.kill(actor)

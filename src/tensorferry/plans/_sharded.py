@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -119,10 +119,12 @@ class ShardedPlan:
             DTensor (its local shard is written), a :class:`Box` or a plain
             tensor (the whole global tensor); contiguous host memory.
         kept: replayed by later gets (``Receiver.plan``) or used once.
-        spread: where several sources hold the same bytes, which one this
-            receiver reads a part from turns with this number (default:
-            the target's mesh coordinate, else this process's id), so
-            receivers spread over replicated sources.
+        spread: where several sources hold the same bytes (replicated
+            placements), which one this receiver reads a part from turns
+            with this number (and with the tensor), so receivers spread
+            over replicated sources. Default: the target's mesh coordinate,
+            else a hash of its boxes: receivers of the same boxes read the
+            same ranges, which they relay to each other from a broadcast.
 
     Attributes:
         result: the target, as given (what every get returns).
@@ -164,7 +166,11 @@ class ShardedPlan:
         boxes = {i: (shape, offsets) for i, shape, offsets in found}
         if spread is None:
             spread = _mesh_coordinate(src) if found else None
-            spread = os.getpid() if spread is None else spread
+        if spread is None:
+            # Receivers of the same boxes (replicas of one tensor-parallel
+            # rank) pick the same sources, so they read the same ranges and
+            # can relay them to each other; other boxes pick others.
+            spread = zlib.crc32(repr(sorted(boxes.items())).encode())
         problems: list[str] = []
         self.nbytes = 0
         self._targets = leaves

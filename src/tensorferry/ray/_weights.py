@@ -253,30 +253,18 @@ def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeou
     Returns:
         Seconds the get took.
     """
-    global _RECEIVER, _RECV_PLAN
+    global _RECV_PLAN
     import ray
 
     from ..errors import PlanStaleError
-    from ..receiver import Receiver
     from ..ticket import Ticket
     from ..transports import channel_class
-    from ._settings import settings
 
     if isinstance(version, list):  # (a WeightVersion is a tuple itself)
         return _update_sharded(version, targets, timeout)
     same_node = version.node_id == ray.get_runtime_context().get_node_id()
     name = "shm" if same_node and "shm" in version.tickets else "tcp"
-    relaying = version.fanout is not None and channel_class(name).relays
-    with _STATE_LOCK:
-        if relaying and _RECEIVER is not None and not _RECEIVER.relay_address:
-            _RECEIVER.close()  # made before this sync asked for relays
-            _RECEIVER = _RECV_PLAN = None
-        if _RECEIVER is None:
-            s = settings()
-            # A relaying worker listens where the trainer's tcp server does
-            # (TENSORFERRY_RAY_HOST: the node's address on a real cluster).
-            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, relay=relaying, host=s.host)
-        receiver = _RECEIVER
+    receiver = _receiver(version.fanout is not None and channel_class(name).relays)
     t0 = time.perf_counter()
     ticket = Ticket.from_bytes(version.tickets[name])
     plan = _RECV_PLAN
@@ -295,22 +283,17 @@ def _update_sharded(versions: list[WeightVersion], targets: Any, timeout: float)
     """``update`` of one version of every trainer: each ticket by shm from
     a trainer of this node, else tcp; the kept ShardedPlan replayed while
     its targets and the tickets' layouts stay."""
-    global _RECEIVER, _RECV_PLAN
+    global _RECV_PLAN
     import ray
 
     from ..errors import LayoutMismatchError, PlanStaleError
     from ..plans import ShardedPlan
-    from ..receiver import Receiver
     from ..ticket import Ticket
-    from ._settings import settings
 
     node = ray.get_runtime_context().get_node_id()
-    tickets = [Ticket.from_bytes(v.tickets["shm" if v.node_id == node and "shm" in v.tickets else "tcp"]) for v in versions]
-    with _STATE_LOCK:
-        if _RECEIVER is None:
-            s = settings()
-            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, host=s.host)
-        receiver = _RECEIVER
+    names = ["shm" if v.node_id == node and "shm" in v.tickets else "tcp" for v in versions]
+    tickets = [Ticket.from_bytes(v.tickets[name]) for v, name in zip(versions, names)]
+    receiver = _receiver(any(v.fanout is not None and name == "tcp" for v, name in zip(versions, names)))
     t0 = time.perf_counter()
     plan = _RECV_PLAN
     if not isinstance(plan, ShardedPlan) or plan.result is not targets:
@@ -323,6 +306,25 @@ def _update_sharded(versions: list[WeightVersion], targets: Any, timeout: float)
         plan = _RECV_PLAN = receiver.plan(tickets, into=targets)
         receiver.get(tickets, into=plan, timeout=timeout)
     return time.perf_counter() - t0
+
+
+def _receiver(relaying: bool) -> Any:
+    """This worker's receiver (made once; made again, relaying, when a sync
+    first asks for relays)."""
+    global _RECEIVER, _RECV_PLAN
+    from ..receiver import Receiver
+    from ._settings import settings
+
+    with _STATE_LOCK:
+        if relaying and _RECEIVER is not None and not _RECEIVER.relay_address:
+            _RECEIVER.close()  # made before this sync asked for relays
+            _RECEIVER = _RECV_PLAN = None
+        if _RECEIVER is None:
+            s = settings()
+            # A relaying worker listens where the trainer's tcp server does
+            # (TENSORFERRY_RAY_HOST: the node's address on a real cluster).
+            _RECEIVER = Receiver(token=s.token or None, timeout=s.timeout_seconds, relay=relaying, host=s.host)
+        return _RECEIVER
 
 
 def _plan(receiver: Any, ticket: Any, targets: Any) -> Any:
@@ -424,6 +426,10 @@ class WeightSync:
             version to each other over tcp (``Sender.put(fanout=)``): the
             trainer's link carries ``fanout`` copies instead of one per
             worker. Workers on the trainer's node read its pool (shm).
+            With a list of trainers, the workers that read the same slices
+            of a rank relay them to each other (replicas of one
+            tensor-parallel group: each rank's link carries ``fanout``
+            copies of each distinct slice set).
         delta: the trainer keeps the version it last sent (one more copy of
             it in its pool) and workers that hold it read only what changed
             (``Sender.plan(delta=True)``, ``docs/delta.md``); a worker that
@@ -465,8 +471,8 @@ class WeightSync:
             raise ConfigurationError(f"WeightSync(fanout={fanout!r}): expected a whole number from 1 (a chain) up, or None")
         self.trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
         self._sharded = isinstance(trainer, (list, tuple))
-        if self._sharded and (fanout is not None or not self.trainers):
-            raise ConfigurationError("WeightSync(a list of trainers): give at least one trainer; fanout= relays one trainer's whole copy, leave it None")
+        if self._sharded and not self.trainers:
+            raise ConfigurationError("WeightSync(a list of trainers): give at least one trainer")
         if self._sharded and delta:
             raise ConfigurationError("WeightSync(a list of trainers, delta=True): sharded workers read byte ranges of each trainer's whole "
                                      "version, not deltas; leave delta False with a list of trainers")
