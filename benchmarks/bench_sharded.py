@@ -19,6 +19,19 @@ command to the sources until both workers hold their slices:
   rank 0 ``put``s the whole model, each worker gets it whole and copies
   its slices out.
 
+``--replicas R`` (R > 1): R replicas of the 2 workers (serving replicas
+of one tensor-parallel group: the replicas of a worker rank hold the same
+slices), and a fourth sync:
+
+* ``relayed``: every source ``put(plan, fanout=--fanout)``; each worker,
+  a relaying receiver, reads its slices from the sources or from a
+  replica of its rank that already has them (each rank's link carries
+  each distinct slice set ``fanout`` times instead of ``R``).
+
+``--snapshot false``: the planned puts (``sharded``, ``relayed``,
+``unsharded``) are ``snapshot=False``: nothing is packed, the workers read
+the sources' tensors (shm, tcp).
+
 Reported as ratios of the same run (medians): each worker's received bytes
 against its share (target 1.00x) and each source's sent bytes;
 ``sharded`` against ``unsharded`` (target at most 1.3x); ``gather``
@@ -60,8 +73,7 @@ from typing import Any
 
 from _common import MIB, environment, interleaved, log, med, reset_peak_rss, results_dir, status_nbytes, write_result
 
-SOURCES, WORKERS = 4, 2
-MODES = ("sharded", "unsharded", "gather")
+SOURCES, WORKERS = 4, 2  # workers: tensor-parallel ranks of one replica
 TARGET_BYTES_VS_SHARE = 1.0
 TARGET_SHARDED_VS_UNSHARDED = 1.3
 TARGET_GATHER_VS_SHARDED = 3.0
@@ -102,7 +114,8 @@ def worker_box(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]
     return ((w * half, 0), (half, d)) if k % 2 == 0 else ((0, w * half), (d, half))
 
 
-def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any, master: str) -> None:
+def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any, master: str, readers: int,
+                fanout: int, snapshot: bool) -> None:
     try:
         here = enter_host(where)
         import torch
@@ -141,13 +154,13 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
             base = reset_peak_rss()
             t0 = time.perf_counter()
             sent0 = {n: x.stats()["bytes_sent"] for n, x in (("s", s), ("peer", peer), ("whole", whole)) if x is not None}
-            if cmd == "sharded":
-                ticket = s.put(plan, readers=WORKERS).to_bytes()
+            if cmd in ("sharded", "relayed"):
+                ticket = s.put(plan, readers=readers, snapshot=snapshot, fanout=fanout if cmd == "relayed" else None).to_bytes()
             elif cmd == "unsharded":
-                ticket = peer.put(peer_plan, readers=WORKERS).to_bytes() if rank == 0 else None
+                ticket = peer.put(peer_plan, readers=readers, snapshot=snapshot).to_bytes() if rank == 0 else None
             else:
                 full = {k: v.full_tensor() for k, v in sd.items()}
-                ticket = whole.put(full, readers=WORKERS).to_bytes() if rank == 0 else None
+                ticket = whole.put(full, readers=readers).to_bytes() if rank == 0 else None
             put_seconds = time.perf_counter() - t0
             out.put(("ticket", rank, ticket))
             done = cmds.get()  # the workers are done
@@ -171,29 +184,37 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
 
 def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
     try:
-        enter_host(where)
+        here = enter_host(where)
         import torch
 
         import tensorferry as tf
 
         torch.set_num_threads(1)
-        boxes = {f"w{k}": tf.Box(torch.zeros(worker_box(k, w, d)[1]), worker_box(k, w, d)[0], (d, d)) for k in range(count)}
+        tp = w % WORKERS  # its rank in its replica
+        boxes = {f"w{k}": tf.Box(torch.zeros(worker_box(k, tp, d)[1]), worker_box(k, tp, d)[0], (d, d)) for k in range(count)}
         share = sum(b.tensor.numel() * 4 for b in boxes.values())
         r = tf.Receiver(transport, token=TOKEN)
-        sharded_plan = peer_plan = None
+        # The relayed sync's receiver passes on what it receives (listening on its host's address).
+        relay = tf.Receiver(transport, token=TOKEN, relay=True, host=here) if transport != "shm" else None
+        sharded_plan = peer_plan = relayed_plan = None
         out.put(("ready", 100 + w, None))  # apart from the source ranks' numbers
         while True:
             cmd = cmds.get()
             if cmd is None:
                 break
             mode, tickets = cmd
-            before = r.bytes_received
+            before = r.bytes_received + (relay.bytes_received if relay is not None else 0)
+            relayed_before = _from_relays(relay)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             if mode == "sharded":
                 if sharded_plan is None:
                     sharded_plan = r.plan(tickets, into=boxes)
                 r.get(tickets, into=sharded_plan)
+            elif mode == "relayed":
+                if relayed_plan is None:
+                    relayed_plan = relay.plan(tickets, into=boxes)
+                relay.get(tickets, into=relayed_plan)
             elif mode == "unsharded":
                 if peer_plan is None:
                     peer_plan = r.plan(tickets[0], into={k: b.tensor for k, b in boxes.items()})
@@ -213,11 +234,22 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
                          for k, b in boxes.items())
                 for b in boxes.values():
                     b.tensor.zero_()
-            out.put(("got", w, {"received_nbytes": r.bytes_received - before, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok,
-                                "faults": faults}))
+            received = r.bytes_received + (relay.bytes_received if relay is not None else 0) - before
+            out.put(("got", w, {"received_nbytes": received, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok,
+                                "faults": faults, "from_relays_nbytes": _from_relays(relay) - relayed_before}))
         r.close()
+        if relay is not None:
+            relay.close()
     except BaseException:
         out.put(("error", w, traceback.format_exc()))
+
+
+def _from_relays(r: Any) -> int:
+    """Bytes receiver ``r`` took from relays, any way (0: none, or no receiver)."""
+    if r is None:
+        return 0
+    s = r.stats()
+    return s["relay_memory_read_nbytes"] + s["relay_stream_nbytes"] + s["relay_nixl_read_nbytes"]
 
 
 def _take(q: Any, kind: str, n: int, timeout: float = 600.0) -> dict[int, Any]:
@@ -240,12 +272,17 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp", choices=("shm", "tcp", "nixl"))
     ap.add_argument("--hosts", action="store_true", help="a network-namespace host per rank and worker (root)")
     ap.add_argument("--rate", default="1gbit", help="with --hosts: every link's rate, as tc writes it")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas of the 2 tensor-parallel workers (over 1: adds the relayed sync)")
+    ap.add_argument("--fanout", type=int, default=1, help="the relayed sync's put(fanout=)")
+    ap.add_argument("--snapshot", default="true", choices=("true", "false"), help="the planned puts' snapshot=")
     args = ap.parse_args()
+    if args.replicas > 1 and args.transport == "shm":
+        ap.error("--replicas needs a transport that relays (tcp or nixl)")
     if args.hosts:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the host harness, tests/_hosts.py
         from _hosts import Hosts
 
-        with Hosts(SOURCES + WORKERS, rate=args.rate) as hosts:
+        with Hosts(SOURCES + WORKERS * args.replicas, rate=args.rate) as hosts:
             run_all(args, hosts)
     else:
         run_all(args, None)
@@ -256,25 +293,30 @@ def run_all(args: Any, hosts: Any) -> None:
     d = int(math.sqrt(args.nbytes * MIB / 4 / args.tensors)) // 8 * 8
     count = args.tensors
     total = count * d * d * 4
-    log(f"{count} matrices of {d} x {d} fp32: {total / MIB:.0f} MiB on {SOURCES} ranks (Shard(0)) to {WORKERS} TP workers, {args.transport}")
+    workers = WORKERS * args.replicas
+    modes = ("sharded", "relayed", "unsharded", "gather") if args.replicas > 1 else ("sharded", "unsharded", "gather")
+    snapshot = args.snapshot == "true"
+    log(f"{count} matrices of {d} x {d} fp32: {total / MIB:.0f} MiB on {SOURCES} ranks (Shard(0)) to {args.replicas} x {WORKERS} TP workers, "
+        f"{args.transport}, snapshot={snapshot}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     src_cmds = [ctx.Queue() for _ in range(SOURCES)]
-    wrk_cmds = [ctx.Queue() for _ in range(WORKERS)]
+    wrk_cmds = [ctx.Queue() for _ in range(workers)]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    where = [None] * (SOURCES + WORKERS) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(SOURCES + WORKERS)]
+    where = [None] * (SOURCES + workers) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(SOURCES + workers)]
     master = "127.0.0.1" if hosts is None else hosts.address(0)
-    procs = [ctx.Process(target=source_main, args=(k, port, d, count, args.transport, src_cmds[k], out, where[k], master)) for k in range(SOURCES)]
-    procs += [ctx.Process(target=worker_main, args=(w, d, count, args.transport, wrk_cmds[w], out, where[SOURCES + w])) for w in range(WORKERS)]
+    procs = [ctx.Process(target=source_main, args=(k, port, d, count, args.transport, src_cmds[k], out, where[k], master, workers, args.fanout, snapshot))
+             for k in range(SOURCES)]
+    procs += [ctx.Process(target=worker_main, args=(w, d, count, args.transport, wrk_cmds[w], out, where[SOURCES + w])) for w in range(workers)]
     for p in procs:
         p.start()
     try:
-        _take(out, "ready", SOURCES + WORKERS)
+        _take(out, "ready", SOURCES + workers)
 
         def run(i: int, _round: int) -> dict:
-            mode = MODES[i]
+            mode = modes[i]
             t0 = time.monotonic()
             for q in src_cmds:
                 q.put(mode)
@@ -282,7 +324,7 @@ def run_all(args: Any, hosts: Any) -> None:
             listed = [tickets[k] for k in range(SOURCES) if tickets[k] is not None]
             for q in wrk_cmds:
                 q.put((mode, listed))
-            got = _take(out, "got", WORKERS)
+            got = _take(out, "got", workers)
             # Until the last worker's get returned (its check of the values after is not timed).
             seconds = max(g["end"] for g in got.values()) - t0
             for q in src_cmds:
@@ -290,7 +332,7 @@ def run_all(args: Any, hosts: Any) -> None:
             stats = _take(out, "stats", SOURCES)
             return {"seconds": seconds, "workers": got, "sources": stats}
 
-        runs = interleaved(len(MODES), args.warmups, args.repeats, run)
+        runs = interleaved(len(modes), args.warmups, args.repeats, run)
     finally:
         for q in src_cmds + wrk_cmds:
             q.put(None)
@@ -299,11 +341,13 @@ def run_all(args: Any, hosts: Any) -> None:
             if p.is_alive():
                 p.kill()
     res: dict[str, Any] = {}
-    for mode, r in zip(MODES, runs):
+    for mode, r in zip(modes, runs):
         recs = r["records"]
         res[mode] = {
             "seconds_median": med([x["seconds"] for x in recs]),
-            "worker_received_vs_share": [med([x["workers"][w]["received_nbytes"] / x["workers"][w]["share_nbytes"] for x in recs]) for w in range(WORKERS)],
+            "worker_received_vs_share": [med([x["workers"][w]["received_nbytes"] / x["workers"][w]["share_nbytes"] for x in recs]) for w in range(workers)],
+            "worker_from_relays_vs_share": [med([x["workers"][w]["from_relays_nbytes"] / x["workers"][w]["share_nbytes"] for x in recs])
+                                            for w in range(workers)],
             "source_sent_nbytes": [med([x["sources"][k]["sent_nbytes"] for x in recs]) for k in range(SOURCES)],
             "rank0_peak_growth_nbytes": med([x["sources"][0]["peak_growth_nbytes"] for x in recs]),
             "rank0_peak_rss_nbytes": med([x["sources"][0]["peak_nbytes"] for x in recs]),
@@ -312,11 +356,11 @@ def run_all(args: Any, hosts: Any) -> None:
             # Ranks 1 to 3 hold only their shards' sender (rank 0 also the other modes' pools).
             "other_ranks_over_baseline_nbytes": med([max(x["sources"][k]["over_baseline_nbytes"] for k in range(1, SOURCES)) for x in recs]),
             "max_rank_peak_growth_nbytes": med([max(x["sources"][k]["peak_growth_nbytes"] for k in range(SOURCES)) for x in recs]),
-            "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(WORKERS)),
+            "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(workers)),
             "first_seconds": r["first"]["seconds"],
-            "worker_get_seconds_median": med([max(x["workers"][w]["seconds"] for w in range(WORKERS)) for x in recs]),
+            "worker_get_seconds_median": med([max(x["workers"][w]["seconds"] for w in range(workers)) for x in recs]),
             # Minor page faults during a worker's get (its mappings of the sources' pools, its targets).
-            "worker_get_faults_median": med([max(x["workers"][w]["faults"] for w in range(WORKERS)) for x in recs]),
+            "worker_get_faults_median": med([max(x["workers"][w]["faults"] for w in range(workers)) for x in recs]),
             "source_put_seconds_median": med([max(x["sources"][k]["put_seconds"] for k in range(SOURCES)) for x in recs]),
         }
     shard_nbytes = runs[0]["records"][0]["sources"][0]["shard_nbytes"]
@@ -328,25 +372,35 @@ def run_all(args: Any, hosts: Any) -> None:
         # (the whole model, its pool) against any rank of a sharded sync (its pool).
         "gather_rank0_vs_sharded_rank_over_baseline": res["gather"]["rank0_over_baseline_nbytes"] / res["sharded"]["other_ranks_over_baseline_nbytes"],
         "sharded_rank_over_baseline_vs_shard": res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes,
+        # What each source's link carried, against its shard: R x without relays (tcp counts what a sender sent itself).
+        "sharded_source_sent_vs_shard": max(res["sharded"]["source_sent_nbytes"]) / shard_nbytes,
     }
+    if "relayed" in res:
+        ratios["relayed_source_sent_vs_shard"] = max(res["relayed"]["source_sent_nbytes"]) / shard_nbytes
+        ratios["relayed_vs_sharded_time"] = res["relayed"]["seconds_median"] / res["sharded"]["seconds_median"]
+        ratios["relayed_worker_bytes_vs_share"] = max(res["relayed"]["worker_received_vs_share"])
     if hosts is not None:
         share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
         ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
+        if "relayed" in res:
+            ratios["relayed_vs_worker_link"] = res["relayed"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
     print(f"\n{'mode':<10} {'median s':>9} {'worker get s':>12} {'get faults':>10} {'worker bytes/share':>20} "
-          f"{'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} ok")
-    for mode in MODES:
+          f"{'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} {'from relays/share':>18} ok")
+    for mode in modes:
         x = res[mode]
         print(f"{mode:<10} {x['seconds_median']:>9.3f} {x['worker_get_seconds_median']:>12.3f} {x['worker_get_faults_median']:>10.0f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
               f"{x['rank0_over_baseline_nbytes'] / MIB:>22.0f} / {x['other_ranks_over_baseline_nbytes'] / MIB:<9.0f} "
-              f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} {x['verified']}")
+              f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} "
+              f"{' '.join(f'{v:.1f}' for v in x['worker_from_relays_vs_share']):>18} {x['verified']}")
     print(f"\nshard per rank {shard_nbytes / MIB:.0f} MiB; targets: bytes/share {TARGET_BYTES_VS_SHARE}, sharded/unsharded <= {TARGET_SHARDED_VS_UNSHARDED}, "
           f"gather/sharded >= {TARGET_GATHER_VS_SHARDED} (on hosts with their own links)")
     for k, v in ratios.items():
         print(f"  {k}: {v:.2f}")
     doc = {"benchmark": "bench_sharded", "environment": environment(), "args": vars(args), "model_nbytes": total, "side": d,
-           "hosts": "one host (loopback)" if hosts is None else f"{SOURCES + WORKERS} namespace hosts, links {hosts.rate} both ways",
+           "hosts": "one host (loopback)" if hosts is None else f"{SOURCES + workers} namespace hosts, links {hosts.rate} both ways",
            "results": res}
-    path = write_result(results_dir() / ("bench_sharded.json" if hosts is None else "bench_sharded_hosts.json"), doc, ratios)
+    name = "bench_sharded" + ("" if hosts is None else "_hosts") + (f"_r{args.replicas}" if args.replicas > 1 else "") + ("" if snapshot else "_nosnap")
+    path = write_result(results_dir() / f"{name}.json", doc, ratios)
     log(f"wrote {path}")
 
 
