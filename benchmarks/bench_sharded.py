@@ -374,7 +374,17 @@ def run_all(args: Any, hosts: Any) -> None:
         "sharded_rank_over_baseline_vs_shard": res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes,
         # What each source's link carried, against its shard: R x without relays (tcp counts what a sender sent itself).
         "sharded_source_sent_vs_shard": max(res["sharded"]["source_sent_nbytes"]) / shard_nbytes,
+        # The two halves of a sync apart: the workers' gets (the same bytes a
+        # worker) and, with snapshot=True, the rate the sources pack at (the
+        # sharded sync packs the whole model over its ranks, the unsharded
+        # one a worker's share on one rank: twice the bytes, at the same rate
+        # where memory bandwidth is the limit).
+        "sharded_vs_unsharded_get_time": res["sharded"]["worker_get_seconds_median"] / res["unsharded"]["worker_get_seconds_median"],
     }
+    if snapshot:
+        share0 = runs[0]["records"][0]["workers"][0]["share_nbytes"]
+        ratios["sharded_vs_unsharded_pack_rate"] = (SOURCES * shard_nbytes / res["sharded"]["source_put_seconds_median"]) / (
+            share0 / res["unsharded"]["source_put_seconds_median"])
     if "relayed" in res:
         ratios["relayed_source_sent_vs_shard"] = max(res["relayed"]["source_sent_nbytes"]) / shard_nbytes
         ratios["relayed_vs_sharded_time"] = res["relayed"]["seconds_median"] / res["sharded"]["seconds_median"]
