@@ -43,16 +43,21 @@ def check(target: dict, first: int, last: int, scale: float = 1.0) -> None:
     assert torch.equal(target["b"], scale * B)
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=[("tcp", "memory"), ("tcp", "tcp"), ("nixl", "memory"), ("nixl", "tcp")], ids="-".join)
 def cluster(request):
-    """Three source senders; ``make(n, **kw)`` makes receivers, all closed after."""
-    require(request.param)
-    senders = [tf.Sender(request.param) for _ in ROWS]
+    """Three source senders; ``make(n, **kw)`` makes receivers, all closed
+    after. A child reads its relay's memory (the relay is on its host), or,
+    as one on another host would, takes its tcp stream (tcp) or READs what
+    it exposes (nixl)."""
+    transport, reads = request.param
+    require(transport)
+    senders = [tf.Sender(transport) for _ in ROWS]
     made: list[tf.Receiver] = []
 
     def make(n: int, **kw) -> list[tf.Receiver]:
         kw.setdefault("timeout", 30.0)
-        new = [tf.Receiver(request.param, **kw) for _ in range(n)]
+        kw.setdefault("relay_reads", reads)
+        new = [tf.Receiver(transport, **kw) for _ in range(n)]
         made.extend(new)
         return new
 

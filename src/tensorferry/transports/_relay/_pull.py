@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import select
 import socket
+import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -97,7 +99,7 @@ def _pull_session(
         if isinstance(reply, P.Exposed) and nixl is not None:
             if reply.nbytes != total:
                 raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
-            _read_lent(sock, address, _NixlReader(nixl, address, reply, buf, reads, stall_seconds), start, total, progress, stall_seconds, deadline, reads)
+            _read_lent(sock, address, _NixlReader(nixl, address, reply, buf, deadline), start, total, progress, stall_seconds, deadline, reads)
             return
         if not (isinstance(reply, tuple) and reply[0] == "DATA") or reply[1] != total - start:
             raise ProtocolError(f"relay at {address} answered a Pull of {total - start:,} bytes with {reply!r:.80}")
@@ -161,18 +163,43 @@ class _NixlReader:
     """Where a nixl relay's exposed stream is (its agent, loaded here, and
     the address) and where it goes (``buf``, registered with ``endpoint``).
     The relay's metadata is loaded on construction and forgotten on close
-    (a relay's next ticket comes with new metadata)."""
+    (a relay's next ticket comes with new metadata).
 
-    def __init__(self, endpoint: Any, address: str, exposed: P.Exposed, buf: memoryview, reads: SameHostReads | None, stall_seconds: float) -> None:
+    One relay's agent is loaded by one reader of an endpoint at a time: a
+    sharded get pulls several streams from one relay at once (one a
+    source), each exposed with the relay's metadata of that moment, and
+    loading a peer's metadata again, or forgetting it, ends the READs in
+    flight from it. The others wait (until ``deadline``) and load theirs
+    after."""
+
+    def __init__(self, endpoint: Any, address: str, exposed: P.Exposed, buf: memoryview, deadline: float) -> None:
         self.endpoint, self.exposed = endpoint, exposed
         self.here = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+        self._turn = _exposer_turn(endpoint, address)
+        if not self._turn.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise TransferTimeoutError(f"the get ran out of time waiting for its other reads from the nixl relay at {address}")
         try:
             self.remote = endpoint.add_remote(exposed.metadata)
         except TensorferryError as exc:
+            self._turn.release()
             raise ProtocolError(f"relay at {address} exposed NIXL metadata we cannot load ({exc})") from exc
 
     def close(self) -> None:
-        self.endpoint.remove_remote(self.remote)
+        try:
+            self.endpoint.remove_remote(self.remote)
+        finally:
+            self._turn.release()
+
+
+_TURNS: "weakref.WeakKeyDictionary[Any, dict[str, threading.Lock]]" = weakref.WeakKeyDictionary()
+_TURNS_LOCK = threading.Lock()
+
+
+def _exposer_turn(endpoint: Any, address: str) -> threading.Lock:
+    """The lock that one reader of ``endpoint`` holds while it has the
+    relay at ``address`` loaded (made once a pair, gone with the endpoint)."""
+    with _TURNS_LOCK:
+        return _TURNS.setdefault(endpoint, {}).setdefault(address, threading.Lock())
 
 
 # A nixl child READs a relay's announced bytes this much at a time, two
