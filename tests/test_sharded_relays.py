@@ -142,3 +142,36 @@ def test_readers_that_do_not_relay_read_their_ranges_straight_into_the_targets(c
     nbytes = (48 * 40 + 40) * 4  # b is read once, from one of the sources that hold it
     assert _relayed(leaf) == nbytes and _relayed(plain) == 0
     assert [r.stats()["bytes_received"] for r in (relay, leaf, plain)] == [nbytes] * 3
+
+
+def test_the_sender_keeps_a_tree_per_range_set_and_makes_none_for_a_failed_source_it_never_saw():
+    """A reader's range digest picks its tree; asking again about a source
+    that failed a range set no one acquired makes no tree (each tree costs
+    a reader slot, so a peer cannot make them without end)."""
+    from tensorferry import _protocol as P
+    from tensorferry.transports._tcp import connect
+
+    with tf.Sender("tcp") as sender:
+        ticket = sender.put(source(0), readers=3, fanout=1)
+        entry = sender.ledger._entries[ticket.id]
+        ctl = connect(sender.address, 5.0)
+        try:
+            P.send_msg(ctl, P.Hello(transport="tcp"))
+            P.recv_msg(ctl, expect=(P.Welcome,))
+
+            def acquire(**kw):
+                P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, **kw))
+                return P.recv_msg(ctl)
+
+            assert acquire(relay="127.0.0.1:1", ranges=b"a" * 16).source == ""  # the first of set a: from the sender
+            assert acquire(relay="127.0.0.1:2", ranges=b"a" * 16).source == "127.0.0.1:1"  # the next: below it
+            assert acquire(ranges=b"b" * 16).source == ""  # another set: its own tree
+            assert sorted(entry.ranged) == [b"a" * 16, b"b" * 16] and entry.tree.children == {"": 0}
+            again = acquire(failed_source="127.0.0.1:9", ranges=b"c" * 16)
+            assert isinstance(again, P.Failure) and again.kind == "not-held"
+            assert sorted(entry.ranged) == [b"a" * 16, b"b" * 16]
+            # A failed relay of a set it holds a slot of: another source of that set.
+            assert acquire(relay="127.0.0.1:2", failed_source="127.0.0.1:1", ranges=b"a" * 16).source == ""
+        finally:
+            ctl.close()
+        sender.discard(ticket)

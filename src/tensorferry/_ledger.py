@@ -182,7 +182,7 @@ class Ledger(Holdings):
             if msg.failed_source:
                 # A receiver that holds its slot lost the relay it pulled
                 # from: another source, the same slot.
-                tree = _tree(entry, msg.ranges)
+                tree = _tree(entry, msg.ranges, make=False)
                 if tree is None or not conn.holds.get(key) or piece.packed is None:
                     return P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not held on this connection, or is no broadcast")
                 source = tree.reassign(msg.relay, msg.failed_source)
@@ -326,13 +326,14 @@ class Ledger(Holdings):
         return None
 
 
-def _tree(entry: _Entry, ranges: bytes) -> Tree | None:
+def _tree(entry: _Entry, ranges: bytes, make: bool = True) -> Tree | None:
     """The relay tree a reader joins: the broadcast's own (the whole piece),
-    or, for a sharded get's reader, the tree of its range set (made as the
-    first of them acquires; at most one a reader slot). None: no broadcast."""
+    or, for a sharded get's reader, the tree of its range set (made, if
+    ``make``, as the first of them acquires: at most one a reader slot).
+    None: no broadcast, or no such range set."""
     if entry.tree is None or not ranges:
         return entry.tree
     tree = entry.ranged.get(ranges)
-    if tree is None:
+    if tree is None and make:
         tree = entry.ranged[ranges] = Tree(entry.tree.fanout)
     return tree

@@ -178,7 +178,9 @@ class Fetcher:
         else:
             geometry = tuple(n for _, n in ticket.blocks)
             pos, addr, n = ranges(geometry, 0, sum(geometry))
-            named = _stream_digest(ticket, digest(geometry)) if ch.relays and pos.size else b""
+            # Every reader of a broadcast names its range set (one that needs
+            # nothing of this source too: it stays out of the whole-piece tree).
+            named = _stream_digest(ticket, digest(geometry)) if ch.relays else b""
             blocks, source = self._acquire_resident(ch, ticket, deadline, ranges=named)
             try:
                 if pos.size and (source or (named and self._book is not None and len(blocks) == 1)):

@@ -128,12 +128,12 @@ class RelayBook(Holdings):
 
     def find(self, ticket_id: int, digest: bytes, timeout: float) -> _Held | None:
         """The stream of this ticket and digest; waits up to ``timeout`` for
-        the receive to start (a child may ask a moment before its relay
-        acquired)."""
+        a receive of the ticket to start (a child may ask a moment before
+        its relay acquired), not for another digest once one has."""
         deadline = time.monotonic() + timeout
         key = (ticket_id, bytes(digest))
         with self.cond:
-            while key not in self._held and not self._closed:
+            while not any(t == ticket_id for t, _ in self._held) and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
