@@ -1,5 +1,5 @@
 """The receiver's plumbing (``transports._connections``) and the channel
-contract (``transports._base.Channel``), against real senders: pooled
+contract (``transports._channel.Channel``), against real senders: pooled
 channels, the releaser of zero-copy holds, use after close, and what a
 channel that lacks a capability says."""
 

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 from ..ticket import TRANSPORTS, TransportName
-from ._base import Channel
+from ._channel import Channel
 from ._connections import ChannelPool, ReceiveContext, Releaser
 from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
 from ._tcp import is_loopback

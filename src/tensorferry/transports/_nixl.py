@@ -25,7 +25,7 @@ import numpy as np
 from .. import _protocol as P
 from .._copy import StagedCopy
 from ..errors import TransferError
-from ._base import Channel
+from ._channel import Channel
 from ._ranges import block_ranges
 from ._connections import ReceiveContext
 from ._nixl_agent import NixlEndpoint

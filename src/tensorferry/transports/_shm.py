@@ -24,7 +24,8 @@ from .. import _protocol as P
 from .._copy import CopyPlan, copy_bytes, vectored_io
 from .._views import owned_view
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
-from ._base import Channel, Connection, ControlServer, check_same_user
+from ._base import Connection, ControlServer, check_same_user
+from ._channel import Channel
 from ._ranges import block_ranges
 
 __all__ = ["ShmServer", "ShmChannel"]

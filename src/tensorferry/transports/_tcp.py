@@ -23,7 +23,8 @@ from .. import _protocol as P
 from .. import packing
 from .._copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
-from ._base import Channel, Connection, ControlServer
+from ._base import Connection, ControlServer
+from ._channel import Channel
 from ._ranges import block_ranges
 
 __all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
