@@ -14,7 +14,12 @@ command to the sources until both workers hold their slices:
   from the ranks that hold them, all at once;
 * ``unsharded``: the peer of the same bytes per worker: rank 0 alone holds
   a plain object of one worker's share, ``put(plan)``; each worker
-  ``get(ticket, into=recv_plan)`` into the same target tensors;
+  ``get(ticket, into=recv_plan)`` into the same target tensors (both
+  workers read the one object: half the bytes packed);
+* ``unsharded-own``: the peer of the same bytes per worker and in all:
+  rank ``w`` holds a plain object of worker ``w``'s own share (ranks 0
+  and 1), ``put(plan)``; each worker gets its own into its targets (the
+  whole model packed, as in ``sharded``);
 * ``gather``: the naive way: every rank ``full_tensor()`` (an all-gather),
   rank 0 ``put``s the whole model, each worker gets it whole and copies
   its slices out.
@@ -132,14 +137,15 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
         sd = {f"w{k}": DTensor.from_local(values(k, slice(rank * rows, (rank + 1) * rows), slice(0, d), d), mesh, [Shard(0)], run_check=False)
               for k in range(count)}
         shard_nbytes = count * rows * d * 4
-        share = {f"w{k}": values(k, *(slice(o, o + n) for o, n in zip(*worker_box(k, 0, d))), d) for k in range(count)} if rank == 0 else None
+        # Ranks 0 and 1: worker ``rank``'s share as a plain object (the unsharded peers).
+        share = {f"w{k}": values(k, *(slice(o, o + n) for o, n in zip(*worker_box(k, rank, d))), d) for k in range(count)} if rank < WORKERS else None
         full_nbytes = count * d * d * 4
-        # Pools: this rank's shards (sharded), plus one worker's share (rank 0's
-        # unsharded peer), plus the whole model (rank 0's gather); apart so
-        # each sync's memory is its own.
+        # Pools: this rank's shards (sharded), plus a worker's share (ranks 0
+        # and 1: the unsharded peers), plus the whole model (rank 0's
+        # gather); apart so each sync's memory is its own.
         kw = {"host": here, "token": TOKEN}
         s = tf.Sender(transport, capacity_nbytes=shard_nbytes + MIB, **kw)
-        peer = tf.Sender(transport, capacity_nbytes=full_nbytes // 2 + MIB, **kw) if rank == 0 else None
+        peer = tf.Sender(transport, capacity_nbytes=full_nbytes // 2 + MIB, **kw) if rank < WORKERS else None
         whole = tf.Sender(transport, capacity_nbytes=full_nbytes + MIB, **kw) if rank == 0 else None
         plan = s.plan(sd)
         peer_plan = peer.plan(share) if peer is not None else None
@@ -158,6 +164,8 @@ def source_main(rank: int, port: int, d: int, count: int, transport: str, cmds: 
                 ticket = s.put(plan, readers=readers, snapshot=snapshot, fanout=fanout if cmd == "relayed" else None).to_bytes()
             elif cmd == "unsharded":
                 ticket = peer.put(peer_plan, readers=readers, snapshot=snapshot).to_bytes() if rank == 0 else None
+            elif cmd == "unsharded-own":  # read by the replicas of worker rank `rank`
+                ticket = peer.put(peer_plan, readers=readers // WORKERS, snapshot=snapshot).to_bytes() if rank < WORKERS else None
             else:
                 full = {k: v.full_tensor() for k, v in sd.items()}
                 ticket = whole.put(full, readers=readers).to_bytes() if rank == 0 else None
@@ -196,7 +204,7 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
         r = tf.Receiver(transport, token=TOKEN)
         # The relayed sync's receiver passes on what it receives (listening on its host's address).
         relay = tf.Receiver(transport, token=TOKEN, relay=True, host=here) if transport != "shm" else None
-        sharded_plan = peer_plan = relayed_plan = None
+        sharded_plan = peer_plan = relayed_plan = own_plan = None
         out.put(("ready", 100 + w, None))  # apart from the source ranks' numbers
         while True:
             cmd = cmds.get()
@@ -211,6 +219,10 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
                 if sharded_plan is None:
                     sharded_plan = r.plan(tickets, into=boxes)
                 r.get(tickets, into=sharded_plan)
+            elif mode == "unsharded-own":
+                if own_plan is None:
+                    own_plan = r.plan(tickets[tp], into={k: b.tensor for k, b in boxes.items()})
+                r.get(tickets[tp], into=own_plan)
             elif mode == "relayed":
                 if relayed_plan is None:
                     relayed_plan = relay.plan(tickets, into=boxes)
@@ -294,7 +306,7 @@ def run_all(args: Any, hosts: Any) -> None:
     count = args.tensors
     total = count * d * d * 4
     workers = WORKERS * args.replicas
-    modes = ("sharded", "relayed", "unsharded", "gather") if args.replicas > 1 else ("sharded", "unsharded", "gather")
+    modes = ("sharded", "unsharded", "unsharded-own", "gather") + (("relayed",) if args.replicas > 1 else ())
     snapshot = args.snapshot == "true"
     log(f"{count} matrices of {d} x {d} fp32: {total / MIB:.0f} MiB on {SOURCES} ranks (Shard(0)) to {args.replicas} x {WORKERS} TP workers, "
         f"{args.transport}, snapshot={snapshot}")
@@ -353,8 +365,8 @@ def run_all(args: Any, hosts: Any) -> None:
             "rank0_peak_rss_nbytes": med([x["sources"][0]["peak_nbytes"] for x in recs]),
             "max_rank_peak_rss_nbytes": med([max(x["sources"][k]["peak_nbytes"] for k in range(SOURCES)) for x in recs]),
             "rank0_over_baseline_nbytes": med([x["sources"][0]["over_baseline_nbytes"] for x in recs]),
-            # Ranks 1 to 3 hold only their shards' sender (rank 0 also the other modes' pools).
-            "other_ranks_over_baseline_nbytes": med([max(x["sources"][k]["over_baseline_nbytes"] for k in range(1, SOURCES)) for x in recs]),
+            # Ranks 2 and 3 hold only their shards' sender (ranks 0 and 1 also the unsharded peers' pools).
+            "other_ranks_over_baseline_nbytes": med([max(x["sources"][k]["over_baseline_nbytes"] for k in range(WORKERS, SOURCES)) for x in recs]),
             "max_rank_peak_growth_nbytes": med([max(x["sources"][k]["peak_growth_nbytes"] for k in range(SOURCES)) for x in recs]),
             "verified": all(x["workers"][w]["ok"] is not False for x in recs for w in range(workers)),
             "first_seconds": r["first"]["seconds"],
@@ -367,6 +379,8 @@ def run_all(args: Any, hosts: Any) -> None:
     ratios = {
         "sharded_worker_bytes_vs_share": max(res["sharded"]["worker_received_vs_share"]),
         "sharded_vs_unsharded_time": res["sharded"]["seconds_median"] / res["unsharded"]["seconds_median"],
+        # Against the peer that packs and moves the same bytes in all (each worker its own share, from a rank of its own).
+        "sharded_vs_unsharded_own_time": res["sharded"]["seconds_median"] / res["unsharded-own"]["seconds_median"],
         "gather_vs_sharded_time": res["gather"]["seconds_median"] / res["sharded"]["seconds_median"],
         # Memory beyond what a trainer holds before syncing: rank 0 of a gather
         # (the whole model, its pool) against any rank of a sharded sync (its pool).
@@ -394,11 +408,11 @@ def run_all(args: Any, hosts: Any) -> None:
         ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
         if "relayed" in res:
             ratios["relayed_vs_worker_link"] = res["relayed"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
-    print(f"\n{'mode':<10} {'median s':>9} {'worker get s':>12} {'get faults':>10} {'worker bytes/share':>20} "
-          f"{'rank0 / others over baseline MiB':>34} {'sent per source MiB':>22} {'from relays/share':>18} ok")
+    print(f"\n{'mode':<13} {'median s':>9} {'worker get s':>12} {'get faults':>10} {'worker bytes/share':>20} "
+          f"{'rank0 / ranks 2-3 over baseline MiB':>36} {'sent per source MiB':>22} {'from relays/share':>18} ok")
     for mode in modes:
         x = res[mode]
-        print(f"{mode:<10} {x['seconds_median']:>9.3f} {x['worker_get_seconds_median']:>12.3f} {x['worker_get_faults_median']:>10.0f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
+        print(f"{mode:<13} {x['seconds_median']:>9.3f} {x['worker_get_seconds_median']:>12.3f} {x['worker_get_faults_median']:>10.0f} {' '.join(f'{v:.2f}' for v in x['worker_received_vs_share']):>20} "
               f"{x['rank0_over_baseline_nbytes'] / MIB:>22.0f} / {x['other_ranks_over_baseline_nbytes'] / MIB:<9.0f} "
               f"{' '.join(f'{v / MIB:.0f}' for v in x['source_sent_nbytes']):>22} "
               f"{' '.join(f'{v:.1f}' for v in x['worker_from_relays_vs_share']):>18} {x['verified']}")
