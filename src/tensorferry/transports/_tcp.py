@@ -10,10 +10,13 @@ required when the sender binds to anything but loopback.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -244,6 +247,28 @@ _RANGES_PER_FETCH = 1 << 16
 _SCATTER_MAX_RANGES = 256
 _SCATTER_MIN_MEAN_NBYTES = 256 << 10
 _STAGE_NBYTES = 16 << 20
+# Scratch buffers of that size, kept for the next range read of any channel
+# (a new one each read cost 4096 page faults, and each get of a sharded
+# worker makes a read per source): at most this many (a thread each).
+_SCRATCH_KEPT = 4
+_scratch_free: list[torch.Tensor] = []
+_scratch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[torch.Tensor]:
+    """A ``_STAGE_NBYTES`` scratch buffer for the duration (one kept from
+    an earlier read where one is free, already faulted in)."""
+    with _scratch_lock:
+        buf = _scratch_free.pop() if _scratch_free else None
+    if buf is None:
+        buf = torch.empty(_STAGE_NBYTES, dtype=torch.uint8)
+    try:
+        yield buf
+    finally:
+        with _scratch_lock:
+            if len(_scratch_free) < _SCRATCH_KEPT:
+                _scratch_free.append(buf)
 
 
 class TcpChannel(Channel):
@@ -333,12 +358,12 @@ class TcpChannel(Channel):
         at = np.cumsum(nbytes) - nbytes
         copy = CopyPlan.build(address, at, nbytes)
         total = int(nbytes.sum())
-        scratch = torch.empty(min(total, _STAGE_NBYTES), dtype=torch.uint8)
-        view, base = memoryview(scratch.numpy()), scratch.data_ptr()
-        for c in range(0, total, len(view)):
-            k = min(len(view), total - c)
-            P.recv_exact_into(self.sock, view[:k], deadline=deadline)
-            copy.execute_window(c, c + k, 0, base - c)
+        with _scratch() as scratch:
+            view, base = memoryview(scratch.numpy()), scratch.data_ptr()
+            for c in range(0, total, len(view)):
+                k = min(len(view), total - c)
+                P.recv_exact_into(self.sock, view[:k], deadline=deadline)
+                copy.execute_window(c, c + k, 0, base - c)
 
     def read_into(self, ticket_id, piece, blocks, dests, *, deadline):
         self.read_buffers(ticket_id, piece, blocks, [memoryview(d.numpy()) for d in dests], deadline=deadline)
