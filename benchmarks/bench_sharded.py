@@ -288,6 +288,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1, help="replicas of the 2 tensor-parallel workers (over 1: adds the relayed sync)")
     ap.add_argument("--fanout", type=int, default=1, help="the relayed sync's put(fanout=)")
     ap.add_argument("--snapshot", default="true", choices=("true", "false"), help="the planned puts' snapshot=")
+    ap.add_argument("--modes", default="", help="only these syncs, comma-separated (ratios that need others are left out)")
     args = ap.parse_args()
     if args.replicas > 1 and args.transport == "shm":
         ap.error("--replicas needs a transport that relays (tcp or nixl)")
@@ -308,6 +309,8 @@ def run_all(args: Any, hosts: Any) -> None:
     total = count * d * d * 4
     workers = WORKERS * args.replicas
     modes = ("sharded", "unsharded", "unsharded-own", "gather") + (("relayed",) if args.replicas > 1 else ())
+    if args.modes:
+        modes = tuple(m for m in modes if m in args.modes.split(","))
     snapshot = args.snapshot == "true"
     log(f"{count} matrices of {d} x {d} fp32: {total / MIB:.0f} MiB on {SOURCES} ranks (Shard(0)) to {args.replicas} x {WORKERS} TP workers, "
         f"{args.transport}, snapshot={snapshot}")
@@ -377,38 +380,44 @@ def run_all(args: Any, hosts: Any) -> None:
             "source_put_seconds_median": med([max(x["sources"][k]["put_seconds"] for k in range(SOURCES)) for x in recs]),
         }
     shard_nbytes = runs[0]["records"][0]["sources"][0]["shard_nbytes"]
-    ratios = {
-        "sharded_worker_bytes_vs_share": max(res["sharded"]["worker_received_vs_share"]),
-        "sharded_vs_unsharded_time": res["sharded"]["seconds_median"] / res["unsharded"]["seconds_median"],
-        # Against the peer that packs and moves the same bytes in all (each worker its own share, from a rank of its own).
-        "sharded_vs_unsharded_own_time": res["sharded"]["seconds_median"] / res["unsharded-own"]["seconds_median"],
-        "gather_vs_sharded_time": res["gather"]["seconds_median"] / res["sharded"]["seconds_median"],
-        # Memory beyond what a trainer holds before syncing: rank 0 of a gather
-        # (the whole model, its pool) against any rank of a sharded sync (its pool).
-        "gather_rank0_vs_sharded_rank_over_baseline": res["gather"]["rank0_over_baseline_nbytes"] / res["sharded"]["other_ranks_over_baseline_nbytes"],
-        "sharded_rank_over_baseline_vs_shard": res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes,
-        # What each source's link carried, against its shard: R x without relays (tcp counts what a sender sent itself).
-        "sharded_source_sent_vs_shard": max(res["sharded"]["source_sent_nbytes"]) / shard_nbytes,
-        # The two halves of a sync apart: the workers' gets (the same bytes a
-        # worker) and, with snapshot=True, the rate the sources pack at (the
-        # sharded sync packs the whole model over its ranks, the unsharded
-        # one a worker's share on one rank: twice the bytes, at the same rate
-        # where memory bandwidth is the limit).
-        "sharded_vs_unsharded_get_time": res["sharded"]["worker_get_seconds_median"] / res["unsharded"]["worker_get_seconds_median"],
-    }
+    share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
+    sec = {m: x["seconds_median"] for m, x in res.items()}
+    ratios: dict[str, float] = {}
+
+    def ratio(name: str, needs: tuple[str, ...], value: Any) -> None:
+        """``ratios[name] = value()`` where every mode it needs ran (``--modes``)."""
+        if all(m in res for m in needs):
+            ratios[name] = value()
+
+    ratio("sharded_worker_bytes_vs_share", ("sharded",), lambda: max(res["sharded"]["worker_received_vs_share"]))
+    ratio("sharded_vs_unsharded_time", ("sharded", "unsharded"), lambda: sec["sharded"] / sec["unsharded"])
+    # Against the peer that packs and moves the same bytes in all (each worker its own share, from a rank of its own).
+    ratio("sharded_vs_unsharded_own_time", ("sharded", "unsharded-own"), lambda: sec["sharded"] / sec["unsharded-own"])
+    ratio("gather_vs_sharded_time", ("sharded", "gather"), lambda: sec["gather"] / sec["sharded"])
+    # Memory beyond what a trainer holds before syncing: rank 0 of a gather
+    # (the whole model, its pool) against any rank of a sharded sync (its pool).
+    ratio("gather_rank0_vs_sharded_rank_over_baseline", ("sharded", "gather"),
+          lambda: res["gather"]["rank0_over_baseline_nbytes"] / res["sharded"]["other_ranks_over_baseline_nbytes"])
+    ratio("sharded_rank_over_baseline_vs_shard", ("sharded",), lambda: res["sharded"]["other_ranks_over_baseline_nbytes"] / shard_nbytes)
+    # What each source's link carried, against its shard: R x without relays (tcp counts what a sender sent itself).
+    ratio("sharded_source_sent_vs_shard", ("sharded",), lambda: max(res["sharded"]["source_sent_nbytes"]) / shard_nbytes)
+    # The two halves of a sync apart: the workers' gets (the same bytes a
+    # worker) and, with snapshot=True, the rate the sources pack at (the
+    # sharded sync packs the whole model over its ranks, the unsharded one a
+    # worker's share on one rank: twice the bytes, at the same rate where
+    # memory bandwidth is the limit).
+    ratio("sharded_vs_unsharded_get_time", ("sharded", "unsharded"),
+          lambda: res["sharded"]["worker_get_seconds_median"] / res["unsharded"]["worker_get_seconds_median"])
     if snapshot:
-        share0 = runs[0]["records"][0]["workers"][0]["share_nbytes"]
-        ratios["sharded_vs_unsharded_pack_rate"] = (SOURCES * shard_nbytes / res["sharded"]["source_put_seconds_median"]) / (
-            share0 / res["unsharded"]["source_put_seconds_median"])
-    if "relayed" in res:
-        ratios["relayed_source_sent_vs_shard"] = max(res["relayed"]["source_sent_nbytes"]) / shard_nbytes
-        ratios["relayed_vs_sharded_time"] = res["relayed"]["seconds_median"] / res["sharded"]["seconds_median"]
-        ratios["relayed_worker_bytes_vs_share"] = max(res["relayed"]["worker_received_vs_share"])
+        ratio("sharded_vs_unsharded_pack_rate", ("sharded", "unsharded"),
+              lambda: (SOURCES * shard_nbytes / res["sharded"]["source_put_seconds_median"]) / (share / res["unsharded"]["source_put_seconds_median"]))
+    ratio("relayed_source_sent_vs_shard", ("relayed",), lambda: max(res["relayed"]["source_sent_nbytes"]) / shard_nbytes)
+    ratio("relayed_vs_sharded_time", ("relayed", "sharded"), lambda: sec["relayed"] / sec["sharded"])
+    ratio("relayed_worker_bytes_vs_share", ("relayed",), lambda: max(res["relayed"]["worker_received_vs_share"]))
     if hosts is not None:
-        share = runs[0]["records"][0]["workers"][0]["share_nbytes"]
-        ratios["sharded_vs_worker_link"] = res["sharded"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
-        if "relayed" in res:
-            ratios["relayed_vs_worker_link"] = res["relayed"]["seconds_median"] / (share / hosts.rate_bytes_per_second)
+        link = share / hosts.rate_bytes_per_second
+        ratio("sharded_vs_worker_link", ("sharded",), lambda: sec["sharded"] / link)
+        ratio("relayed_vs_worker_link", ("relayed",), lambda: sec["relayed"] / link)
     print(f"\n{'mode':<13} {'median s':>9} {'worker get s':>12} {'get faults':>10} {'worker bytes/share':>20} "
           f"{'rank0 / ranks 2-3 over baseline MiB':>36} {'sent per source MiB':>22} {'from relays/share':>18} ok")
     for mode in modes:
