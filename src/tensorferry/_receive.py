@@ -196,14 +196,18 @@ class Fetcher:
         """A sharded get's ranges of a broadcast as one stream (``named``:
         the ranges back to back), from ``source`` (a relay of the same
         ranges, or ``""``: the sender), passed on to this receiver's
-        children if it relays; then copied out to the targets."""
+        children if it relays, and copied out to the targets as it arrives
+        (each chunk after it is passed on: the copy is off the get's end)."""
         pos, addr, n = runs
+        copy = CopyPlan.build(addr, np.cumsum(n) - n, n)
 
         def from_sender(buf: memoryview, start: int, progress: Any) -> None:
             ch.receive_ranges(ticket.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
 
-        stream = self._receive_stream(ch, ticket, int(n.sum()), named, source, from_sender, deadline, group)
-        CopyPlan.build(addr, np.cumsum(n) - n, n).execute(src_base=stream.data_ptr())
+        def arrived(stream: torch.Tensor, lo: int, hi: int) -> None:
+            copy.execute_window(lo, hi, 0, stream.data_ptr())
+
+        self._receive_stream(ch, ticket, int(n.sum()), named, source, from_sender, deadline, group, arrived)
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],
               source: str | None, deadline: float) -> None:
@@ -362,12 +366,14 @@ class Fetcher:
         return self._receive_stream(ch, ticket, blocks[0][1], ticket.digest, source, from_sender, deadline)
 
     def _receive_stream(self, ch: Channel, ticket: Ticket, total: int, digest: bytes, source: str,
-                        from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None) -> torch.Tensor:
+                        from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None,
+                        arrived: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
         """A stream of ``total`` bytes of ``ticket`` (``digest``: the
         ticket's, or a sharded get's ranges of it) into memory of its own,
         from ``source`` (a relay; ``""``: the sender, ``from_sender(buf,
         start, progress)``); published to this receiver's children as it
-        arrives if it relays (``group``: see :meth:`RelayBook.add`). A relay
+        arrives if it relays (``group``: see :meth:`RelayBook.add`), then
+        ``arrived(stream, lo, hi)`` for each new part, in order. A relay
         that fails or stalls is reported to the sender, which names another
         source; the receive resumes from the bytes it has."""
         if self._book is not None:
@@ -381,9 +387,11 @@ class Fetcher:
         got = [0]
 
         def progress(end: int) -> None:
-            got[0] = end
+            lo, got[0] = got[0], end
             if held is not None:
                 held.progress(end)
+            if arrived is not None and end > lo:
+                arrived(stream, lo, end)
 
         ok = False
         try:
