@@ -26,15 +26,15 @@ def block_ranges(blocks: list[tuple[int, int]], pos: np.ndarray, address: np.nda
     sizes = np.array([n for _, n in blocks], dtype=np.int64)
     offs = np.array([o for o, _ in blocks], dtype=np.int64)
     starts = np.cumsum(sizes) - sizes
-    out_off, out_addr, out_n = [], [], []
-    for p, a, n in zip(pos.tolist(), address.tolist(), nbytes.tolist()):
-        while n:
-            b = int(np.searchsorted(starts, p, side="right")) - 1
-            if b >= sizes.size or p >= starts[b] + sizes[b]:
-                raise ProtocolError(f"a range at {p:,} lies past the {int(sizes.sum()):,} bytes of the piece")
-            k = min(n, int(starts[b] + sizes[b]) - p)
-            out_off.append(int(offs[b]) + p - int(starts[b]))
-            out_addr.append(a)
-            out_n.append(k)
-            p, a, n = p + k, a + k, n - k
-    return np.array(out_off, dtype=np.int64), np.array(out_addr, dtype=np.int64), np.array(out_n, dtype=np.int64)
+    end = pos + nbytes
+    if pos.size and int(end.max()) > int(sizes.sum()):
+        raise ProtocolError(f"a range ends past the {int(sizes.sum()):,} bytes of the piece")
+    # The blocks each range starts and ends in; a range of k blocks becomes k parts.
+    first = np.searchsorted(starts, pos, side="right") - 1
+    last = np.searchsorted(starts, end - 1, side="right") - 1
+    count = last - first + 1
+    of = np.repeat(np.arange(pos.size), count)
+    block = first[of] + np.arange(of.size) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(pos[of], starts[block])
+    hi = np.minimum(end[of], starts[block] + sizes[block])
+    return offs[block] + lo - starts[block], address[of] + lo - pos[of], hi - lo

@@ -223,8 +223,9 @@ def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | N
     total = int(sizes.sum())
     if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1]).any():
         return None
-    off, _, ln = block_ranges(list(zip((np.cumsum(sizes) - sizes).tolist(), sizes.tolist())), pos, pos, n)
+    # The buffers as blocks at their stream positions: each range cut at their seams.
     starts = np.cumsum(sizes) - sizes
+    off, _, ln = block_ranges(list(zip(starts.tolist(), sizes.tolist())), pos, pos, n)
     which = np.searchsorted(starts, off, side="right") - 1
     return [buffers[b][o - s : o - s + k] for b, o, s, k in zip(which.tolist(), off.tolist(), starts[which].tolist(), ln.tolist())]
 
