@@ -205,7 +205,8 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
         r = tf.Receiver(transport, token=TOKEN)
         # The relayed sync's receiver passes on what it receives (listening on its host's address).
         relay = tf.Receiver(transport, token=TOKEN, relay=True, host=here) if transport != "shm" else None
-        sharded_plan = peer_plan = relayed_plan = own_plan = None
+        whole = {k: b.tensor for k, b in boxes.items()}  # the unsharded peers' targets: the same memory
+        plans: dict[str, Any] = {}  # each planned sync's plan, made on its first round
         out.put(("ready", 100 + w, None))  # apart from the source ranks' numbers
         while True:
             cmd = cmds.get()
@@ -216,22 +217,15 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
             relayed_before = _from_relays(relay)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            if mode == "sharded":
-                if sharded_plan is None:
-                    sharded_plan = r.plan(tickets, into=boxes)
-                r.get(tickets, into=sharded_plan)
-            elif mode == "unsharded-own":
-                if own_plan is None:
-                    own_plan = r.plan(tickets[tp], into={k: b.tensor for k, b in boxes.items()})
-                r.get(tickets[tp], into=own_plan)
-            elif mode == "relayed":
-                if relayed_plan is None:
-                    relayed_plan = relay.plan(tickets, into=boxes)
-                relay.get(tickets, into=relayed_plan)
-            elif mode == "unsharded":
-                if peer_plan is None:
-                    peer_plan = r.plan(tickets[0], into={k: b.tensor for k, b in boxes.items()})
-                r.get(tickets[0], into=peer_plan)
+            if mode != "gather":
+                receiver = relay if mode == "relayed" else r
+                if mode in ("sharded", "relayed"):
+                    ticket, into = tickets, boxes
+                else:  # unsharded: worker 0's share, read by every worker; unsharded-own: this worker's own
+                    ticket, into = tickets[tp if mode == "unsharded-own" else 0], whole
+                if mode not in plans:
+                    plans[mode] = receiver.plan(ticket, into=into)
+                receiver.get(ticket, into=plans[mode])
             else:
                 got = r.get(tickets[0])
                 for k, b in boxes.items():
