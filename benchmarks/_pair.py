@@ -139,6 +139,24 @@ class Peer:
     def recv(self) -> Any:
         return self.pipe.recv()
 
+    def accept_tuned(self) -> socket.socket:
+        """The receiver's end of a loopback socket to the sender (which
+        calls ``connect_tuned``), tuned as tensorferry's tcp transport is."""
+        lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        self.send(lst.getsockname()[1])
+        sock, _ = lst.accept()
+        tune(sock)
+        lst.close()
+        return sock
+
+    def connect_tuned(self) -> socket.socket:
+        """The sender's end of the receiver's ``accept_tuned`` socket."""
+        sock = socket.create_connection(("127.0.0.1", self.recv()))
+        tune(sock)
+        return sock
+
     def await_ready(self) -> None:
         """The sender waits for the receiver's go (or its abort)."""
         msg = self.recv()
@@ -222,8 +240,7 @@ def rawtcp(p: Peer, job: dict) -> dict:
 
     total = job["warmup"] + job["repeats"]
     if p.sends:
-        sock = socket.create_connection(("127.0.0.1", p.recv()))
-        tune(sock)
+        sock = p.connect_tuned()
         view = memoryview(p.data.view(torch.uint8).numpy())
         for _ in range(total):
             if sock.recv(1) != b"G":
@@ -235,13 +252,7 @@ def rawtcp(p: Peer, job: dict) -> dict:
             p.send(t0)
         sock.close()
         return {}
-    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    p.send(lst.getsockname()[1])
-    sock, _ = lst.accept()
-    tune(sock)
-    lst.close()
+    sock = p.accept_tuned()
     dst = torch.zeros(p.nbytes, dtype=torch.uint8)
     view = memoryview(dst.numpy())
     times = []

@@ -12,7 +12,7 @@ rounds:
   readers, discarded at once, fresh and by the kept plan.
 
 Peers in the same run: the fresh put for the plan's put, and, where the
-tree has ``tensorferry._tensor_meta``, the same library with its C++ pass
+tree has ``tensorferry._tensor_meta`` (``tensors._meta``), the same library with its C++ pass
 turned off (the Python passes it falls back to) for the first three.
 ``interleave.py`` compares two trees with it. The tensors hold 64 bytes
 each (the copy is not what is measured; ``bench_ray.py --share`` has the
@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, interleaved, log, med, results_dir, write_result  # noqa: E402
+from _harness import TENSOR_META, TENSORS, private  # noqa: E402
 
 COUNTS = (10_000, 100_000)
 NUMEL = 16  # 64 B a tensor
@@ -52,10 +53,9 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 def run_count(n: int, rounds: int) -> dict:
     from tensorferry import Sender
-    from tensorferry._tensors import flatten, inspect_leaves
-
+    flatten, inspect_leaves = private(TENSORS, "flatten"), private(TENSORS, "inspect_leaves")
     try:
-        from tensorferry import _tensor_meta as tm
+        tm = private(TENSOR_META)
     except ImportError:  # a tree before the C++ pass: its own path only
         tm = None
     tensors = [torch.full((NUMEL,), float(i)) for i in range(n)]

@@ -25,15 +25,15 @@ os.environ["UCX_NET_DEVICES"] = "lo"
 import argparse
 import gc
 import io
-import socket
 import struct
 import sys
 import time
 from typing import Any
 
-from _common import GIB, MIB, environment, log, med, peak_rss, recv_exact, reset_peak_rss, results_dir, tune, \
-    write_result
-from _pair import Peer, Workers, job, limits_again, measure_limits, print_limits, print_targets, verify, views_of
+from _common import MIB, environment, log, med, peak_rss, recv_exact, reset_peak_rss
+from _harness import finish, limit_medians, out_path, run_in_pair, sizes, table, transfer_args, verified_cell, \
+    verified_target
+from _pair import Peer, Workers, job, verify, views_of
 
 QUEUE_COUNTS = (1, 10_000)
 SAVE_COUNTS = (1, 10_000, 100_000)
@@ -81,8 +81,7 @@ def tsave(p: Peer, job: dict) -> dict:
 
     count, total = job["count"], job["warmup"] + job["repeats"]
     if p.sends:
-        sock = socket.create_connection(("127.0.0.1", p.recv()))
-        tune(sock)
+        sock = p.connect_tuned()
         state = {f"layers.{i}.weight": v for i, v in enumerate(views_of(p.data, count))}
         for _ in range(total):
             if sock.recv(1) != b"G":
@@ -98,13 +97,7 @@ def tsave(p: Peer, job: dict) -> dict:
         sock.close()
         return {}
     ref = views_of(p.data, count)
-    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(1)
-    p.send(lst.getsockname()[1])
-    sock, _ = lst.accept()
-    tune(sock)
-    lst.close()
+    sock = p.accept_tuned()
     times, growths, problem = [], [], "not verified"
     for r in range(total):
         gc.collect()
@@ -147,62 +140,40 @@ def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
     """Each peer's median, GB/s and ratio against one libc memcpy (limit / peer)."""
     if not doc.get("peers"):
         return {}
-    lim = doc["limits"].get("memcpy_libc")
+    lim = limit_medians(doc["limits"], LIMITS).get("memcpy_libc")
     ratios: dict[str, float | None] = {}
     for p in doc["peers"]:
         p["median_seconds"] = med(p["seconds"])
         p["gbps"] = nbytes / p["median_seconds"] / 1e9
-        if lim and lim.get("seconds"):
-            p["vs_memcpy"] = med(lim["seconds"]) / p["median_seconds"]
+        if lim:
+            p["vs_memcpy"] = lim / p["median_seconds"]
         ratios[f"peers:{p['peer']}:{p['count']} vs memcpy_libc"] = p.get("vs_memcpy")
-    bad = [f"{p['peer']} {p['count']}: {p['problem']}" for p in doc["peers"] if not p.get("verified")]
-    doc.setdefault("targets", []).append({"target": "every peer case verified bit-exact after timing", "required": "all",
-                                          "measured": None, "unit": "", "met": not bad, "note": "; ".join(bad) or "all equal"})
+    verified_target(doc, "every peer case verified bit-exact after timing",
+                    [f"{p['peer']} {p['count']}: {p['problem']}" for p in doc["peers"] if not p.get("verified")])
     return ratios
 
 
 def print_table(con: Any, doc: dict) -> None:
-    from rich.table import Table
-
     if not doc["peers"]:
         return
-    t = Table(title="peers (what a user would otherwise do), the same bytes, separate processes")
-    for col in ("peer", "tensors", "median ms", "GB/s", "vs memcpy", "rx RSS +MiB", "runs", "verified"):
-        t.add_column(col, justify="left" if col == "peer" else "right")
-    for p in doc["peers"]:
-        t.add_row(p["peer"], f"{p['count']:,}", f"{p['median_seconds'] * 1e3:,.0f}", f"{p['gbps']:.2f}",
-                  f"{p.get('vs_memcpy', float('nan')):.2f}x", f"{max(p['receiver_rss_growth_nbytes']) / MIB:,.1f}",
-                  str(len(p["seconds"])), "yes" if p["verified"] else f"[red]NO {p['problem']}[/]")
-    con.print(t)
+    con.print(table("peers (what a user would otherwise do), the same bytes, separate processes",
+                    ("peer", "tensors", "median ms", "GB/s", "vs memcpy", "rx RSS +MiB", "runs", "verified"),
+                    ((p["peer"], f"{p['count']:,}", f"{p['median_seconds'] * 1e3:,.0f}", f"{p['gbps']:.2f}",
+                      f"{p.get('vs_memcpy', float('nan')):.2f}x", f"{max(p['receiver_rss_growth_nbytes']) / MIB:,.1f}",
+                      str(len(p["seconds"])), verified_cell(p)) for p in doc["peers"])))
 
 
 def main() -> int:
-    from rich.console import Console
-
-    from bench_transports import common_args
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_args(ap)
+    transfer_args(ap)
     args = ap.parse_args()
-    nbytes = 64 * MIB if args.quick else GIB
-    repeats = 2 if args.quick else args.repeats
+    nbytes, repeats = sizes(args)
     doc: dict[str, Any] = {"limits": {}, "peers": [], "errors": []}
-    started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads)
-    w = Workers(nbytes, args.threads, ["bench_peers"])
-    try:
-        measure_limits(w, doc["limits"], LIMITS, max(3, repeats))
-        measure(w, doc, repeats)
-        limits_again(w, doc["limits"], max(3, repeats))
-    finally:
-        w.close()
-    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started}
+    run_in_pair(["bench_peers"], doc, env, nbytes, args.threads, lambda w: measure(w, doc, repeats),
+                limits=LIMITS, limit_repeats=max(3, repeats))
     ratios = summarize(doc, nbytes)
-    con = Console(width=200)
-    print_limits(con, doc["limits"], lambda k: nbytes, "limit (start and end pooled)")
-    print_table(con, doc)
-    print_targets(con, doc["targets"])
-    log(f"wrote {write_result(results_dir(args.out) / 'bench_peers.json', doc, ratios)}")
+    log(f"wrote {finish(doc, ratios, out_path(args, 'bench_peers'), nbytes, [print_table])}")
     return 0
 
 

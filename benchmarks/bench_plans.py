@@ -38,10 +38,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from _common import GIB, MIB, available_transports, copy_threads, environment, interleaved, log, med, rotated, \
-    results_dir, write_result
-from _pair import Peer, Workers, case_label, job, limits_again, measure_limits, print_targets, profile_text, verify, \
-    views_of
+from _common import available_transports, copy_threads, environment, interleaved, log, med, rotated
+from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_args
+from _pair import Peer, Workers, case_label, job, limits_again, measure_limits, profile_text, verify, views_of
 
 # 100k tensors: the size of a large state dict.
 PLAN_COUNT = 100_000
@@ -266,41 +265,36 @@ def measure(w: Workers, doc: dict, transports: list[str], repeats: int, only: li
     group of every transport (``only``: groups as ``shm:own``, ``tcp:wire``)."""
     plans = doc.setdefault("plans", {"cases": [], "not_applicable": {}, "limits": {}, "memcpy_rounds": {}})
     measure_limits(w, plans["limits"], LIMITS, max(3, repeats))
-    for transport in transports:
-        try:
-            w.run({"job": "tf_open", "transport": transport})
-        except Exception as exc:
-            doc["errors"].append(f"{transport}: open: {exc}")
-            continue
+
+    def opened(transport: str) -> None:
         refused = w.run({"job": "plan_refusal"})[0]["refused"]
         if refused is not None:
             plans["not_applicable"][f"{transport} snapshot=False"] = refused
-        for group in plan_groups(transport, repeats):
-            gid = f"{transport}:{group['group']}"
-            if only and gid not in only:
-                continue
-            group["profile"] = profile
-            base = [{**v, "group": group["group"], "transport": transport, "repeats": group["repeats"]}
-                    for v in group["variants"]]
-            try:
-                s, r = w.run(group, timeout=1200)
-            except Exception as exc:
-                doc["errors"].append(f"{gid}: {exc}")
-                log(f"{gid}: FAILED {exc}")
-                plans["cases"] += [{**c, "id": plan_case_id(c), "error": str(exc)} for c in base]
-                w.reopen(transport)
-                continue
-            if s["memcpy_seconds"]:
-                plans["memcpy_rounds"][gid] = s["memcpy_seconds"]
-            for k, (c, sv, rv) in enumerate(zip(base, s["variants"], r["variants"])):
-                c["id"] = plan_case_id(c)
-                # The group's profiles (all its variants together) go with its first.
-                sv["profile_sender"] = s["profile_sender"] if k == 0 else None
-                rv["profile_receiver"] = r["profile_receiver"] if k == 0 else None
-                plans["cases"].append({**c, "sender": sv, "receiver": rv})
-                log(f"{c['id']}: sync {rv['seconds']:.3f} s, put {med([x['put_seconds'] for x in sv['records']]):.3f}, "
-                    f"first sync {rv['first']['end_to_end_seconds']:.3f}, verified {rv['verified']}")
-        w.run({"job": "tf_close"})
+
+    def cases(transport: str) -> list[tuple[str, dict]]:
+        groups = [(f"{transport}:{g['group']}", {**g, "profile": profile}) for g in plan_groups(transport, repeats)]
+        return [(gid, g) for gid, g in groups if not only or gid in only]
+
+    def variants(group: dict) -> list[dict]:
+        return [{**v, "group": group["group"], "transport": group["transport"], "repeats": group["repeats"]}
+                for v in group["variants"]]
+
+    def failed(group: dict, exc: Exception) -> None:
+        plans["cases"].extend({**c, "id": plan_case_id(c), "error": str(exc)} for c in variants(group))
+
+    def record(gid: str, group: dict, s: dict, r: dict) -> None:
+        if s["memcpy_seconds"]:
+            plans["memcpy_rounds"][gid] = s["memcpy_seconds"]
+        for k, (c, sv, rv) in enumerate(zip(variants(group), s["variants"], r["variants"])):
+            c["id"] = plan_case_id(c)
+            # The group's profiles (all its variants together) go with its first.
+            sv["profile_sender"] = s["profile_sender"] if k == 0 else None
+            rv["profile_receiver"] = r["profile_receiver"] if k == 0 else None
+            plans["cases"].append({**c, "sender": sv, "receiver": rv})
+            log(f"{c['id']}: sync {rv['seconds']:.3f} s, put {med([x['put_seconds'] for x in sv['records']]):.3f}, "
+                f"first sync {rv['first']['end_to_end_seconds']:.3f}, verified {rv['verified']}")
+
+    run_cases(w, doc, transports, cases, record, opened=opened, failed=failed, timeout=1200)
     limits_again(w, plans["limits"], max(3, repeats))
 
 
@@ -454,35 +448,21 @@ def print_table(con: Any, doc: dict) -> None:
 
 def main(argv: list[str] | None = None, *, name: str = "bench_plans") -> int:
     """Run the plans benchmark alone (``name``: its results' file name)."""
-    from rich.console import Console
-
     from _plots import plot_plans
-    from bench_transports import common_args
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_args(ap)
+    transfer_args(ap)
     ap.add_argument("--only", nargs="*", default=None, metavar="TRANSPORT:GROUP", help="only these groups (shm:own tcp:wire)")
     args, _ = ap.parse_known_args(argv)
-    nbytes = 64 * MIB if args.quick else GIB
-    repeats = 2 if args.quick else args.repeats
+    nbytes, repeats = sizes(args)
     transports = args.transports if args.transports is not None else available_transports()
     doc: dict[str, Any] = {"errors": [], "targets": []}
-    started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports,
                       copy_threads=copy_threads())
-    w = Workers(nbytes, args.threads, ["bench_plans"])
-    try:
-        measure(w, doc, transports, repeats, args.only, args.profile)
-    finally:
-        w.close()
-    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started}
+    run_in_pair(["bench_plans"], doc, env, nbytes, args.threads,
+                lambda w: measure(w, doc, transports, repeats, args.only, args.profile))
     ratios = summarize(doc, nbytes)
-    con = Console(width=220)
-    print_table(con, doc)
-    print_targets(con, doc["targets"])
-    for e in doc["errors"]:
-        con.print(f"[red]error:[/] {e}")
-    path = write_result(results_dir(args.out) / f"{name}.json", doc, ratios)
+    path = finish(doc, ratios, out_path(args, name), nbytes, [print_table])
     if doc["plans"].get("rows"):
         plot_plans(doc, path.with_suffix(".png"))
     log(f"wrote {path} and .png")

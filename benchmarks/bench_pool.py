@@ -64,12 +64,15 @@ import numpy as np
 import torch
 
 import tensorferry
-from tensorferry import packing as tf_layout
 
 from ray.experimental.rdt import nixl_memory_pool as ray_pool
 
 from _common import check_peak_reset, environment as common_environment, peak_rss_growth, results_dir, write_result
+from _harness import PACKING, private
 from _pool_report import compute_targets, plot, print_tables
+
+# tensorferry's layout math (packed offsets, blocks), where the tree keeps it.
+tf_layout = private(PACKING)
 
 MIB = 1 << 20
 # 256 MiB of float32: the storage every "views" case slices up.

@@ -31,9 +31,10 @@ import sys
 import time
 from typing import Any
 
-from _common import GIB, MIB, available_transports, environment, log, med, results_dir, write_result
-from _pair import Peer, Workers, case_label, job, limits_again, measure_limits, print_limits, print_targets, verify, \
-    views_of
+from _common import MIB, available_transports, environment, log, med
+from _harness import finish, limit_medians, out_path, run_cases, run_in_pair, sizes, table, transfer_args, \
+    verified_cell, verified_target
+from _pair import Peer, Workers, case_label, job, verify, views_of
 
 # The object is this many times the sender's (empty) pool.
 POOL_FRACTION = 4
@@ -88,33 +89,25 @@ def stream(p: Peer, job: dict) -> dict:
 
 def measure(w: Workers, doc: dict, nbytes: int, transports: list[str], repeats: int) -> None:
     """Every case of every transport, the sender's pool a quarter of the data."""
-    pool_nbytes = nbytes // POOL_FRACTION
-    for transport in transports:
-        try:
-            w.run({"job": "tf_open", "transport": transport, "capacity_nbytes": pool_nbytes})
-        except Exception as exc:
-            doc["errors"].append(f"{transport}: open: {exc}")
-            continue
-        for case in CASES:
-            name = f"{transport}:stream:{case['mode']}:{case_label(case).replace(' ', '-')}"
-            try:
-                s, r = w.run({"job": "stream", **case, "warmup": 1, "repeats": repeats})
-            except Exception as exc:
-                doc["errors"].append(f"{name}: {exc}")
-                log(f"{name}: FAILED {exc}")
-                w.reopen(transport)
-                continue
-            doc["stream"].append({"id": name, "transport": transport, **case, "sender": s, "receiver": r})
-            log(f"{name}: {med([x['end_to_end_seconds'] for x in r['records']]):.3f} s "
-                f"(put returned after {med([x['put_seconds'] for x in s['records']]):.3f}) verified {r['verified']}")
-        w.run({"job": "tf_close"})
+
+    def cases(transport: str) -> list[tuple[str, dict]]:
+        return [(f"{transport}:stream:{case['mode']}:{case_label(case).replace(' ', '-')}",
+                 {"job": "stream", **case, "warmup": 1, "repeats": repeats}) for case in CASES]
+
+    def record(name: str, spec: dict, s: dict, r: dict) -> None:
+        doc["stream"].append({"id": name, "transport": name.split(":")[0], "count": spec["count"],
+                              "mode": spec["mode"], "sender": s, "receiver": r})
+        log(f"{name}: {med([x['end_to_end_seconds'] for x in r['records']]):.3f} s "
+            f"(put returned after {med([x['put_seconds'] for x in s['records']]):.3f}) verified {r['verified']}")
+
+    run_cases(w, doc, transports, cases, record, open_job={"capacity_nbytes": nbytes // POOL_FRACTION})
 
 
 def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
     """Rows and ratios (memcpy time / streamed time)."""
     if not doc.get("stream"):
         return {}
-    lim = {k: med(v["seconds"]) for k, v in doc["limits"].items() if v and v.get("seconds") and k in LIMITS}
+    lim = limit_medians(doc["limits"], LIMITS)
     ratios: dict[str, float | None] = {}
     rows = []
     for c in doc["stream"]:
@@ -130,61 +123,37 @@ def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
         ratios[f"stream:{c['id']} vs memcpy_libc"] = row.get("vs_memcpy_libc")
         rows.append(row)
     doc["stream_rows"] = rows
-    bad = [f"{r['id']}: {r['problem']}" for r in rows if not r["verified"]]
-    doc.setdefault("targets", []).append({
-        "target": f"every streamed put (object {POOL_FRACTION}x the free pool) verified bit-exact after timing",
-        "required": "all", "measured": None, "unit": "", "met": not bad, "note": "; ".join(bad) or "all equal"})
+    verified_target(doc, f"every streamed put (object {POOL_FRACTION}x the free pool) verified bit-exact after timing",
+                    [f"{r['id']}: {r['problem']}" for r in rows if not r["verified"]])
     return ratios
 
 
 def print_table(con: Any, doc: dict) -> None:
-    from rich.table import Table
-
     if not doc.get("stream_rows"):
         return
-    t = Table(title=f"streamed put: a fresh put of an object {POOL_FRACTION}x the sender's free pool, put … get returned")
-    cols = ("case", "pool MiB", "e2e ms", "GB/s", "vs memcpy_libc", "vs memcpy_parallel", "put returned ms",
-            "runs ms", "verified")
-    for col in cols:
-        t.add_column(col, justify="left" if col == "case" else "right")
-    for r in doc["stream_rows"]:
-        t.add_row(r["id"], f"{r['pool_nbytes'] / MIB:,.0f}", f"{r['end_to_end_seconds'] * 1e3:,.0f}", f"{r['gbps']:.2f}",
-                  f"{r['vs_memcpy_libc']:.2f}x" if "vs_memcpy_libc" in r else "-",
-                  f"{r['vs_memcpy_parallel']:.2f}x" if "vs_memcpy_parallel" in r else "-",
-                  f"{r['put_seconds'] * 1e3:,.0f}", " ".join(f"{x * 1e3:.0f}" for x in r["end_to_end_all_seconds"]),
-                  "yes" if r["verified"] else f"[red]NO {r['problem']}[/]")
-    con.print(t)
+    ratio = lambda r, k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
+    con.print(table(f"streamed put: a fresh put of an object {POOL_FRACTION}x the sender's free pool, put … get returned",
+                    ("case", "pool MiB", "e2e ms", "GB/s", "vs memcpy_libc", "vs memcpy_parallel", "put returned ms",
+                     "runs ms", "verified"),
+                    ((r["id"], f"{r['pool_nbytes'] / MIB:,.0f}", f"{r['end_to_end_seconds'] * 1e3:,.0f}",
+                      f"{r['gbps']:.2f}", ratio(r, "vs_memcpy_libc"), ratio(r, "vs_memcpy_parallel"),
+                      f"{r['put_seconds'] * 1e3:,.0f}", " ".join(f"{x * 1e3:.0f}" for x in r["end_to_end_all_seconds"]),
+                      verified_cell(r)) for r in doc["stream_rows"])))
 
 
 def main() -> int:
-    from rich.console import Console
-
-    from bench_transports import common_args
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_args(ap)
+    transfer_args(ap)
     args = ap.parse_args()
-    nbytes = 64 * MIB if args.quick else GIB
-    repeats = 2 if args.quick else args.repeats
+    nbytes, repeats = sizes(args)
     transports = args.transports if args.transports is not None else available_transports()
     doc: dict[str, Any] = {"limits": {}, "stream": [], "errors": []}
-    started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports,
                       pool_nbytes=nbytes // POOL_FRACTION)
-    w = Workers(nbytes, args.threads, ["bench_stream"])
-    try:
-        measure_limits(w, doc["limits"], LIMITS, max(3, repeats))
-        measure(w, doc, nbytes, transports, repeats)
-        limits_again(w, doc["limits"], max(3, repeats))
-    finally:
-        w.close()
-    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started}
+    run_in_pair(["bench_stream"], doc, env, nbytes, args.threads, lambda w: measure(w, doc, nbytes, transports, repeats),
+                limits=LIMITS, limit_repeats=max(3, repeats))
     ratios = summarize(doc, nbytes)
-    con = Console(width=200)
-    print_limits(con, doc["limits"], lambda k: nbytes, "limits (start and end pooled)")
-    print_table(con, doc)
-    print_targets(con, doc["targets"])
-    log(f"wrote {write_result(results_dir(args.out) / 'bench_stream.json', doc, ratios)}")
+    log(f"wrote {finish(doc, ratios, out_path(args, 'bench_stream'), nbytes, [print_table])}")
     return 0 if not doc["errors"] else 1
 
 

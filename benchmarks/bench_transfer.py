@@ -47,8 +47,9 @@ import bench_peers
 import bench_plans
 import bench_stream
 import bench_transports
-from _common import GIB, MIB, available_transports, copy_threads, environment, log, results_dir, write_result
-from _pair import Workers, limits_again, measure_limits, measure_raw_nixl, print_limits, print_targets
+from _common import MIB, available_transports, copy_threads, environment, log, results_dir, write_result
+from _harness import QUICK_REPEATS, report, run_in_pair, sizes, transfer_args
+from _pair import Workers, measure_raw_nixl
 
 MODULES = ["bench_transports", "bench_peers", "bench_stream", "bench_plans"]
 
@@ -62,16 +63,9 @@ def print_all(doc: dict) -> None:
     con.print(f"[bold]tensorferry transfer benchmark[/] — {env['date']} — {env['machine']} — {nbytes / MIB:,.0f} MiB "
               f"float32; medians of {env['repeats']} after 1 warm-up; torch threads {env['torch_threads']}; "
               f"load {env['loadavg_1min']} (start), {env.get('loadavg_1min_end')} (end)")
-    print_limits(con, doc["limits"], lambda k: nbytes, "limits (same run: start and end pooled)")
-    if doc.get("rows"):
-        bench_transports.print_table(con, doc)
-    bench_peers.print_table(con, doc)
-    bench_stream.print_table(con, doc)
-    if doc.get("plans"):
-        bench_plans.print_table(con, doc)
-    print_targets(con, doc["targets"])
-    for e in doc["errors"]:
-        con.print(f"[red]error:[/] {e}")
+    tables = [bench_transports.print_table] if doc.get("rows") else []
+    tables += [bench_peers.print_table, bench_stream.print_table] + ([bench_plans.print_table] if doc.get("plans") else [])
+    report(doc, nbytes, tables, con)
 
 
 def plot_all(doc: dict, path: Path) -> None:
@@ -103,7 +97,7 @@ def write_profiles(doc: dict, path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench_transports.common_args(ap)
+    transfer_args(ap)
     ap.add_argument("--peer-repeats", type=int, default=3, help="timed repeats per peer case")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-stream", action="store_true", help="leave the streamed-put part out")
@@ -121,9 +115,8 @@ def main() -> int:
     if args.plans:
         return bench_plans.main(sys.argv[1:], name="bench_transfer_plans" + ("_quick" if args.quick else ""))
 
-    nbytes = 64 * MIB if args.quick else GIB
-    repeats = 2 if args.quick else args.repeats
-    peer_repeats = 2 if args.quick else args.peer_repeats
+    nbytes, repeats = sizes(args)
+    peer_repeats = QUICK_REPEATS if args.quick else args.peer_repeats
     transports = args.transports if args.transports is not None else available_transports()
     started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, peer_repeats=peer_repeats, torch_threads=args.threads,
@@ -131,9 +124,8 @@ def main() -> int:
     log(f"transports {transports}; {nbytes / MIB:.0f} MiB; repeats {repeats} (peers {peer_repeats}); "
         f"torch threads {args.threads}; load {env['loadavg_1min']}")
     doc: dict[str, Any] = {"limits": {}, "cases": [], "peers": [], "stream": [], "errors": [], "targets": []}
-    w = Workers(nbytes, args.threads, MODULES)
-    try:
-        measure_limits(w, doc["limits"], bench_transports.LIMITS, max(3, repeats))
+
+    def measure(w: Workers) -> None:
         if "nixl" in transports:
             measure_raw_nixl(doc["limits"], nbytes, max(3, repeats), doc["errors"])
         bench_transports.measure(w, doc, transports, repeats, args.only, args.profile)
@@ -143,11 +135,10 @@ def main() -> int:
             bench_stream.measure(w, doc, nbytes, transports, repeats)
         if not (args.no_plans or args.only):
             bench_plans.measure(w, doc, transports, repeats, None, args.profile)
-        limits_again(w, doc["limits"], max(3, repeats))
-    finally:
-        w.close()
-    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started,
-                  "peak_reset_works": {k: v["peak_reset_works"] for k, v in w.info.items()}}
+
+    info = run_in_pair(MODULES, doc, env, nbytes, args.threads, measure, limits=bench_transports.LIMITS,
+                       limit_repeats=max(3, repeats))
+    doc["env"]["peak_reset_works"] = {k: v["peak_reset_works"] for k, v in info.items()}
     ratios = bench_transports.summarize(doc, nbytes)
     for part in (bench_peers, bench_stream, bench_plans):
         ratios.update(part.summarize(doc, nbytes))

@@ -45,13 +45,11 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from _common import GIB, MIB, available_transports, environment, log, med, minor_faults, peak_rss, reset_peak_rss, \
-    results_dir, write_result
-from _pair import Peer, Workers, case_label, job, measure_limits, measure_raw_nixl, print_limits, print_targets, \
-    profile_text, verify, views_of, limits_again
+from _common import GIB, MIB, available_transports, environment, log, med, minor_faults, peak_rss, reset_peak_rss
+from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_args
+from _pair import Peer, Workers, case_label, job, measure_raw_nixl, profile_text, verify, views_of
 
 COUNTS = (1, 10_000, 100_000)
 LIMITS = ("memcpy", "memcpy_libc", "memcpy_parallel", "raw_tcp")
@@ -205,30 +203,20 @@ def tf_cases(transport: str, repeats: int) -> list[dict]:
 
 def measure(w: Workers, doc: dict, transports: list[str], repeats: int, only: list[str] | None, profile: bool) -> None:
     """Every case of every transport into ``doc["cases"]``."""
-    for transport in transports:
-        try:
-            w.run({"job": "tf_open", "transport": transport})
-        except Exception as exc:
-            doc["errors"].append(f"{transport}: open: {exc}")
-            continue
-        for case in tf_cases(transport, repeats):
-            name = f"{transport}:{case['mode']}:{case_label(case)}"
-            if only and name not in only:
-                continue
-            case["profile"] = profile
-            try:
-                s, r = w.run(case)
-            except Exception as exc:
-                doc["errors"].append(f"{name}: {exc}")
-                log(f"{name}: FAILED {exc}")
-                doc["cases"].append({**case, "error": str(exc)})
-                w.reopen(transport)
-                continue
-            doc["cases"].append({**case, "sender": s, "receiver": r})
-            e2e = med([x["end_to_end_seconds"] for x in r["records"]])
-            log(f"{name}: {e2e:.3f} s put {med([x['put_seconds'] for x in s['records']]):.3f} "
-                f"get {med([x['get_seconds'] for x in r['records']]):.3f} verified {r['verified']}")
-        w.run({"job": "tf_close"})
+
+    def cases(transport: str) -> list[tuple[str, dict]]:
+        named = [(f"{transport}:{case['mode']}:{case_label(case)}", {**case, "profile": profile})
+                 for case in tf_cases(transport, repeats)]
+        return [(name, case) for name, case in named if not only or name in only]
+
+    def record(name: str, case: dict, s: dict, r: dict) -> None:
+        doc["cases"].append({**case, "sender": s, "receiver": r})
+        e2e = med([x["end_to_end_seconds"] for x in r["records"]])
+        log(f"{name}: {e2e:.3f} s put {med([x['put_seconds'] for x in s['records']]):.3f} "
+            f"get {med([x['get_seconds'] for x in r['records']]):.3f} verified {r['verified']}")
+
+    run_cases(w, doc, transports, cases, record,
+              failed=lambda case, exc: doc["cases"].append({**case, "error": str(exc)}))
 
 
 def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
@@ -340,47 +328,27 @@ def print_table(con: Any, doc: dict) -> None:
         con.print(t)
 
 
-def common_args(ap: argparse.ArgumentParser) -> None:
-    """The options every transfer benchmark takes (bench_transfer.py's)."""
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker")
-    ap.add_argument("--transports", nargs="*", default=None, help="default: tensorferry.transports.available()")
-    ap.add_argument("--quick", action="store_true", help="64 MiB instead of 1 GiB, 2 repeats (smoke run)")
-    ap.add_argument("--profile", action="store_true", help="cProfile the timed sections (slows them)")
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
-
-
 def main() -> int:
-    from rich.console import Console
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_args(ap)
+    transfer_args(ap)
     ap.add_argument("--only", nargs="*", default=None, metavar="TRANSPORT:MODE:TENSORS",
                     help="run only these cases (e.g. shm:pool:100k tcp:into:1)")
     args = ap.parse_args()
-    nbytes = 64 * MIB if args.quick else GIB
-    repeats = 2 if args.quick else args.repeats
+    nbytes, repeats = sizes(args)
     transports = args.transports if args.transports is not None else available_transports()
     doc: dict[str, Any] = {"limits": {}, "cases": [], "errors": []}
-    started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports)
-    w = Workers(nbytes, args.threads, ["bench_transports"])
-    try:
-        measure_limits(w, doc["limits"], LIMITS, max(3, repeats))
+
+    def measure_all(w: Workers) -> None:
         if "nixl" in transports:
             measure_raw_nixl(doc["limits"], nbytes, max(3, repeats), doc["errors"])
         measure(w, doc, transports, repeats, args.only, args.profile)
-        limits_again(w, doc["limits"], max(3, repeats))
-    finally:
-        w.close()
-    doc["env"] = {**env, "loadavg_1min_end": round(os.getloadavg()[0], 2), "wall_seconds": time.monotonic() - started,
-                  "peak_reset_works": {k: v["peak_reset_works"] for k, v in w.info.items()}}
+
+    info = run_in_pair(["bench_transports"], doc, env, nbytes, args.threads, measure_all, limits=LIMITS,
+                       limit_repeats=max(3, repeats))
+    doc["env"]["peak_reset_works"] = {k: v["peak_reset_works"] for k, v in info.items()}
     ratios = summarize(doc, nbytes)
-    con = Console(width=220)
-    print_limits(con, doc["limits"], lambda k: nbytes, "limits (start and end pooled)")
-    print_table(con, doc)
-    print_targets(con, doc["targets"])
-    path = write_result(results_dir(args.out) / "bench_transports.json", doc, ratios)
+    path = finish(doc, ratios, out_path(args, "bench_transports"), nbytes, [print_table])
     if doc["rows"]:
         from _plots import plot_transports
 
