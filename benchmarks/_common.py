@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = [
-    "MIB", "GIB", "RESULTS", "SOCK_BUF_NBYTES", "results_dir", "write_result", "log", "med", "rotated",
+    "MIB", "GIB", "RESULTS", "SOCK_BUF_NBYTES", "results_dir", "write_json", "write_result", "log", "med", "rotated",
     "interleaved", "package_version", "environment", "status_nbytes", "reset_peak_rss", "peak_rss",
     "minor_faults", "check_peak_reset", "RssSampler", "peak_rss_growth", "memcpy_seconds", "tune", "recv_exact", "raw_nixl_limit",
     "copy_threads", "available_transports",
@@ -56,12 +56,19 @@ def results_dir(default: Path | None = None) -> Path:
     return Path(env) if env else (default or RESULTS)
 
 
-def write_result(path: Path, doc: dict, ratios: dict[str, float | None]) -> Path:
+def write_json(path: Path, doc: dict, *, indent: int = 1, default: Callable[[Any], Any] = float) -> Path:
+    """Write ``doc`` as JSON to ``path`` (its folder made if missing);
+    ``default`` turns what JSON lacks (numpy scalars, paths) into what it has."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent, default=default))
+    return path
+
+
+def write_result(path: Path, doc: dict, ratios: dict[str, float | None], *,
+                 default: Callable[[Any], Any] = float) -> Path:
     """Write ``doc`` as JSON with its flat ``ratios`` (None where not measured)."""
     doc["ratios"] = {k: (None if v is None else float(v)) for k, v in ratios.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, default=float))
-    return path
+    return write_json(path, doc, default=default)
 
 
 def log(msg: str) -> None:

@@ -112,13 +112,13 @@ def hosts_part(size_mib: int, repeats: int, fractions: tuple[float, ...], receiv
     import secrets
     import subprocess
 
-    sys.path.insert(0, str(ROOT / "tests"))
     from _common import log, med, rotated
-    from _hosts import Hosts, available
+    from _harness import namespace_hosts
 
-    reason = available()
+    hosts_module, reason = namespace_hosts()
     if reason is not None:
         return {"skipped": reason}
+    Hosts = hosts_module.Hosts
     token = secrets.token_hex(8)
     me = str(Path(__file__).resolve())
     out: dict[str, Any] = {"size_mib": size_mib, "receivers": receivers, "rate": rate, "fractions": {}}

@@ -3,8 +3,8 @@
 A benchmark is a script that measures, reports and writes one JSON; what it
 measures is its own, the run around it is here:
 
-* options and sizes: ``transfer_args`` (the transfer benchmarks' options),
-  ``sizes`` (1 GiB, or 64 MiB with ``--quick``);
+* options and sizes: ``transfer_parser`` (the transfer benchmarks' options),
+  ``sizes`` (1 GiB, or 64 MiB with ``--quick``, and the transports);
 * worker processes: ``run_in_pair`` starts the sender and receiver workers
   (``_pair.Workers``), measures the limits before and after the benchmark's
   own measurements (pooled: the machine is shared) and records the end of
@@ -13,13 +13,17 @@ measures is its own, the run around it is here:
 * rounds and medians: ``interleaved``, ``med`` (``_common``) and
   ``limit_medians``;
 * the report: ``table`` and ``verified_cell`` for the rows, ``verified_target``
-  for the check every benchmark makes after timing, ``finish`` to print the
-  limits, the benchmark's tables and the targets and to write the JSON with
-  its flat ``"ratios"`` (what ``interleave.py`` tabulates);
+  for the check every benchmark makes after timing, ``print_limits`` and
+  ``print_targets``; ``report`` prints the limits, the benchmark's tables and
+  the targets, ``finish`` also writes the JSON with its flat ``"ratios"``
+  (what ``interleave.py`` tabulates; ``_common.write_result``);
+* ``namespace_hosts``: ``tests/_hosts.py``, for the benchmarks between hosts;
 * ``private``: a tensorferry-internal helper a benchmark needs (test data,
   a flatten), looked up where the tree being measured keeps it.
 
-Public API only otherwise: ``interleave.py`` runs a benchmark against two
+Below it: ``_common`` (what is measured alike everywhere: peak RSS, the copy
+and socket limits, the environment record, writing JSON) and ``_pair`` (the
+two worker processes and the jobs they run). Public API only otherwise: ``interleave.py`` runs a benchmark against two
 trees, one of which may have moved its private modules.
 """
 
@@ -28,16 +32,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from _common import GIB, MIB, log, med, results_dir, write_result
-from _pair import Workers, limits_again, measure_limits, print_limits, print_targets
+from _common import GIB, MIB, available_transports, log, med, results_dir, write_result
+from _pair import Workers, limits_again, measure_limits
 
-__all__ = ["QUICK_NBYTES", "QUICK_REPEATS", "SYNTHETIC", "TENSORS", "TENSOR_META", "PACKING", "private", "transfer_args", "sizes",
-           "run_in_pair", "env_end", "run_cases", "limit_medians", "verified_target", "verified_cell", "table",
-           "report", "finish", "out_path"]
+__all__ = [
+    "PACKING", "QUICK_NBYTES", "QUICK_REPEATS", "SYNTHETIC", "TENSORS", "TENSOR_META", "env_end", "finish",
+    "limit_medians", "namespace_hosts", "out_path", "print_limits", "print_targets", "private", "report",
+    "run_cases", "run_in_pair", "sizes", "table", "transfer_parser", "verified_cell", "verified_target",
+]
 
 # A quick run: big enough that a copy is not all overhead, small enough to
 # finish in seconds on a shared 2-core machine.
@@ -69,20 +77,25 @@ def private(modules: tuple[str, ...], name: str | None = None) -> Any:
 # -- options and sizes ---------------------------------------------------------------
 
 
-def transfer_args(ap: argparse.ArgumentParser) -> None:
-    """The options every transfer benchmark takes (bench_transfer.py's)."""
+def transfer_parser(doc: str) -> argparse.ArgumentParser:
+    """A transfer benchmark's parser (its description: ``doc``'s first
+    paragraph) with the options every one takes (bench_transfer.py's)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per case (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each worker")
     ap.add_argument("--transports", nargs="*", default=None, help="default: tensorferry.transports.available()")
     ap.add_argument("--quick", action="store_true", help="64 MiB instead of 1 GiB, 2 repeats (smoke run)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed sections (slows them)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    return ap
 
 
-def sizes(args: argparse.Namespace) -> tuple[int, int]:
-    """(bytes sent, timed repeats) of a transfer benchmark: 1 GiB and
-    ``--repeats``, or with ``--quick`` QUICK_NBYTES and QUICK_REPEATS."""
-    return (QUICK_NBYTES, QUICK_REPEATS) if args.quick else (GIB, args.repeats)
+def sizes(args: argparse.Namespace) -> tuple[int, int, list[str]]:
+    """(bytes sent, timed repeats, transports) of a transfer benchmark: 1 GiB
+    and ``--repeats``, or with ``--quick`` QUICK_NBYTES and QUICK_REPEATS;
+    ``--transports``, else every one this machine runs."""
+    transports = args.transports if args.transports is not None else available_transports()
+    return (QUICK_NBYTES, QUICK_REPEATS, transports) if args.quick else (GIB, args.repeats, transports)
 
 
 # -- worker processes ----------------------------------------------------------------
@@ -127,7 +140,7 @@ def run_cases(w: Workers, doc: dict, transports: list[str], cases: Callable[[str
     for transport in transports:
         try:
             w.run({"job": "tf_open", "transport": transport, **(open_job or {})})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a transport that cannot open is reported, the others run
             doc["errors"].append(f"{transport}: open: {exc}")
             continue
         if opened is not None:
@@ -135,7 +148,7 @@ def run_cases(w: Workers, doc: dict, transports: list[str], cases: Callable[[str
         for name, spec in cases(transport):
             try:
                 s, r = w.run(spec, timeout=timeout)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed case is reported, the next one runs
                 doc["errors"].append(f"{name}: {exc}")
                 log(f"{name}: FAILED {exc}")
                 if failed is not None:
@@ -144,6 +157,17 @@ def run_cases(w: Workers, doc: dict, transports: list[str], cases: Callable[[str
                 continue
             record(name, spec, s, r)
         w.run({"job": "tf_close"})
+
+
+def namespace_hosts() -> tuple[Any, str | None]:
+    """``tests/_hosts.py`` (hosts as network namespaces on a bridge, links
+    shaped by ``tc``) and why this machine cannot make them (None: it can)."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import _hosts
+
+    return _hosts, _hosts.available()
 
 
 # -- the report ----------------------------------------------------------------------
@@ -162,6 +186,44 @@ def verified_target(doc: dict, what: str, bad: list[str]) -> None:
                                           "met": not bad, "note": "; ".join(bad) or "all equal"})
 
 
+def print_limits(con: Any, limits: dict, nbytes_of: Callable[[str], int], title: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("limit", "median ms", "GB/s", "runs", "verified", "via"):
+        t.add_column(col, justify="left" if col in ("limit", "via") else "right")
+    for k, v in limits.items():
+        if v and v.get("seconds"):
+            s = med(v["seconds"])
+            t.add_row(k, f"{s * 1e3:,.1f}", f"{nbytes_of(k) / s / 1e9:.2f}", str(len(v["seconds"])),
+                      str(v.get("verified")), v.get("via", ""))
+            many = v.get("seconds_10000_descs")
+            if many:
+                t.add_row(f"{k}, 10k descriptors (context)", f"{med(many) * 1e3:,.1f}",
+                          f"{nbytes_of(k) / med(many) / 1e9:.2f}", str(len(many)), "", f"{med(many) / s:.2f}x 1 descriptor")
+    if t.rows:
+        con.print(t)
+
+
+def print_targets(con: Any, targets: list[dict], title: str = "targets",
+                  unit_of: Callable[[dict], str] | None = None) -> None:
+    """The targets table: each target, what it requires, what was measured
+    (in ``unit_of(target)``; default its ``"unit"``, else ``x``) and whether it was met."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("target", "required", "measured", "met", "note"):
+        t.add_column(col)
+    for tg in targets:
+        unit = unit_of(tg) if unit_of is not None else tg.get("unit", "x")
+        m = "-" if tg["measured"] is None else f"{tg['measured']:.2f}{unit}"
+        met = "[yellow]n/a[/]" if tg["met"] is None else ("[green]yes[/]" if tg["met"] else "[red]no[/]")
+        if tg["met"] is None and tg["required"] == "report" and tg["measured"] is not None:
+            met = "[cyan]reported[/]"
+        t.add_row(tg["target"], tg["required"], m, met, tg["note"])
+    con.print(t)
+
+
 def verified_cell(row: dict) -> str:
     return "yes" if row["verified"] else f"[red]NO {row['problem']}[/]"
 
@@ -178,7 +240,8 @@ def table(title: str, cols: Iterable[str], rows: Iterable[Iterable[str]], left: 
     return t
 
 
-def report(doc: dict, nbytes: int, tables: Iterable[Callable[[Any, dict], None]], con: Any = None) -> None:
+def report(doc: dict, nbytes: int, tables: Iterable[Callable[[Any, dict], None]], con: Any = None, *,
+           limits_title: str = "limits (start and end pooled)") -> None:
     """Print the limits (if any), each of ``tables(console, doc)``, the
     targets and the errors."""
     if con is None:
@@ -186,7 +249,7 @@ def report(doc: dict, nbytes: int, tables: Iterable[Callable[[Any, dict], None]]
 
         con = Console(width=220)
     if doc.get("limits"):
-        print_limits(con, doc["limits"], lambda k: nbytes, "limits (start and end pooled)")
+        print_limits(con, doc["limits"], lambda k: nbytes, limits_title)
     for print_table in tables:
         print_table(con, doc)
     print_targets(con, doc.get("targets", []))

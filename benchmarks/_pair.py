@@ -28,10 +28,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from _common import MIB, SOCK_BUF_NBYTES, check_peak_reset, copy_threads, med, memcpy_seconds, raw_nixl_limit, tune
+from _common import MIB, SOCK_BUF_NBYTES, check_peak_reset, copy_threads, memcpy_seconds, raw_nixl_limit, tune
 
 __all__ = ["SEED", "POOL_SLACK_NBYTES", "Peer", "Workers", "job", "source", "views_of", "verify", "case_label",
-           "profile_text", "measure_limits", "limits_again", "print_limits", "print_targets"]
+           "profile_text", "measure_limits", "limits_again"]
 
 SEED = 20_260_601
 # The pools hold the data plus alignment padding (< 16 bytes a tensor, 100k
@@ -407,37 +407,3 @@ def measure_raw_nixl(limits: dict, nbytes: int, repeats: int, errors: list) -> N
         return
     if lim is not None:
         limits["raw_nixl"] = lim
-
-
-def print_limits(con: Any, limits: dict, nbytes_of: Callable[[str], int], title: str) -> None:
-    from rich.table import Table
-
-    t = Table(title=title)
-    for col in ("limit", "median ms", "GB/s", "runs", "verified", "via"):
-        t.add_column(col, justify="left" if col in ("limit", "via") else "right")
-    for k, v in limits.items():
-        if v and v.get("seconds"):
-            s = med(v["seconds"])
-            t.add_row(k, f"{s * 1e3:,.1f}", f"{nbytes_of(k) / s / 1e9:.2f}", str(len(v["seconds"])),
-                      str(v.get("verified")), v.get("via", ""))
-            many = v.get("seconds_10000_descs")
-            if many:
-                t.add_row(f"{k}, 10k descriptors (context)", f"{med(many) * 1e3:,.1f}",
-                          f"{nbytes_of(k) / med(many) / 1e9:.2f}", str(len(many)), "", f"{med(many) / s:.2f}x 1 descriptor")
-    if t.rows:
-        con.print(t)
-
-
-def print_targets(con: Any, targets: list[dict]) -> None:
-    from rich.table import Table
-
-    t = Table(title="targets")
-    for col in ("target", "required", "measured", "met", "note"):
-        t.add_column(col)
-    for tg in targets:
-        m = "-" if tg["measured"] is None else f"{tg['measured']:.2f}{tg['unit']}"
-        met = "[yellow]n/a[/]" if tg["met"] is None else ("[green]yes[/]" if tg["met"] else "[red]no[/]")
-        if tg["met"] is None and tg["required"] == "report" and tg["measured"] is not None:
-            met = "[cyan]reported[/]"
-        t.add_row(tg["target"], tg["required"], m, met, tg["note"])
-    con.print(t)

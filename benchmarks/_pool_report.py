@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import MIB
+from _harness import print_targets
 
 __all__ = ["TARGETS", "compute_targets", "print_tables", "plot"]
 
@@ -117,14 +118,7 @@ def print_tables(cases: list[Any], layout_only: dict[str, Any], memory: dict[str
     if not memory["hwm_reset_works"]:
         con.print("[red]warning: resetting VmHWM through /proc/self/clear_refs did not work here[/]")
 
-    t = Table(title="targets")
-    for col in ("target", "required", "measured", "met", "note"):
-        t.add_column(col)
-    for tg in targets:
-        unit = " %" if tg["key"].startswith("rss_") else "x"
-        t.add_row(tg["target"], tg["required"], f"{tg['measured']:.2f}{unit}",
-                  "[green]yes[/]" if tg["met"] else "[red]no[/]", tg["note"])
-    con.print(t)
+    print_targets(con, targets, unit_of=lambda tg: " %" if tg["key"].startswith("rss_") else "x")
 
 
 def plot(cases: list[Any], path: Path, env: dict[str, Any]) -> None:

@@ -22,7 +22,6 @@ import os
 
 os.environ["UCX_NET_DEVICES"] = "lo"
 
-import argparse
 import gc
 import io
 import struct
@@ -31,7 +30,7 @@ import time
 from typing import Any
 
 from _common import MIB, environment, log, med, peak_rss, recv_exact, reset_peak_rss
-from _harness import finish, limit_medians, out_path, run_in_pair, sizes, table, transfer_args, verified_cell, \
+from _harness import finish, limit_medians, out_path, run_in_pair, sizes, table, transfer_parser, verified_cell, \
     verified_target
 from _pair import Peer, Workers, job, verify, views_of
 
@@ -164,10 +163,9 @@ def print_table(con: Any, doc: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    transfer_args(ap)
+    ap = transfer_parser(__doc__)
     args = ap.parse_args()
-    nbytes, repeats = sizes(args)
+    nbytes, repeats, _ = sizes(args)
     doc: dict[str, Any] = {"limits": {}, "peers": [], "errors": []}
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads)
     run_in_pair(["bench_peers"], doc, env, nbytes, args.threads, lambda w: measure(w, doc, repeats),

@@ -31,15 +31,14 @@ import os
 
 os.environ["UCX_NET_DEVICES"] = "lo"
 
-import argparse
 import cProfile
 import gc
 import sys
 import time
 from typing import Any, Callable
 
-from _common import available_transports, copy_threads, environment, interleaved, log, med, rotated
-from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_args
+from _common import copy_threads, environment, interleaved, log, med, rotated
+from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_parser
 from _pair import Peer, Workers, case_label, job, limits_again, measure_limits, profile_text, verify, views_of
 
 # 100k tensors: the size of a large state dict.
@@ -450,12 +449,10 @@ def main(argv: list[str] | None = None, *, name: str = "bench_plans") -> int:
     """Run the plans benchmark alone (``name``: its results' file name)."""
     from _plots import plot_plans
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    transfer_args(ap)
+    ap = transfer_parser(__doc__)
     ap.add_argument("--only", nargs="*", default=None, metavar="TRANSPORT:GROUP", help="only these groups (shm:own tcp:wire)")
     args, _ = ap.parse_known_args(argv)
-    nbytes, repeats = sizes(args)
-    transports = args.transports if args.transports is not None else available_transports()
+    nbytes, repeats, transports = sizes(args)
     doc: dict[str, Any] = {"errors": [], "targets": []}
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports,
                       copy_threads=copy_threads())

@@ -72,9 +72,7 @@ import resource
 import multiprocessing as mp
 import socket
 import time
-import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 from _common import MIB, environment, interleaved, log, med, reset_peak_rss, results_dir, status_nbytes, write_result
@@ -287,10 +285,9 @@ def main() -> None:
     if args.replicas > 1 and args.transport == "shm":
         ap.error("--replicas needs a transport that relays (tcp or nixl)")
     if args.hosts:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the host harness, tests/_hosts.py
-        from _hosts import Hosts
+        from _harness import namespace_hosts
 
-        with Hosts(SOURCES + WORKERS * args.replicas, rate=args.rate) as hosts:
+        with namespace_hosts()[0].Hosts(SOURCES + WORKERS * args.replicas, rate=args.rate) as hosts:
             run_all(args, hosts)
     else:
         run_all(args, None)

@@ -25,14 +25,13 @@ import os
 
 os.environ["UCX_NET_DEVICES"] = "lo"
 
-import argparse
 import gc
 import sys
 import time
 from typing import Any
 
-from _common import MIB, available_transports, environment, log, med
-from _harness import finish, limit_medians, out_path, run_cases, run_in_pair, sizes, table, transfer_args, \
+from _common import MIB, environment, log, med
+from _harness import finish, limit_medians, out_path, run_cases, run_in_pair, sizes, table, transfer_parser, \
     verified_cell, verified_target
 from _pair import Peer, Workers, case_label, job, verify, views_of
 
@@ -131,7 +130,9 @@ def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
 def print_table(con: Any, doc: dict) -> None:
     if not doc.get("stream_rows"):
         return
-    ratio = lambda r, k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
+    def ratio(r: dict, k: str) -> str:
+        return f"{r[k]:.2f}x" if k in r else "-"
+
     con.print(table(f"streamed put: a fresh put of an object {POOL_FRACTION}x the sender's free pool, put … get returned",
                     ("case", "pool MiB", "e2e ms", "GB/s", "vs memcpy_libc", "vs memcpy_parallel", "put returned ms",
                      "runs ms", "verified"),
@@ -142,11 +143,9 @@ def print_table(con: Any, doc: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    transfer_args(ap)
+    ap = transfer_parser(__doc__)
     args = ap.parse_args()
-    nbytes, repeats = sizes(args)
-    transports = args.transports if args.transports is not None else available_transports()
+    nbytes, repeats, transports = sizes(args)
     doc: dict[str, Any] = {"limits": {}, "stream": [], "errors": []}
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports,
                       pool_nbytes=nbytes // POOL_FRACTION)

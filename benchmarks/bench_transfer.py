@@ -36,7 +36,6 @@ import os
 
 os.environ["UCX_NET_DEVICES"] = "lo"  # NIXL/UCX on loopback, here and in every child
 
-import argparse
 import json
 import sys
 import time
@@ -47,8 +46,8 @@ import bench_peers
 import bench_plans
 import bench_stream
 import bench_transports
-from _common import MIB, available_transports, copy_threads, environment, log, results_dir, write_result
-from _harness import QUICK_REPEATS, report, run_in_pair, sizes, transfer_args
+from _common import MIB, copy_threads, environment, log, results_dir, write_result
+from _harness import QUICK_REPEATS, report, run_in_pair, sizes, transfer_parser
 from _pair import Workers, measure_raw_nixl
 
 MODULES = ["bench_transports", "bench_peers", "bench_stream", "bench_plans"]
@@ -65,7 +64,7 @@ def print_all(doc: dict) -> None:
               f"load {env['loadavg_1min']} (start), {env.get('loadavg_1min_end')} (end)")
     tables = [bench_transports.print_table] if doc.get("rows") else []
     tables += [bench_peers.print_table, bench_stream.print_table] + ([bench_plans.print_table] if doc.get("plans") else [])
-    report(doc, nbytes, tables, con)
+    report(doc, nbytes, tables, con, limits_title="limits (same run: start and end pooled)")
 
 
 def plot_all(doc: dict, path: Path) -> None:
@@ -96,8 +95,7 @@ def write_profiles(doc: dict, path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    transfer_args(ap)
+    ap = transfer_parser(__doc__)
     ap.add_argument("--peer-repeats", type=int, default=3, help="timed repeats per peer case")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-stream", action="store_true", help="leave the streamed-put part out")
@@ -115,9 +113,8 @@ def main() -> int:
     if args.plans:
         return bench_plans.main(sys.argv[1:], name="bench_transfer_plans" + ("_quick" if args.quick else ""))
 
-    nbytes, repeats = sizes(args)
+    nbytes, repeats, transports = sizes(args)
     peer_repeats = QUICK_REPEATS if args.quick else args.peer_repeats
-    transports = args.transports if args.transports is not None else available_transports()
     started = time.monotonic()
     env = environment(nbytes=nbytes, repeats=repeats, peer_repeats=peer_repeats, torch_threads=args.threads,
                       copy_threads=copy_threads(), transports=transports)

@@ -39,7 +39,6 @@ import os
 
 os.environ["UCX_NET_DEVICES"] = "lo"  # NIXL/UCX on loopback, here and in every child
 
-import argparse
 import cProfile
 import gc
 import statistics
@@ -47,8 +46,8 @@ import sys
 import time
 from typing import Any
 
-from _common import GIB, MIB, available_transports, environment, log, med, minor_faults, peak_rss, reset_peak_rss
-from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_args
+from _common import GIB, MIB, environment, log, med, minor_faults, peak_rss, reset_peak_rss
+from _harness import finish, out_path, run_cases, run_in_pair, sizes, transfer_parser
 from _pair import Peer, Workers, case_label, job, measure_raw_nixl, profile_text, verify, views_of
 
 COUNTS = (1, 10_000, 100_000)
@@ -329,13 +328,11 @@ def print_table(con: Any, doc: dict) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    transfer_args(ap)
+    ap = transfer_parser(__doc__)
     ap.add_argument("--only", nargs="*", default=None, metavar="TRANSPORT:MODE:TENSORS",
                     help="run only these cases (e.g. shm:pool:100k tcp:into:1)")
     args = ap.parse_args()
-    nbytes, repeats = sizes(args)
-    transports = args.transports if args.transports is not None else available_transports()
+    nbytes, repeats, transports = sizes(args)
     doc: dict[str, Any] = {"limits": {}, "cases": [], "errors": []}
     env = environment(nbytes=nbytes, repeats=repeats, torch_threads=args.threads, transports=transports)
 

@@ -56,9 +56,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import log, write_json
+from _harness import namespace_hosts
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))  # the test-host harness, tests/_hosts.py
 
 MIB = 1 << 20
 MATRICES = 8
@@ -68,10 +70,6 @@ MATRICES = 8
 MIN_AVAILABLE_NBYTES = 1536 * MIB
 GCS_PORT = 6379
 TARGET_ALL_VS_ONE = 1.3
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # -- the driver (inside host 0) ----------------------------------------------------------
@@ -222,12 +220,11 @@ def main() -> int:
         driver(args)
         return 0
 
-    from _hosts import Hosts, available, parse_rate
-
-    reason = available()
+    hosts_module, reason = namespace_hosts()
     if reason is not None:
         print(f"bench_weight_sync_hosts: cannot make namespace hosts here: {reason}", file=sys.stderr)
         return 1
+    Hosts, parse_rate = hosts_module.Hosts, hosts_module.parse_rate
     ray_bin = str(Path(sys.executable).with_name("ray"))
     started, load_start = time.monotonic(), os.getloadavg()[0]
     token = secrets.token_hex(16)
@@ -316,9 +313,7 @@ def main() -> int:
               f"verified {s['verified']}")
     for e in errors:
         print(f"error: {e}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_weight_sync_hosts.json"
-    path.write_text(json.dumps(doc, indent=1))
+    path = write_json(args.out / "bench_weight_sync_hosts.json", doc)
     log(f"wrote {path}")
     return 1 if errors or not result else 0
 
