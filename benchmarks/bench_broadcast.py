@@ -81,6 +81,10 @@ Targets (issue 16), checked in the table: 8 receivers with fanout=1 in at
 most 1.3x the time of 1 receiver; with a relay killed halfway, every other
 receiver done in at most 2x the fault-free time.
 
+This script is the controller; ``_broadcast_workers.py`` holds the workers
+it starts in the hosts (``--worker``), ``_broadcast_report.py`` the summary,
+table and plots.
+
 Run (as root): ``.venv/bin/python benchmarks/bench_broadcast.py`` (default:
 1gbit links, 512 MiB, N = 1 2 4 8, 3 repeats; about 9 GiB of memory, and 8
 links at 1 Gbit/s at once is more than a 2-core machine forwards: see
@@ -95,8 +99,6 @@ defaults).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import hashlib
 import json
 import os
 import platform
@@ -104,35 +106,26 @@ import re
 import secrets
 import select
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import log, med, package_version  # benchmarks/_common.py (this script's folder)
+from _broadcast_report import plot, print_table, summarize
+from _broadcast_workers import receiver_worker, sender_worker
+from _common import MIB, log, med, package_version, write_json  # benchmarks/_common.py (this script's folder)
+from _harness import namespace_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))  # the test-host harness, tests/_hosts.py
 
-MIB = 1 << 20
-SEED = 20_260_616
-TENSORS = 8
 STRATEGIES = {"star": None, "chain": 1, "tree": 2}  # name -> put(fanout=)
 # The fault rounds' gets go out this far apart, so that the chain is in the
 # hosts' order and the victim has a child: a few ms of a busy machine's
 # scheduling, and a small part of a round (10 s at 400 Mbit/s, 512 MiB).
 FAULT_STAGGER_SECONDS = 0.05
-# A relay that sends nothing this long is given up by its children; a
-# killed one is noticed at once (its sockets close), this bounds a silent one.
-STALL_SECONDS = 5.0
-TARGET_CHAIN_VS_ONE = 1.3
-TARGET_FAULT_VS_FREE = 2.0
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -141,163 +134,6 @@ def parse_nbytes(text: str) -> int:
     if m is None or m.group(2) not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(f"{text!r}: a size such as 512MiB, 32MiB, 1GiB or a number of bytes")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-
-
-# -- workers (inside the namespace hosts) ------------------------------------------------
-
-
-def _say(**fact: Any) -> None:
-    sys.stdout.write(json.dumps(fact) + "\n")
-    sys.stdout.flush()
-
-
-def _digest(tensors: dict) -> str:
-    """BLAKE2b of every tensor's name, dtype, shape and bytes, in order."""
-    import torch
-
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in tensors.items():
-        h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())
-        h.update(memoryview(t.contiguous().view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-def _source(nbytes: int) -> tuple[Any, dict]:
-    """``nbytes`` of seeded random bytes, and the object: TENSORS float32 views of them."""
-    import torch
-
-    numel = nbytes // 4 // TENSORS * TENSORS
-    flat = torch.randint(0, 256, (numel * 4,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
-    part = numel // TENSORS
-    f32 = flat.view(torch.float32)
-    return flat, {f"layers.{k}.weight": f32[k * part:(k + 1) * part].view(-1, 1024) if part % 1024 == 0
-                  else f32[k * part:(k + 1) * part] for k in range(TENSORS)}
-
-
-def sender_worker(args: argparse.Namespace) -> None:
-    import torch
-
-    from tensorferry import Sender, Ticket
-
-    torch.set_num_threads(1)
-    flat, obj = _source(args.nbytes)
-    nbytes = flat.numel()
-    payload = memoryview(flat.numpy())
-    with Sender(args.transport, host=args.host, token=args.token, capacity_nbytes=nbytes + MIB, prefault=True) as sender:
-        _say(ready=os.getpid(), nbytes=nbytes, digest=_digest(obj), address=sender.address)
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            try:
-                if cmd["cmd"] == "put":
-                    t0 = time.monotonic()
-                    ticket = sender.put(obj, readers=cmd["readers"], one_shot=True, fanout=cmd["fanout"])
-                    _say(ticket=ticket.to_bytes().hex(), t_put=t0, put_seconds=time.monotonic() - t0,
-                         total_nbytes=ticket.total_nbytes, bytes_sent=sender.stats()["bytes_sent"], transport=args.transport)
-                elif cmd["cmd"] == "wait":
-                    sender.wait_released(Ticket.from_bytes(bytes.fromhex(cmd["ticket"])), timeout=cmd["timeout"])
-                    stats = sender.stats()
-                    _say(released=True, used_nbytes=stats["used_nbytes"], bytes_sent=stats["bytes_sent"])
-                elif cmd["cmd"] == "raw":
-                    _say(t_start=_raw_star(payload, cmd["targets"], cmd["timeout"]))
-                elif cmd["cmd"] == "stop":
-                    break
-            except Exception:
-                _say(error=traceback.format_exc())
-
-
-def _raw_star(payload: memoryview, targets: list[list], timeout: float) -> float:
-    """Send ``payload`` to every (host, port) at once, one thread each; the start time."""
-    errors: list[str] = []
-
-    def one(host: str, port: int) -> None:
-        try:
-            with socket.create_connection((host, port), timeout=timeout) as s:
-                s.sendall(payload)
-        except OSError as exc:
-            errors.append(f"{host}:{port}: {exc}")
-
-    threads = [threading.Thread(target=one, args=(h, p)) for h, p in targets]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise OSError(f"raw star: {errors}")
-    return t0
-
-
-def receiver_worker(args: argparse.Namespace) -> None:
-    import torch
-
-    from tensorferry import Receiver
-
-    torch.set_num_threads(1)
-    if args.no_ptrace:
-        PR_SET_DUMPABLE = 4
-        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
-    # Each receive cache keeps at most one object's memory between rounds.
-    cache = args.nbytes + MIB
-    tr = args.transport
-    with Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache) as plain, \
-            Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache, relay=True, host=args.host,
-                     stall_seconds=STALL_SECONDS, relay_linger_seconds=args.linger) as relay, \
-            Receiver(tr, token=args.token, timeout=args.timeout, cache_nbytes=cache, relay_reads="tcp") as by_tcp:
-        # Leaves below a relay of their host: ``plain`` copies out of its
-        # memory (relay_reads="memory", the default), ``by_tcp`` streams.
-        by_reads = {"memory": plain, "tcp": by_tcp}
-        _say(ready=os.getpid(), relay_address=relay.relay_address)
-        copy = None
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            try:
-                if cmd["cmd"] == "get":
-                    receiver = by_reads[cmd["reads"]] if "reads" in cmd else relay if cmd["relay"] else plain
-                    before = receiver.stats()
-                    t0 = time.monotonic()
-                    got = receiver.get(bytes.fromhex(cmd["ticket"]))
-                    t1 = time.monotonic()
-                    digest = _digest(got) if cmd["verify"] else None
-                    del got
-                    after = receiver.stats()
-                    _say(t_start=t0, t_done=t1, digest=digest,
-                         memory_read_nbytes=after["relay_memory_read_nbytes"] - before["relay_memory_read_nbytes"],
-                         stream_nbytes=after["relay_stream_nbytes"] - before["relay_stream_nbytes"],
-                         file_read_nbytes=after["relay_file_read_nbytes"] - before["relay_file_read_nbytes"],
-                         nixl_read_nbytes=after["relay_nixl_read_nbytes"] - before["relay_nixl_read_nbytes"])
-                elif cmd["cmd"] == "memcpy":
-                    # The same bytes copied by libc between two buffers
-                    # faulted in beforehand (as the receive cache's are).
-                    if copy is None:
-                        copy = (torch.ones(args.nbytes, dtype=torch.uint8), torch.zeros(args.nbytes, dtype=torch.uint8))
-                    src, dst = copy
-                    t0 = time.monotonic()
-                    ctypes.memmove(dst.data_ptr(), src.data_ptr(), args.nbytes)
-                    _say(t_start=t0, t_done=time.monotonic())
-                elif cmd["cmd"] == "sink":
-                    _sink(args.host, cmd["nbytes"], args.timeout)
-                elif cmd["cmd"] == "stop":
-                    break
-            except Exception:
-                _say(error=traceback.format_exc())
-
-
-def _sink(host: str, nbytes: int, timeout: float) -> None:
-    """Listen, say the port, read ``nbytes`` from one connection, say when done."""
-    buf = bytearray(4 * MIB)
-    with socket.socket() as srv:
-        srv.bind((host, 0))
-        srv.listen(1)
-        _say(port=srv.getsockname()[1])
-        srv.settimeout(timeout)
-        conn, _ = srv.accept()
-        with conn:
-            conn.settimeout(timeout)
-            got = 0
-            while got < nbytes and (n := conn.recv_into(buf)):
-                got += n
-    _say(t_done=time.monotonic(), nbytes=got)
 
 
 # -- the controller ------------------------------------------------------------------------
@@ -439,12 +275,11 @@ def main() -> int:
         plot(doc, args.replot.with_suffix(".png"))
         return 0
 
-    from _hosts import Hosts, available, parse_rate
-
-    reason = available()
+    hosts_module, reason = namespace_hosts()
     if reason is not None:
         print(f"bench_broadcast: cannot make namespace hosts here: {reason}", file=sys.stderr)
         return 1
+    Hosts, parse_rate = hosts_module.Hosts, hosts_module.parse_rate
     args.rate = args.rate or ("100mbit" if args.quick else "1gbit")
     args.nbytes = args.nbytes or (16 * MIB if args.quick else 512 * MIB)
     args.token = secrets.token_hex(16)
@@ -521,11 +356,9 @@ def main() -> int:
 
     doc["env"] = env_info(args, ns, rate_bits, info["nbytes"], load_start, started)
     summarize(doc)
-    args.out.mkdir(parents=True, exist_ok=True)
     default = args.rate == "1gbit" and args.nbytes == 512 * MIB
     suffix = ("_quick" if args.quick else "" if default else f"_{args.rate}_{args.nbytes // MIB}MiB") + ("_nixl" if args.transport == "nixl" else "")
-    path = args.out / f"bench_broadcast{suffix}.json"
-    path.write_text(json.dumps(doc, indent=1))
+    path = write_json(args.out / f"bench_broadcast{suffix}.json", doc)
     print_table(doc)
     if doc["rows"]:
         plot(doc, path.with_suffix(".png"))
@@ -640,9 +473,7 @@ def same_host(args: argparse.Namespace, Hosts: Any, rate_bits: int) -> int:
             "relay_seconds": med([r["relay_seconds"] for r in by["memory"] + by["tcp"]]),
             "sender_copies": med([r["sender_copies"] for r in by["memory"] + by["tcp"]]),
         })
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_broadcast_same_host{'_no_ptrace' if args.no_ptrace else ''}.json"
-    path.write_text(json.dumps(doc, indent=1))
+    path = write_json(args.out / f"bench_broadcast_same_host{'_no_ptrace' if args.no_ptrace else ''}.json", doc)
     print(f"same-host receivers of one relay ({'memfd mappings: no process_vm_readv' if args.no_ptrace else 'process_vm_readv'}): "
           f"{info['nbytes'] / MIB:,.0f} MiB, links {args.rate}, medians of {args.repeats}, "
           f"load {env['loadavg_1min_start_end']}")
@@ -692,165 +523,6 @@ def env_info(args: argparse.Namespace, ns: list[int], rate_bits: int, nbytes: in
         "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "wall_seconds": round(time.monotonic() - started, 1),
     }
-
-
-# -- summary, table, plot ------------------------------------------------------------------
-
-
-def summarize(doc: dict) -> None:
-    """Rows per strategy and N: medians, ratios to the same strategy's N=1
-    and to the star's N=1, the line-rate limits; the fault case; the targets."""
-    if "rounds" not in doc:  # a star-only result of the first version
-        doc["rounds"], doc["fault"] = {"star": doc.pop("star")}, []
-    env = doc["env"]
-    line = env["nbytes"] * 8 / env["rate_bits"]
-    rows: dict[str, list[dict]] = {}
-    star1 = med([r["seconds"] for r in doc["rounds"]["star"]["1"]]) if "1" in doc["rounds"].get("star", {}) else None
-    raw1 = med([r["seconds"] for r in doc["raw_star"]["1"]]) if "1" in doc["raw_star"] else None
-    for strategy, by_n in doc["rounds"].items():
-        one = med([r["seconds"] for r in by_n["1"]]) if "1" in by_n else None
-        rows[strategy] = []
-        for key in sorted(by_n, key=int):
-            n, rounds = int(key), by_n[key]
-            s = med([r["seconds"] for r in rounds])
-            raw = med([r["seconds"] for r in doc["raw_star"][key]]) if strategy == "star" and key in doc["raw_star"] else None
-            rows[strategy].append({
-                "receivers": n,
-                "seconds": s,
-                "seconds_all": [r["seconds"] for r in rounds],
-                "put_seconds": med([r["put_seconds"] for r in rounds]),
-                "first_done_seconds": med([r["first_done_seconds"] for r in rounds]),
-                "vs_one_receiver": s / one if one else None,
-                "vs_star_one": s / star1 if star1 else None,
-                "line_seconds": line,
-                "star_bound_seconds": n * line,
-                "vs_line": s / line,
-                "sender_copies": med([r.get("sender_copies", n) for r in rounds]),
-                "raw_star_seconds": raw,
-                "raw_vs_one_receiver": raw / raw1 if raw and raw1 else None,
-                "verified": all(r.get("verified", True) for r in rounds) and any("verified" in r for r in rounds),
-            })
-    doc["rows"] = rows
-    targets = {}
-    chain = {r["receivers"]: r for r in rows.get("chain", [])}
-    if 1 in chain and len(chain) > 1:
-        n = max(chain)
-        targets[f"chain: {n} receivers vs 1 (at most {TARGET_CHAIN_VS_ONE}x)"] = (chain[n]["vs_one_receiver"], TARGET_CHAIN_VS_ONE)
-    if doc["fault"]:
-        worst = max(r["seconds"] / r["fault_free_seconds"] for r in doc["fault"])
-        targets[f"chain, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(doc['fault'])})"] = (
-            worst, TARGET_FAULT_VS_FREE)
-    doc["targets"] = {k: {"ratio": v, "target": t, "met": v <= t} for k, (v, t) in targets.items()}
-
-
-def repeats_text(env: dict) -> str:
-    """``3`` or ``3 (star 1)``: the rounds per strategy."""
-    r = env["repeats"]
-    if isinstance(r, int):
-        return str(r)
-    common = max(set(r.values()), key=list(r.values()).count)
-    odd = ", ".join(f"{k} {v}" for k, v in r.items() if v != common)
-    return f"{common}" + (f" ({odd})" if odd else "")
-
-
-def print_table(doc: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    env = doc["env"]
-    con = Console(width=200)
-    con.print(f"[bold]tensorferry broadcast benchmark[/] — {env['date']} — {env['machine']} — "
-              f"{env['nbytes'] / MIB:,.0f} MiB over {env.get('transport', 'tcp')}, every link {env['rate']} ({env['rate_bits'] / 1e6:,.0f} Mbit/s) "
-              f"both ways; medians of {repeats_text(env)} after {env['warmup']} warm-up; load {env['loadavg_1min_start_end']}")
-    t = Table(title="time from put to the last receiver holding the bytes (s); vs 1: the same strategy's 1 receiver")
-    strategies = list(doc["rows"])
-    t.add_column("receivers", justify="right")
-    for k in strategies:
-        t.add_column(f"{k} s", justify="right")
-        t.add_column(f"{k} vs 1", justify="right")
-        t.add_column(f"{k} sender copies", justify="right")
-    t.add_column("one copy at line rate", justify="right")
-    t.add_column("N copies (star bound)", justify="right")
-    t.add_column("raw TCP star s", justify="right")
-    t.add_column("verified", justify="right")
-    by_n: dict[int, dict[str, dict]] = {}
-    for k, rows in doc["rows"].items():
-        for r in rows:
-            by_n.setdefault(r["receivers"], {})[k] = r
-    for n in sorted(by_n):
-        cells = [str(n)]
-        for k in strategies:
-            r = by_n[n].get(k)
-            cells += [f"{r['seconds']:.2f}", f"{r['vs_one_receiver']:.2f}x" if r["vs_one_receiver"] else "-",
-                      f"{r['sender_copies']:.2f}"] if r else ["-", "-", "-"]
-        any_row = next(iter(by_n[n].values()))
-        raw = by_n[n].get("star", {}).get("raw_star_seconds")
-        cells += [f"{any_row['line_seconds']:.2f}", f"{any_row['star_bound_seconds']:.2f}", f"{raw:.2f}" if raw else "-",
-                  "yes" if all(r["verified"] for r in by_n[n].values()) else "[red]NO[/]"]
-        t.add_row(*cells)
-    con.print(t)
-    if doc["fault"]:
-        f = Table(title="chain, the relay in the middle SIGKILLed halfway through its receive")
-        for col in ("round", "killed host", "seconds (last other receiver)", "fault-free chain s", "vs fault-free",
-                    "sender copies", "verified"):
-            f.add_column(col, justify="right")
-        for k, r in enumerate(doc["fault"], 1):
-            f.add_row(str(k), str(r["killed_host"]), f"{r['seconds']:.2f}", f"{r['fault_free_seconds']:.2f}",
-                      f"{r['seconds'] / r['fault_free_seconds']:.2f}x", f"{r['sender_copies']:.2f}", "yes" if r.get("verified") else "[red]NO[/]")
-        con.print(f)
-    for name, v in doc.get("targets", {}).items():
-        con.print(f"target {name}: {v['ratio']:.2f}x — " + ("[green]met[/]" if v["met"] else "[red]not met[/]"))
-    for e in doc["errors"]:
-        con.print(f"[red]error:[/] {e}")
-
-
-def plot(doc: dict, path: Path) -> None:
-    """Time against receivers: one line per strategy, the raw TCP star, and
-    the line-rate limits (one copy: the ideal of a relay; N copies: the
-    star's bound)."""
-    names = {"star": "star (every receiver pulls from the sender)", "chain": "chain (fanout=1, relays)",
-             "tree": "tree (fanout=2, relays)"}
-    rows = doc["rows"]
-    strategies = {names.get(k, k): {r["receivers"]: r["seconds"] for r in rs} for k, rs in rows.items()}
-    any_rows = next(iter(rows.values()))
-    references = {
-        "raw TCP star (plain sockets, same links)": {r["receivers"]: r["raw_star_seconds"] for r in rows.get("star", []) if r["raw_star_seconds"]},
-        "N copies at the line rate (the star's bound)": {r["receivers"]: r["star_bound_seconds"] for r in any_rows},
-        "one copy at the line rate (what a relay approaches)": {r["receivers"]: r["line_seconds"] for r in any_rows},
-    }
-    plot_strategies(strategies, references, doc["env"], path)
-
-
-def plot_strategies(strategies: dict[str, dict[int, float]], references: dict[str, dict[int, float]], env: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.5, 5.6))
-    markers = "osD^v"
-    for k, (name, pts) in enumerate(strategies.items()):
-        xs = sorted(pts)
-        ax.plot(xs, [pts[x] for x in xs], f"{markers[k % len(markers)]}-", lw=2.4, ms=7, label=name)
-        for x in xs:
-            ax.annotate(f"{pts[x]:.1f} s", (x, pts[x]), textcoords="offset points", xytext=(6, -12), fontsize=8)
-    for (name, pts), style in zip(references.items(), ("x--", ":", "-.")):
-        if pts:
-            xs = sorted(pts)
-            ax.plot(xs, [pts[x] for x in xs], style, color="gray", lw=1.4, label=name)
-    ns = sorted({x for pts in strategies.values() for x in pts})
-    ax.set_xticks(ns)
-    ax.set_xlabel("receivers (each on its own host)")
-    ax.set_ylabel("seconds until every receiver holds the object")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8.5, loc="upper left")
-    ax.set_title(f"broadcast of {env['nbytes'] / MIB:,.0f} MiB over {env.get('transport', 'tcp')} from one sender, every link {env['rate']} both ways\n"
-                 f"{env['date']}, {env['machine']}, medians of {repeats_text(env)}, "
-                 f"load {env['loadavg_1min_start_end'][0]}-{env['loadavg_1min_start_end'][1]}", fontsize=9.5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
