@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 # checkout whose _memcpy.c, _diff.c or _ptrs.cpp changed since (git pull) rebuilds
 # them here, without reinstalling the rest.
 EXT := $(VENV)/.memcpy-built
-$(EXT): $(STAMP) src/tensorferry/_memcpy.c src/tensorferry/_diff.c src/tensorferry/_ptrs.cpp
+$(EXT): $(STAMP) src/tensorferry/copy/_memcpy.c src/tensorferry/plans/_diff.c src/tensorferry/tensors/_ptrs.cpp
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(EXT)
 

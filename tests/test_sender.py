@@ -15,22 +15,21 @@ import time
 import pytest
 import torch
 
-from tensorferry import PoolExhaustedError, Receiver, Sender, Ticket, TransferTimeoutError, UnsupportedTensorError
+from _transfer_helpers import wait_until
+from tensorferry import (
+    PoolExhaustedError,
+    Receiver,
+    Sender,
+    Ticket,
+    TransferTimeoutError,
+    UnsupportedTensorError,
+)
 
 MiB = 1 << 20
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def wait_until(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def idle(sender: Sender) -> bool:

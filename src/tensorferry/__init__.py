@@ -35,14 +35,14 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; loaded lazily (they import torch).
 _LAZY = {
-    "MemoryPool": "tensorferry.pool",
-    "Packed": "tensorferry.pool",
-    "Block": "tensorferry.pool",
-    "PoolStats": "tensorferry.pool",
-    "unpack": "tensorferry._views",
-    "Lease": "tensorferry.pool",
-    "Layout": "tensorferry.layout",
-    "Ticket": "tensorferry.ticket",
+    "MemoryPool": "tensorferry.memory",
+    "Packed": "tensorferry.memory",
+    "Block": "tensorferry.memory",
+    "PoolStats": "tensorferry.memory",
+    "unpack": "tensorferry.memory",
+    "Lease": "tensorferry.memory",
+    "Layout": "tensorferry.wire",
+    "Ticket": "tensorferry.wire",
     "Sender": "tensorferry.sender",
     "Receiver": "tensorferry.receiver",
     "SendPlan": "tensorferry.plans",
@@ -89,14 +89,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ._views import unpack
-    from .pool import Block, Lease, MemoryPool, Packed, PoolStats
+    from .memory import Block, Lease, MemoryPool, Packed, PoolStats, unpack
     from .plans import RecvPlan, SendPlan, ShardedPlan
-    from .shards import Box
     from .receiver import Receiver
     from .sender import Sender
-    from .layout import Layout
-    from .ticket import Ticket
+    from .shards import Box
+    from .wire import Layout, Ticket
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,7 @@
-"""The error hierarchy of tensorferry.
+"""The error hierarchy of tensorferry, and the checks of public arguments
+shared by the sender, the receiver and the receive cache (each returns the
+value in its working type or raises :class:`ConfigurationError` naming the
+argument, the value, and what would work).
 
 Every error raised on purpose is a :class:`TensorferryError`. Each subclass
 also inherits the builtin that fits, so ``except MemoryError`` or
@@ -7,6 +10,9 @@ Messages say what happened, give the numbers, and name the fix.
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 __all__ = [
     "TensorferryError",
@@ -188,3 +194,35 @@ class AccessDenied(MonitorError, PermissionError):
         "permission denied; run the monitor as the process's user or as root, "
         "or sample it without exact figures"
     )
+
+
+# -- argument checks ------------------------------------------------------------------
+
+
+def positive_seconds(name: str, value: object, *, allow_inf: bool = False) -> float:
+    """``value`` as seconds: a real number above 0 (and finite unless ``allow_inf``).
+
+    Args:
+        name: how the caller spells the argument, e.g. ``"put(lease_seconds)"``.
+        value: what the user passed.
+        allow_inf: accept ``float("inf")`` (a wait or lease without end).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigurationError(f"{name}={value!r}: expected a number of seconds above 0, for example 60")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0 or (math.isinf(seconds) and not allow_inf):
+        limit = "above 0" if allow_inf else "above 0 and finite"
+        raise ConfigurationError(f"{name}={value!r}: the seconds must be {limit}, for example 60")
+    return seconds
+
+
+def reader_count(value: object) -> int | None:
+    """The ``readers=`` of a put: an int of at least 1, or ``None`` (until discard)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigurationError(
+            f"readers={value!r}: pass the number of receivers that will get the object (an int of at least 1), "
+            "or None to serve any number of gets until discard(ticket)"
+        )
+    return int(value)

@@ -29,16 +29,30 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from . import packing
-from ._args import positive_seconds
-from ._memory import _huge_pages_off
-from ._receive import Fetcher
-from ._recv_cache import DEFAULT_IDLE_SECONDS, ReceiveCache, cap_nbytes, idle_seconds
-from .errors import ConfigurationError, PeerGoneError, TicketError, TransferError
+from .errors import ConfigurationError, PeerGoneError, TicketError, TransferError, positive_seconds
+from .execution import Fetcher
+from .memory import (
+    DEFAULT_CAPACITY_NBYTES,
+    DEFAULT_IDLE_SECONDS,
+    MemoryPool,
+    ReceiveCache,
+    cap_nbytes,
+    huge_pages_off,
+    idle_seconds,
+)
 from .plans import RecvPlan, ShardedPlan
-from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
-from .ticket import Ticket, TransportName
-from .transports import Channel, ChannelPool, ReceiveContext, RelayBook, RelayServer, Releaser, SameHostReads, channel_class, is_loopback
+from .transports import (
+    Channel,
+    ChannelPool,
+    ReceiveContext,
+    RelayBook,
+    RelayServer,
+    Releaser,
+    SameHostReads,
+    channel_class,
+    is_loopback,
+)
+from .wire import Ticket, TransportName, packing
 
 __all__ = ["Receiver"]
 
@@ -112,7 +126,7 @@ class Receiver:
         self.transport = transport
         if transport is not None:
             channel_class(transport)  # fail early on an unknown name
-        _huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
+        huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         cache_cap, cache_idle = cap_nbytes(cache_nbytes), idle_seconds(cache_idle_seconds)
         self.token = token.encode() if isinstance(token, str) else (token or b"")
         self.timeout = positive_seconds("Receiver(timeout)", timeout)

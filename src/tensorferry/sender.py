@@ -28,16 +28,12 @@ from typing import Any
 import msgspec
 import torch
 
-from . import packing
-from ._args import positive_seconds, reader_count
-from ._delta_put import delta_entry, max_delta_fraction, offer_delta
-from ._execution import PutOptions, choose
-from ._ledger import Ledger, _Entry
-from .errors import ConfigurationError, TransferTimeoutError
-from .plans import SendPlan
-from .pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
+from .errors import ConfigurationError, TransferTimeoutError, positive_seconds, reader_count
+from .execution import Entry, Ledger, PutOptions, choose, delta_entry
+from .memory import DEFAULT_CAPACITY_NBYTES, MemoryPool
+from .plans import SendPlan, max_delta_fraction, offer_delta
 from .transports import TransportName, make_server
-from .ticket import Ticket
+from .wire import Ticket, packing
 
 __all__ = ["Sender"]
 
@@ -261,7 +257,7 @@ class Sender:
         if ex.kind == "empty":
             plan.puts = ticket.version
             return ticket  # nothing to read: done already
-        entry = _Entry(
+        entry = Entry(
             ticket_id, readers, lease, deadline, ex.pieces, streamed=ex.kind != "resident", pack=ex.pack,
             digest=ticket.digest, sourced=ex.kind == "sourced", source=plan if ex.kind == "sourced" else None, tree=ex.tree,
         )

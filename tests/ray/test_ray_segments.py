@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import tensorferry.ray as tfr  # noqa: E402
 from tensorferry import Receiver, Sender  # noqa: E402
 from tensorferry.errors import PoolExhaustedError  # noqa: E402
-from tensorferry.ray._segments import (  # noqa: E402
+from tensorferry.ray._segments import (
     SEGMENT_ALIGNMENT,
     PoolFigures,
     PoolGrowthError,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from tensorferry.layout import DTYPES as WIRE_DTYPES
+from tensorferry.wire._layout import DTYPES as WIRE_DTYPES
 
 TRANSPORTS = ("shm", "tcp", "nixl")
 # Every dtype tensorferry's wire format knows that this torch has, found as
@@ -358,7 +358,7 @@ def receiver_worker(cmd_q: Any, out_q: Any) -> None:
 
 def _raw_partial_fetch(ticket: Any, nbytes: int, held: list[Any]) -> None:
     """Acquire a tcp ticket's slot, ask for its bytes, read only a few of them."""
-    from tensorferry import _protocol as P
+    from tensorferry.wire import protocol as P
     from tensorferry.transports._tcp import TcpChannel
 
     ch = TcpChannel(ticket.address, timeout=10.0)

@@ -32,8 +32,15 @@ import torch
 
 import tensorferry
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, wait_until
-from tensorferry import ConfigurationError, PoolExhaustedError, Receiver, Sender, TransferError, TransferTimeoutError
-from tensorferry import _protocol as P
+from tensorferry import (
+    ConfigurationError,
+    PoolExhaustedError,
+    Receiver,
+    Sender,
+    TransferError,
+    TransferTimeoutError,
+)
+from tensorferry.wire import protocol as P
 from tensorferry.transports._tcp import connect
 
 MiB = 1 << 20
@@ -510,7 +517,7 @@ def _relay_with_file(nbytes: int, file_nbytes: int, *, sealed: bool):
     a real file; what the file holds is the stream's bytes."""
     import mmap
 
-    from tensorferry._memory import shared_host_mapping
+    from tensorferry.memory._system import shared_host_mapping
     from tensorferry.transports._relay import RelayBook, RelayServer
 
     if sealed:

@@ -20,7 +20,7 @@ import torch
 
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, require, wait_until
 from tensorferry import Receiver, Sender, TransferError, TransferTimeoutError
-from tensorferry import _protocol as P
+from tensorferry.wire import protocol as P
 
 MiB = 1 << 20
 

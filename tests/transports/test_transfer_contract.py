@@ -22,12 +22,11 @@ import msgspec
 import pytest
 import torch
 
-import tensorferry._receive as receive_module
+import tensorferry.execution._receive as receive_module
 
 from _transfer_helpers import (
     COMPLEX_HALF_WARNING,
     DTYPES,
-    TRANSPORTS,
     Worker,
     assert_same,
     big_object,
@@ -67,24 +66,6 @@ def _dev_shm_unchanged():
     yield
     gc.collect()
     assert shm_tensorferry_entries() - before == set(), "tensorferry left files in /dev/shm"
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request) -> str:
-    require(request.param)
-    return request.param
-
-
-@pytest.fixture
-def sender(transport):
-    with Sender(transport, capacity_nbytes=32 * MiB) as s:
-        yield s
-
-
-@pytest.fixture
-def receiver(transport):
-    with Receiver(transport, timeout=20.0) as r:
-        yield r
 
 
 def round_trip(sender, receiver, obj, **get_kw):

@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 
 from _transfer_helpers import (
     COMPLEX_HALF_WARNING,
-    TRANSPORTS,
     Worker,
     assert_same,
     build,
@@ -39,7 +38,6 @@ from _transfer_helpers import (
     pool_empty,
     random_object,
     receiver_worker,
-    require,
     rss_bytes,
     sender_worker,
     shm_tensorferry_entries,
@@ -55,7 +53,7 @@ from tensorferry import (
     TensorferryError,
     Ticket,
 )
-from tensorferry import _protocol as P
+from tensorferry.wire import protocol as P
 from tensorferry.transports import _base
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings(COMPLEX_HALF_WARNING)]
@@ -70,12 +68,6 @@ def _dev_shm_unchanged():
     yield
     gc.collect()
     assert shm_tensorferry_entries() - before == set(), "tensorferry left files in /dev/shm"
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request) -> str:
-    require(request.param)
-    return request.param
 
 
 def _sender_idle(sender, timeout: float = 5.0) -> bool:

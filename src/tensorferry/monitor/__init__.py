@@ -10,6 +10,10 @@ it too long. Every sample says where its USS came from and how old it is:
 Imports neither torch nor the transfer stack; prometheus_client and rich
 load only when their parts are used.
 
+May import: :mod:`tensorferry.errors`, the standard library, psutil,
+prometheus_client and rich; never another layer of the package (the
+memory layer registers its pools here, not the reverse).
+
 Example:
     >>> from tensorferry.monitor import Agent, Selection, sample
     >>> sample(os.getpid(), exact=True).uss_bytes        # doctest: +SKIP
@@ -63,6 +67,8 @@ _LAZY = {
     "serve_prometheus": "._server",
     "build_table": "._top",
     "run_top": "._top",
+    # the `tensorferry top` / `monitor` verbs of the command line
+    "add_subcommands": "._cli",
 }
 
 

@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tensorferry.errors import AccessDenied, ConfigurationError, NoSuchProcess, ZombieProcess
-
+from ..errors import AccessDenied, ConfigurationError, NoSuchProcess, ZombieProcess
 from ._cgroup import CgroupMemory, CgroupReader
 from ._config import AgentConfig
 from ._exact_schedule import ExactScheduler

@@ -12,7 +12,7 @@ __all__ = ["check_number", "check_int"]
 import math
 from collections.abc import Callable
 
-from tensorferry.errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 def check_number(where: str, value: object, ok: Callable[[float], bool], need: str) -> float:

@@ -11,8 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, get_args
 
-from tensorferry.errors import ConfigurationError, MonitorError, NoSuchProcess
-
+from ..errors import ConfigurationError, MonitorError, NoSuchProcess
 from ._agent import Agent, AgentConfig, Selection, Snapshot
 from ._names import NameSource
 from ._types import SortKey

@@ -7,8 +7,7 @@ __all__ = ["AgentConfig"]
 import math
 from dataclasses import dataclass
 
-from tensorferry.errors import ConfigurationError
-
+from ..errors import ConfigurationError
 from ._checks import check_int, check_number
 from ._names import NameSource
 from ._pagemap import WALK_SECONDS_PER_PAGE

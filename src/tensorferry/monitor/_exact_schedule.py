@@ -17,8 +17,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tensorferry.errors import AccessDenied, NoSuchProcess
-
+from ..errors import AccessDenied, NoSuchProcess
 from ._config import AgentConfig
 from ._pagemap import PagemapWalk, WalkUnstable, slice_nbytes_for_stall
 from ._sample import Backend, with_exact

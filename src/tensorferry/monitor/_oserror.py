@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["translate"]
 
-from tensorferry.errors import AccessDenied, NoSuchProcess
+from ..errors import AccessDenied, NoSuchProcess
 
 
 def translate(exc: OSError, pid: int, name: str | None = None) -> Exception:

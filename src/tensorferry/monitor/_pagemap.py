@@ -56,8 +56,7 @@ import os
 import time
 from collections.abc import Callable
 
-from tensorferry.errors import NoSuchProcess, ZombieProcess
-
+from ..errors import NoSuchProcess, ZombieProcess
 from ._checks import check_int, check_number
 from ._oserror import translate as _translate
 from ._pagemap_maps import read_spans, subtract, union

@@ -193,7 +193,6 @@ class PageCounter:
         ``[(start, npages)]`` holding the present pages it found (runs closer
         than :data:`_MERGE_GAP_PAGES` joined); None if this kernel has no
         PAGEMAP_SCAN."""
-        import numpy as np
 
         vec = _buffers().vec
         page = PAGE_NBYTES
@@ -265,7 +264,6 @@ class PageCounter:
     def _pread_entries(self, start: int, npages: int) -> np.ndarray:
         """Entries of ``npages`` (at most :data:`_PREAD_PAGES`) from ``start``,
         in this thread's reused buffer: valid until its next read."""
-        import numpy as np
 
         buf = _buffers().entries
         view = memoryview(buf).cast("B")

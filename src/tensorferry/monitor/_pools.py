@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from tensorferry.errors import ConfigurationError
+from ..errors import ConfigurationError
 
 POOL_KEYS = ("capacity_nbytes", "used_nbytes", "largest_free_nbytes", "transfers", "bytes_moved")
 """The keys a pool source's dict must have, all non-negative ints."""

@@ -18,13 +18,11 @@ import time
 import warnings
 from collections.abc import Iterable
 
-from tensorferry.errors import NoSuchProcess, ZombieProcess
-
+from ..errors import NoSuchProcess, ZombieProcess
 from ._checks import check_number
 from ._fds import FdCounter
 from ._oserror import translate as _translate
-from ._pagemap import PagemapWalk, WalkUnstable, slice_nbytes_for_stall
-from ._rollup import read_rollup
+from ._procfs_exact import ExactReads
 from ._status import PF_KTHREAD, status_block_figures, status_figures
 from ._types import ExactMemory, ProcessMemory
 
@@ -32,9 +30,6 @@ from ._types import ExactMemory, ProcessMemory
 CMDLINE_REFRESH_SECONDS = 10.0
 # One read covers status (~1.5 KiB) or stat.
 _READ_NBYTES = 16384
-
-# sample(pid, exact=True) walks with the slice the agent's default stall limit gives.
-DEFAULT_MAX_STALL_SECONDS = 0.02
 
 
 def _is_kernel_proc(proc_root: str) -> bool:
@@ -45,7 +40,7 @@ def _is_kernel_proc(proc_root: str) -> bool:
         return False
 
 
-class ProcfsBackend:
+class ProcfsBackend(ExactReads):
     """Reads processes' figures from a /proc tree (the real one or a fixture).
 
     :meth:`cheap` opens, reads and closes each file (a one-shot sample holds
@@ -433,92 +428,6 @@ class ProcfsBackend:
             None,
             now - read_at,
         )
-
-    def _kpagecount(self) -> int | None:
-        fd = self._kpagecount_fd
-        if fd is None:
-            try:
-                fd = os.open(f"{self.proc_root}/kpagecount", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = -1  # root only: pagemap gives USS, no PSS
-            self._kpagecount_fd = fd
-        return fd if fd >= 0 else None
-
-    def start_walk(
-        self,
-        pid: int,
-        *,
-        slice_nbytes: int,
-        expect_start_ticks: int | None = None,
-        step_limit_seconds: float | None = None,
-    ) -> PagemapWalk | None:
-        """A resumable pagemap walk of ``pid`` (see :class:`PagemapWalk`), or None
-        where pagemap is off or not there (then :meth:`exact_rollup` is the source).
-
-        A kernel thread's walk is done at once, with no figures. With
-        ``step_limit_seconds``, slices after the first are sized from the
-        walk's measured steps to stay within it.
-
-        Raises:
-            NoSuchProcess, ZombieProcess: the process is gone or exited.
-            AccessDenied: another user's process.
-            ConfigurationError: ``slice_nbytes`` is smaller than a page, or
-                ``step_limit_seconds`` is not positive.
-        """
-        if not self.pagemap:
-            return None
-        try:
-            return PagemapWalk(
-                self.proc_root, pid, stat=self.stat, slice_nbytes=slice_nbytes,
-                kpagecount_fd=self._kpagecount(), expect_start_ticks=expect_start_ticks,
-                step_limit_seconds=step_limit_seconds,
-            )
-        except FileNotFoundError:
-            # The process exists (the walk checked) but has no pagemap: a
-            # kernel without CONFIG_PROC_PAGE_MONITOR, or a fixture tree.
-            if self.pagemap:
-                self._warn_once("no-pagemap", f"{self.proc_root}/{pid}/pagemap does not exist; "
-                                "exact figures come from smaps_rollup (one walk under the target's mmap lock)")
-                self.pagemap = False
-            return None
-
-    def exact(self, pid: int, *, max_stall_seconds: float = DEFAULT_MAX_STALL_SECONDS) -> ExactMemory | None:
-        """USS and PSS of ``pid``: from pagemap in slices where readable, else smaps_rollup.
-
-        The pagemap walk reads one slice of address space at a time (each
-        slice sized from the walk's measured steps so that one takes at most
-        ``max_stall_seconds``); smaps_rollup is
-        the fallback where pagemap is not there, and for a process whose
-        mappings kept changing during the walk. ``source`` of the result says
-        which. Returns None for a process without user memory (a kernel thread).
-
-        Raises:
-            NoSuchProcess, ZombieProcess: the process is gone or exited.
-            AccessDenied: another user's process (statm stays readable).
-            ConfigurationError: ``max_stall_seconds`` is not positive.
-        """
-        walk = self.start_walk(pid, slice_nbytes=slice_nbytes_for_stall(max_stall_seconds),
-                               step_limit_seconds=max_stall_seconds)
-        if walk is not None:
-            try:
-                while not walk.step():
-                    pass
-                return walk.result
-            except WalkUnstable:
-                pass
-        return self.exact_rollup(pid)
-
-    def exact_rollup(self, pid: int) -> ExactMemory | None:
-        """USS and PSS of ``pid`` from smaps_rollup; one walk of its page tables
-        under its mmap lock (the target's mmap/munmap wait for all of it).
-
-        Returns None for a process without user memory (a kernel thread).
-
-        Raises:
-            NoSuchProcess, ZombieProcess: the process is gone or exited.
-            AccessDenied: another user's process (statm stays readable).
-        """
-        return read_rollup(self.proc_root, pid, stat=self.stat, warn_once=self._warn_once)
 
     def self_rss_bytes(self) -> int:
         """This process's own RSS (the agent's self-cost), from the real /proc."""

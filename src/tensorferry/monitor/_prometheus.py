@@ -18,8 +18,7 @@ from typing import Literal
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
-from tensorferry.errors import ConfigurationError
-
+from ..errors import ConfigurationError
 from ._agent import Agent, Snapshot
 from ._pools import collect_labelled_pool_figures
 

@@ -16,8 +16,7 @@ import time
 
 import psutil
 
-from tensorferry.errors import AccessDenied, NoSuchProcess, ZombieProcess
-
+from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
 from ._types import ExactMemory, ProcessMemory
 
 # Where memory_full_info needs no page-table walk, USS comes with every sample.

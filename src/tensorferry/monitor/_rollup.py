@@ -14,8 +14,7 @@ import re
 import time
 from collections.abc import Callable
 
-from tensorferry.errors import ZombieProcess
-
+from ..errors import ZombieProcess
 from ._oserror import translate as _translate
 from ._status import PF_KTHREAD
 from ._types import ExactMemory

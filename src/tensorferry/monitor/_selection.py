@@ -9,8 +9,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorferry.errors import AccessDenied, ConfigurationError, NoSuchProcess
-
+from ..errors import AccessDenied, ConfigurationError, NoSuchProcess
 from ._checks import check_int
 from ._sample import Backend
 from ._types import ProcessMemory

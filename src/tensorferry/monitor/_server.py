@@ -21,8 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from tensorferry.errors import ConfigurationError
-
+from ..errors import ConfigurationError
 from ._agent import Agent
 from ._checks import check_int
 from ._prometheus import MonitorCollector

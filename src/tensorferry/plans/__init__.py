@@ -24,11 +24,22 @@ pool) gets its positions from the block sizes, vectorised, cached per sizes.
 The package, one concept a module: :mod:`._send` (``SendPlan``),
 :mod:`._recv` (``RecvPlan``), :mod:`._watch` (what a kept plan checks
 before each use) and :mod:`._buffers` (a byte stream as buffers over
-memory someone else owns).
+memory someone else owns); :mod:`._sharded` (``ShardedPlan``); a delta
+plan's kept version (:mod:`._delta`, the C compare/encode and apply in
+``_diff.c``), its put side (:mod:`._delta_put`: what a ticket offers) and
+its receive side (:mod:`._delta_receive`: whether a get reads the delta,
+and applying it).
+
+May import: transports (their public names), memory, copy, tensors, wire
+and :mod:`tensorferry.errors`. Execution and the user API import plans.
 """
 
 from __future__ import annotations
 
+# A delta plan's put and receive sides, for the execution layer and the
+# user API (not user-facing, so not in __all__).
+from ._delta_put import max_delta_fraction, offer_delta
+from ._delta_receive import reads_delta, receive_delta, settle, version_of
 from ._recv import RecvPlan
 from ._send import SendPlan, SourcedPiece
 from ._sharded import ShardedPlan

@@ -31,18 +31,18 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from .._allocator import Block
-from .._copy import PARALLEL_MIN_NBYTES, copy_threads, native_nan_bits, run_parts
+from ..copy import PARALLEL_MIN_NBYTES, copy_threads, native_nan_bits, run_parts
 from ..errors import ConfigurationError, PoolExhaustedError
-from ..layout import Layout
+from ..memory import Block
+from ..wire import Layout
 
 try:
-    from .. import _diff as native
+    from . import _diff as native
 except ImportError:  # built without a C compiler: delta plans cannot be made
     native = None
 
 if TYPE_CHECKING:
-    from ..pool import Lease, MemoryPool, Packed
+    from ..memory import Lease, MemoryPool, Packed
 
 __all__ = ["ACROSS_HOSTS_MAX_FRACTION", "BF16", "RAW", "SAME_HOST_MAX_FRACTION", "ChunkTable", "DeltaPut", "DeltaVersion", "KeptBlock", "Values", "apply_delta", "chunk_table", "delta_runs", "new_version"]
 

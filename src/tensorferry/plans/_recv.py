@@ -17,17 +17,26 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import packing
-from .._copy import CopyPlan, copy_staged, dense_host_mask, executor, fill_aliases, finish, many_small_runs, stage_rest, target_addresses
-from .._tensors import flatten, gc_paused, match_into, unflatten
-from .._views import build_views
+from ..copy import (
+    CopyPlan,
+    copy_staged,
+    dense_host_mask,
+    executor,
+    fill_aliases,
+    finish,
+    many_small_runs,
+    stage_rest,
+    target_addresses,
+)
 from ..errors import ConfigurationError, LayoutMismatchError
-from ..layout import Layout
+from ..memory import build_views
+from ..tensors import flatten, gc_paused, match_into, unflatten
+from ..wire import Layout, packing
 from ._buffers import BufferList
 from ._watch import Watch
 
 if TYPE_CHECKING:
-    from ..ticket import Ticket
+    from ..wire import Ticket
 
 __all__ = ["RecvPlan"]
 

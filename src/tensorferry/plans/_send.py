@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .. import packing
-from .._boxes import Boxes
-from .._copy import PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES, CopyPlan, copy_converting, copy_threads, copy_values, leaf_runs, many_small_runs, pack_leaves, run_parts
-from .._tensors import LeafInfo, dtype_code, flatten, gc_paused, inspect_leaves, torch_dtype
+from ..copy import (
+    PARALLEL_MIN_NBYTES as _PARALLEL_GATHER_NBYTES,
+)
+from ..copy import (
+    CopyPlan,
+    copy_converting,
+    copy_threads,
+    copy_values,
+    leaf_runs,
+    many_small_runs,
+    pack_leaves,
+    run_parts,
+)
 from ..errors import ConfigurationError, PoolExhaustedError, UnsupportedTensorError
-from ..layout import DTYPES, Layout
-from ..pool import Block
+from ..memory import Block
+from ..tensors import flatten, gc_paused, inspect_leaves
+from ..wire import Boxes, Layout, packing
 from ._buffers import BufferList, buffer_at
+from ._cast import conversion_runs, converted_layout
 from ._delta import BF16, RAW, DeltaVersion, Values, bf16_nan
 from ._watch import PUT, Watch
 
 if TYPE_CHECKING:
-    from ..pool import MemoryPool, Packed
+    from ..memory import MemoryPool, Packed
 
 __all__ = ["SendPlan", "SourcedPiece"]
 
@@ -132,7 +143,7 @@ class SendPlan:
                 "a plan would send the copy made now on every put: pass writable, C-ordered arrays (np.ascontiguousarray(a).copy())"
             )
         self._staged = staged  # numpy arrays flatten copied (a one-shot plan sends the copy)
-        sent, convert = _converted(info.layout, dtype)
+        sent, convert = converted_layout(info.layout, dtype)
         self.layout: Layout = sent
         self.layout_bytes: bytes = sent.to_bytes()
         self.offsets, self.total_nbytes = packing.packed_offsets(sent.nbytes, sent.alignments)
@@ -167,7 +178,7 @@ class SendPlan:
                 self._copy = leaf_runs(self._leaves, self._info, self.offsets, host=False)
                 return self._copy
             copy = CopyPlan.build(self.offsets, self._info.data_ptrs, self.layout.nbytes, raw=self._info.raw)
-            self._conversions, converted = _conversion_runs(self._leaves, self._inspected, self.layout, self.offsets, self._convert)
+            self._conversions, converted = conversion_runs(self._leaves, self._inspected, self.layout, self.offsets, self._convert)
             self._values = np.setdiff1d(copy.elementwise, converted)
             # Vectored writes pay for a buffer per run once: only a kept plan gains.
             self._vectored = self.kept and many_small_runs(copy.nbytes)
@@ -441,65 +452,3 @@ class SourcedPiece:
 
     def release(self) -> None:
         """Nothing to free: the bytes are the caller's tensors."""
-
-
-def _converted(layout: Layout, dtype: torch.dtype | None) -> tuple[Layout, np.ndarray]:
-    """The layout with floating-point tensors as ``dtype``, and which changed."""
-    if dtype is None:
-        return layout, np.zeros(layout.num_tensors, dtype=bool)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigurationError(
-            f"plan(dtype={dtype!r}): expected a floating-point torch dtype (torch.bfloat16, torch.float16, ...); "
-            "integer and bool tensors are always sent as they are"
-        )
-    try:
-        target = dtype_code(dtype)
-    except KeyError as exc:
-        raise ConfigurationError(f"plan(dtype={dtype}): tensorferry cannot send {dtype}; use torch.bfloat16 or torch.float16") from exc
-    codes = layout.dtype_codes
-    convert = _FLOATING[codes] & (codes != target) if codes.size else np.zeros(0, dtype=bool)
-    if not convert.any():
-        return layout, convert
-    new_codes = codes.copy()
-    new_codes[convert] = target
-    return dataclasses.replace(layout, dtype_codes=new_codes), convert
-
-
-def _floating_codes() -> np.ndarray:
-    """bool per wire code: a floating-point dtype (what ``dtype=`` converts)."""
-    out = np.zeros(max(code for code, _ in DTYPES.values()) + 1, dtype=bool)
-    for code, _ in DTYPES.values():
-        out[code] = torch_dtype(code).is_floating_point
-    return out
-
-
-_FLOATING = _floating_codes()
-
-
-def _conversion_runs(leaves: Sequence[torch.Tensor], info: LeafInfo, sent: Layout, offsets: np.ndarray, convert: np.ndarray) -> tuple[list[tuple[int, int, torch.dtype, torch.Tensor]], np.ndarray]:
-    """Dense host tensors converted on the way, merged into runs of one
-    source dtype that touch on both sides (views of a flat buffer: one
-    run), each with a tensor over its source memory made once.
-
-    Returns ``(runs, converted)``: ``(destination offset, destination
-    bytes, destination dtype, source tensor)`` per run, and the indices of
-    the tensors the runs cover.
-    """
-    src_size = info.layout.alignments
-    idx = np.flatnonzero(convert & info.raw & (sent.nbytes > 0))
-    idx = idx[info.data_ptrs[idx] % src_size[idx] == 0]
-    if not idx.size:
-        return [], idx
-    codes = info.layout.dtype_codes[idx]
-    breaks = np.zeros(idx.size, dtype=bool)
-    breaks[1:] = codes[1:] != codes[:-1]
-    dst_size = sent.alignments[idx]
-    # In elements: a run is adjacent on both sides in its own element size.
-    runs = packing.merge_runs(offsets[idx] // dst_size, info.data_ptrs[idx] // src_size[idx], sent.numels[idx], breaks)
-    out = []
-    for de, se, n, h in zip(runs.dst.tolist(), runs.src.tolist(), runs.nbytes.tolist(), runs.heads.tolist()):
-        i = int(idx[h])
-        sdt, ddt = leaves[i].dtype, torch_dtype(int(sent.dtype_codes[i]))
-        src = torch.frombuffer(buffer_at(se * sdt.itemsize, n * sdt.itemsize), dtype=sdt)
-        out.append((de * ddt.itemsize, n * ddt.itemsize, ddt, src))
-    return out, idx

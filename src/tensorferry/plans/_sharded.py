@@ -29,17 +29,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import packing
-from .._boxes import Boxes, box_runs, cover, region
-from .._tensor_types import _listed
-from .._tensors import dtype_code, flatten, gc_paused, unflatten
 from ..errors import ConfigurationError, LayoutMismatchError, UnsupportedTensorError
-from ..layout import Layout
 from ..shards import Box
+from ..tensors import dtype_code, flatten, gc_paused, listed, unflatten
+from ..wire import Boxes, Layout, box_runs, cover, packing, region
 from ._watch import Watch
 
 if TYPE_CHECKING:
-    from ..ticket import Ticket
+    from ..wire import Ticket
 
 __all__ = ["ShardedPlan"]
 
@@ -160,7 +157,7 @@ class ShardedPlan:
         paths = [p for p, _ in _paths(src, lambda x: isinstance(x, (torch.Tensor, Box)))]
         if bad:
             raise UnsupportedTensorError(
-                f"a sharded get writes its targets by address; {_listed([_name(paths[i]) for i in bad], _SHOWN_PROBLEMS)} "
+                f"a sharded get writes its targets by address; {listed([_name(paths[i]) for i in bad], _SHOWN_PROBLEMS)} "
                 "are not contiguous host tensors: pass .contiguous() CPU tensors (or DTensors of them)"
             )
         boxes = {i: (shape, offsets) for i, shape, offsets in found}
@@ -213,10 +210,10 @@ class ShardedPlan:
         for k, s in enumerate(sources):
             extra = [p for p in s.index if p not in wanted]
             if extra:
-                problems.append(f"{_listed([_name(p) for p in extra], 3)} sent by source {k} ({s.address}), not in the target")
+                problems.append(f"{listed([_name(p) for p in extra], 3)} sent by source {k} ({s.address}), not in the target")
         if problems:
             raise LayoutMismatchError(
-                f"the sharded target does not match the sources: {_listed(problems, _SHOWN_PROBLEMS)}; nothing was moved. "
+                f"the sharded target does not match the sources: {listed(problems, _SHOWN_PROBLEMS)}; nothing was moved. "
                 "Pass the tickets of every source rank and a target of the same keys, dtypes and global shapes"
             )
         for s in sources:

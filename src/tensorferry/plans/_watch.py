@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._copy import executor, finish
-from .._tensor_meta import Recorded
-from .._tensors import data_ptrs, first_replaced, flatten
+from ..copy import executor, finish
 from ..errors import PlanStaleError, UnsupportedTensorError
+from ..tensors import Recorded, data_ptrs, first_replaced, flatten
 
 __all__ = ["PUT", "Watch", "outcome"]
 

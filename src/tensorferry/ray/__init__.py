@@ -21,6 +21,10 @@ actor (``Actor.options(runtime_env=tensorferry.ray.runtime_env(...))``);
 ``env_vars(...)`` gives the variables alone.
 
 Needs the ``ray`` extra (``ray==2.60.*``).
+
+An integration layer: may import the user API (``Sender``, ``Receiver``),
+plans, transports, memory, tensors, wire and :mod:`tensorferry.errors`;
+nothing in the core imports it.
 """
 
 from __future__ import annotations
@@ -188,7 +192,11 @@ def runtime_env(*, extra_env_vars: dict[str, str] | None = None, **settings: Any
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("WeightSync", "SyncReport", "WeightVersion", "publish", "update"):
+    if name == "WeightSync":
+        from ._weight_sync import WeightSync
+
+        return WeightSync
+    if name in ("SyncReport", "WeightVersion", "publish", "update"):
         from . import _weights
 
         return getattr(_weights, name)

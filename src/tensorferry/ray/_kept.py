@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._tensors import data_ptrs
 from ..errors import PlanStaleError, PoolExhaustedError, UnsupportedTensorError
+from ..tensors import data_ptrs
 
 __all__ = ["KeptPlan"]
 

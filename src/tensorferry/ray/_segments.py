@@ -23,7 +23,6 @@ Runs on the source actor only. The decision to grow is one pure function,
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import time
 from dataclasses import dataclass

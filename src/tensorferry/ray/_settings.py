@@ -17,7 +17,7 @@ import os
 from typing import Callable, Mapping, NamedTuple, TypeVar
 
 from ..errors import ConfigurationError
-from ..ticket import TRANSPORTS as _TICKET_TRANSPORTS
+from ..wire import TRANSPORTS as _TICKET_TRANSPORTS
 
 __all__ = ["Settings", "settings", "TRANSPORTS", "DEFAULT_POOL_NBYTES"]
 

@@ -73,8 +73,8 @@ class TensorMeta(Sequence):
         if self._items is None:
             import torch
 
-            from .._tensors import torch_dtype
-            from ..layout import Layout
+            from ..tensors import torch_dtype
+            from ..wire import Layout
 
             layout = Layout.from_bytes(self.layout_bytes)  # checked: it crossed processes
             self._items = [(torch.Size(shape), torch_dtype(int(code))) for shape, code in zip(layout.shapes(), layout.dtype_codes)]
@@ -150,7 +150,7 @@ class _Process:
 
                 pool = None
                 if self.settings.recv_pool_nbytes > 0:
-                    from ..pool import MemoryPool
+                    from ..memory import MemoryPool
 
                     pool = MemoryPool(self.settings.recv_pool_nbytes, prefault=True)
                 self.receiver = Receiver(pool=pool, token=self.settings.token or None, timeout=self.settings.timeout_seconds)
@@ -231,7 +231,7 @@ class TensorferryTransport(TensorTransportManager):
         target_buffers: Optional[List[Any]] = None,
     ) -> List[Any]:
         from ..errors import TransferError
-        from ..ticket import Ticket
+        from ..wire import Ticket
 
         meta = tensor_transport_metadata
         if not isinstance(meta, TensorferryTransportMetadata):

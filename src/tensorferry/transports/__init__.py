@@ -5,10 +5,16 @@ Implementations are private modules behind the small contract of
 do as class attributes); this module maps names to them and is what the
 rest of the library imports: the receiver's plumbing (:class:`ChannelPool`,
 :class:`ReceiveContext`, :class:`Releaser`) and the relays included.
+
+May import: memory, copy, wire and :mod:`tensorferry.errors`. Plans,
+execution and the user API import this package's public names, never a
+transport's private module.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -17,9 +23,11 @@ __all__ = [
     "TRANSPORTS", "TransportName", "make_server", "channel_class", "available",
     "Channel", "ChannelPool", "ReceiveContext", "Releaser", "is_loopback",
     "CHUNK_NBYTES", "pull", "RelayBook", "RelayServer", "SameHostReads",
+    "Held", "Holdings", "backend_available",
 ]
 
-from ..ticket import TRANSPORTS, TransportName
+from ..wire import TRANSPORTS, TransportName
+from ._base import Held, Holdings
 from ._channel import Channel
 from ._connections import ChannelPool, ReceiveContext, Releaser
 from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
@@ -75,15 +83,19 @@ def channel_class(name: str) -> type:
 
 def available() -> list[str]:
     """The transports that work on this machine."""
-    import sys
-
-    from .._info import backend_available
-
     out = ["tcp"]
     if sys.platform.startswith("linux"):
         out.insert(0, "shm")
-    import importlib.util
-
     if backend_available("nixl") and importlib.util.find_spec("tensorferry.transports._nixl") is not None:
         out.append("nixl")
     return out
+
+
+def backend_available(name: str) -> bool:
+    """True when an optional backend (``"nixl"``, ``"ray"``) can be imported, found without importing it."""
+    if name == "nixl":
+        try:
+            return importlib.util.find_spec("nixl._api") is not None
+        except (ImportError, ValueError):
+            return False
+    return importlib.util.find_spec(name) is not None

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from .. import _protocol as P
 from ..errors import AuthenticationError, PeerGoneError, ProtocolError, TensorferryError, TransferTimeoutError
+from ..wire import protocol as P
 
 if TYPE_CHECKING:
-    from .._allocator import Block
+    from ..memory import Block
 
 __all__ = ["ControlServer", "Connection", "Held", "Holdings", "check_same_user"]
 

@@ -19,10 +19,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from .. import _protocol as P
-from .. import packing
-from .._copy import executor, finish
-from ..errors import AuthenticationError, ConfigurationError, ProtocolError, TicketError, TransferError, TransferTimeoutError
+from ..copy import executor, finish
+from ..errors import (
+    AuthenticationError,
+    ConfigurationError,
+    ProtocolError,
+    TicketError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ..wire import packing
+from ..wire import protocol as P
 from ._connections import ReceiveContext
 
 __all__ = ["Channel"]

@@ -20,7 +20,7 @@ import threading
 from typing import Any, Callable
 
 from ..errors import ConfigurationError, TicketError
-from ..pool import DEFAULT_CAPACITY_NBYTES, MemoryPool
+from ..memory import DEFAULT_CAPACITY_NBYTES, MemoryPool
 
 __all__ = ["ChannelPool", "Releaser", "ReceiveContext"]
 

@@ -22,14 +22,14 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import _protocol as P
-from .._copy import StagedCopy
+from ..copy import StagedCopy
 from ..errors import TransferError
+from ..wire import protocol as P
 from ._channel import Channel
-from ._ranges import block_ranges
 from ._connections import ReceiveContext
 from ._nixl_agent import NixlEndpoint
 from ._nixl_reads import ReadPipeline
+from ._ranges import block_ranges
 from ._tcp import TcpControlServer, connect
 
 __all__ = ["NixlServer", "NixlChannel", "serving_endpoint"]

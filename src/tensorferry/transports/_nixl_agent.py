@@ -65,9 +65,17 @@ from ..errors import (
     TensorferryError,
     TransferError,
 )
-
 from ._nixl_reads import PendingRead, ReadPipeline, _Reads
-from ._nixl_wire import _MAX_NAME_NBYTES, Region, Regions, _import_nixl, _translate, decode, encode, nixl_errors
+from ._nixl_wire import (
+    _MAX_NAME_NBYTES,
+    Region,
+    Regions,
+    _import_nixl,
+    _translate,
+    decode,
+    encode,
+    nixl_errors,
+)
 
 if TYPE_CHECKING:
     import torch

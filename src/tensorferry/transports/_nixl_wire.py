@@ -20,8 +20,15 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import numpy as np
 
-from .. import packing
-from ..errors import BackendUnavailableError, ConfigurationError, PeerGoneError, ProtocolError, TensorferryError, TransferError
+from ..errors import (
+    BackendUnavailableError,
+    ConfigurationError,
+    PeerGoneError,
+    ProtocolError,
+    TensorferryError,
+    TransferError,
+)
+from ..wire import packing
 
 __all__ = ["Region", "Regions", "as_ranges", "encode", "decode", "merged_descs", "nixl_errors"]
 

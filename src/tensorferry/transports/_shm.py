@@ -20,10 +20,10 @@ import socket
 import numpy as np
 import torch
 
-from .. import _protocol as P
-from .._copy import CopyPlan, copy_bytes, vectored_io
-from .._views import owned_view
+from ..copy import CopyPlan, copy_bytes, vectored_io
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
+from ..memory import owned_view
+from ..wire import protocol as P
 from ._base import Connection, ControlServer, check_same_user
 from ._channel import Channel
 from ._ranges import block_ranges

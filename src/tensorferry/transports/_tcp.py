@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _protocol as P
-from .. import packing
-from .._copy import CopyPlan
+from ..copy import CopyPlan
 from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
+from ..wire import packing
+from ..wire import protocol as P
 from ._base import Connection, ControlServer
 from ._channel import Channel
 from ._ranges import block_ranges

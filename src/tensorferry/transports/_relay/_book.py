@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import _protocol as P
 from ...errors import PeerGoneError
+from ...wire import protocol as P
 from .._base import Holdings
 
 __all__ = ["CHUNK_NBYTES", "RelayBook"]

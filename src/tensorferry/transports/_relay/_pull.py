@@ -14,8 +14,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import _protocol as P
-from ...errors import AuthenticationError, ConfigurationError, PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
+from ...errors import (
+    AuthenticationError,
+    ConfigurationError,
+    PeerGoneError,
+    ProtocolError,
+    TensorferryError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ...wire import protocol as P
 from .._tcp import connect
 from ._book import CHUNK_NBYTES
 from ._same_host import LEND_READ_NBYTES, SameHostReads, _LentReader, _VmReadRefused, host_identity

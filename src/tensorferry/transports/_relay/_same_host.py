@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from ... import _protocol as P
 from ...errors import AuthenticationError, ProtocolError, TransferError
+from ...wire import protocol as P
 from .._shm import vm_readv
 
 __all__ = ["LEND_READ_NBYTES", "SameHostReads", "host_identity"]

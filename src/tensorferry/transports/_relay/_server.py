@@ -14,8 +14,15 @@ import threading
 import time
 from typing import Any
 
-from ... import _protocol as P
-from ...errors import AuthenticationError, PeerGoneError, ProtocolError, TensorferryError, TransferError, TransferTimeoutError
+from ...errors import (
+    AuthenticationError,
+    PeerGoneError,
+    ProtocolError,
+    TensorferryError,
+    TransferError,
+    TransferTimeoutError,
+)
+from ...wire import protocol as P
 from .._base import Connection, check_same_user
 from .._tcp import TcpControlServer
 from ._book import RelayBook, _Held

@@ -1,0 +1,383 @@
+/* Per-tensor reads in C++ loops, for kept plans and the sender's inspection (see _flatten.py, _tensor_meta.py).
+ *
+ * A kept plan checks, on every put and every get into existing tensors,
+ * that each planned tensor still lives where the plan found it. From
+ * Python that is one data_ptr() call a tensor: about 75 ns at best
+ * (map(torch.Tensor.data_ptr, ...)), 7.5 ms per 100k tensors, about a tenth
+ * of a 1 GiB shm sync. Here the loop is C++ and each tensor costs a call of
+ * torch's own reader, _torchinductor_pyobject_tensor_data_ptr (exported by
+ * torch for the code torch.compile generates; its address comes from
+ * Python, so this module does not link against torch).
+ *
+ * That reader throws a C++ exception for what has no data pointer (a sparse
+ * tensor, a storage-less wrapper subclass swapped into a planned tensor):
+ * the loop catches it and says where, and the caller asks Python's
+ * data_ptr(), which raises the error it always raised. This is why the
+ * file is C++: an exception must not unwind through C frames.
+ *
+ * slots_hold does the module check the same way: whether each planned
+ * parameter or buffer is still the object in its module's dict.
+ *
+ * columns and differs read a tensor's address, dtype, sizes, strides and
+ * flags through torch's C shim (aoti_torch_get_*, the ABI-stable C
+ * functions libtorch exports for AOTInductor's generated code; their
+ * addresses come from Python, see _tensor_meta.py), about 20 ns a tensor.
+ * The shim takes an at::Tensor*. A tensor's Python object holds its
+ * at::Tensor right after the object header (THPVariable in torch's
+ * python_variable.h); bind() checks that on a sample tensor against
+ * TensorBase's own _cdata getter (the TensorImpl address, which is all an
+ * at::Tensor holds) and, where a torch lays its objects out otherwise,
+ * the loops ask that getter per tensor instead (about 150 ns: it makes a
+ * Python int). Every shim function catches torch's exceptions and returns
+ * nonzero instead, so nothing unwinds through here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+typedef void *(*data_ptr_fn)(PyObject *);
+
+/* data_ptrs(reader, tensors, out) -> -1, or the index whose read raised.
+ * reader: the address of torch's reader; tensors: a list of tensors (the
+ * caller's, held for the call); out: a writable buffer of len(tensors)
+ * int64. The GIL is held throughout (the list and the tensors cannot
+ * change under the loop). */
+static PyObject *data_ptrs(PyObject *self, PyObject *args)
+{
+    unsigned long long address;
+    PyObject *tensors;
+    Py_buffer out;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KO!w*", &address, &PyList_Type, &tensors, &out))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    if (address == 0 || out.len < n * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&out);
+        PyErr_Format(PyExc_ValueError, "data_ptrs: need a reader and %zd int64 slots, got %zd bytes", n, out.len);
+        return NULL;
+    }
+    data_ptr_fn read = (data_ptr_fn)(uintptr_t)address;
+    int64_t *o = (int64_t *)out.buf;
+    Py_ssize_t i = 0;
+    try {
+        for (; i < n; i++)
+            o[i] = (int64_t)(intptr_t)read(PyList_GET_ITEM(tensors, i));
+    } catch (...) {
+        PyBuffer_Release(&out);
+        return PyLong_FromSsize_t(i);
+    }
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(-1);
+}
+
+/* slots_hold(dicts, names, objects) -> -1, or the first i for which
+ * dicts[i].get(names[i]) is not objects[i]. Three lists of one length. */
+static PyObject *slots_hold(PyObject *self, PyObject *args)
+{
+    PyObject *dicts, *names, *objects;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &dicts, &PyList_Type, &names, &PyList_Type, &objects))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(objects);
+    if (PyList_GET_SIZE(dicts) != n || PyList_GET_SIZE(names) != n) {
+        PyErr_SetString(PyExc_ValueError, "slots_hold: dicts, names and objects differ in length");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyList_GET_ITEM(dicts, i);
+        if (!PyDict_Check(d)) {
+            PyErr_Format(PyExc_TypeError, "slots_hold: dicts[%zd] is not a dict", i);
+            return NULL;
+        }
+        PyObject *now = PyDict_GetItemWithError(d, PyList_GET_ITEM(names, i)); /* borrowed */
+        if (now == NULL && PyErr_Occurred())
+            return NULL;
+        if (now != PyList_GET_ITEM(objects, i))
+            return PyLong_FromSsize_t(i);
+    }
+    return PyLong_FromSsize_t(-1);
+}
+
+/* The shim's functions, the tensor type and its _cdata getter, set once by bind(). */
+typedef int32_t (*get_ptr_fn)(void *, void **);
+typedef int32_t (*get_i32_fn)(void *, int32_t *);
+typedef int32_t (*get_i64_fn)(void *, int64_t *);
+typedef int32_t (*get_arr_fn)(void *, int64_t **);
+typedef int32_t (*get_bool_fn)(void *, bool *);
+
+static struct {
+    get_ptr_fn data_ptr;
+    get_i32_fn dtype;
+    get_i64_fn dim;
+    get_arr_fn sizes;
+    get_arr_fn strides;
+    get_bool_fn contiguous;
+    get_i32_fn device_type;
+    PyTypeObject *tensor_type;
+    PyObject *cdata; /* TensorBase.__dict__["_cdata"], a getset descriptor */
+    bool in_place; /* the at::Tensor sits right after the object header */
+    bool (*is_neg)(const void *); /* at::_ops::is_neg::call(const at::Tensor&), or NULL */
+    bool (*is_conj)(const void *);
+} shim;
+
+/* bind(addresses, tensor_type, cdata_getter, sample, sample_impl) ->
+ * whether tensors are read in place (else through the getter): addresses
+ * of aoti_torch_get_{data_ptr,dtype,dim,sizes,strides},
+ * aoti_torch_is_contiguous and aoti_torch_get_device_type, in that order;
+ * sample a tensor whose _cdata is sample_impl. */
+static PyObject *bind(PyObject *self, PyObject *args)
+{
+    unsigned long long a[7], sample_impl;
+    PyObject *type, *descr, *sample;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKKKKKK)O!OOK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6], &PyType_Type, &type, &descr,
+                          &sample, &sample_impl))
+        return NULL;
+    for (int k = 0; k < 7; k++)
+        if (a[k] == 0) {
+            PyErr_Format(PyExc_ValueError, "bind: address %d is 0", k);
+            return NULL;
+        }
+    if (Py_TYPE(descr)->tp_descr_get == NULL || !PyObject_TypeCheck(sample, (PyTypeObject *)type)) {
+        PyErr_SetString(PyExc_TypeError, "bind: need TensorBase's _cdata getter and a sample tensor");
+        return NULL;
+    }
+    shim.data_ptr = (get_ptr_fn)(uintptr_t)a[0];
+    shim.dtype = (get_i32_fn)(uintptr_t)a[1];
+    shim.dim = (get_i64_fn)(uintptr_t)a[2];
+    shim.sizes = (get_arr_fn)(uintptr_t)a[3];
+    shim.strides = (get_arr_fn)(uintptr_t)a[4];
+    shim.contiguous = (get_bool_fn)(uintptr_t)a[5];
+    shim.device_type = (get_i32_fn)(uintptr_t)a[6];
+    Py_INCREF(type);
+    Py_INCREF(descr);
+    Py_XDECREF((PyObject *)shim.tensor_type);
+    Py_XDECREF(shim.cdata);
+    shim.tensor_type = (PyTypeObject *)type;
+    shim.cdata = descr;
+    shim.in_place = sample_impl != 0 && *(void **)((char *)sample + sizeof(PyObject)) == (void *)(uintptr_t)sample_impl;
+    return PyBool_FromLong(shim.in_place);
+}
+
+/* bind_bits(is_neg, is_conj): addresses of torch's operator entry points
+ * at::_ops::is_neg::call and at::_ops::is_conj::call (C++ functions of
+ * one const at::Tensor&; libtorch exports them), so columns can say
+ * whether a tensor's bytes are its values without a Python call a tensor
+ * (torch.Tensor.is_neg: ~0.4 us). 0, 0 unbinds them. */
+static PyObject *bind_bits(PyObject *self, PyObject *args)
+{
+    unsigned long long neg, conj;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KK", &neg, &conj))
+        return NULL;
+    shim.is_neg = neg && conj ? (bool (*)(const void *))(uintptr_t)neg : NULL;
+    shim.is_conj = neg && conj ? (bool (*)(const void *))(uintptr_t)conj : NULL;
+    return PyBool_FromLong(shim.is_neg != NULL);
+}
+
+/* The tensor's at::Tensor*: in its object, or *slot holding the
+ * TensorImpl address the getter gave. NULL: not a tensor, or the getter
+ * raised (the error is cleared, the caller reports the index). */
+static void *handle_of(PyObject *obj, void **slot)
+{
+    if (!PyObject_TypeCheck(obj, shim.tensor_type))
+        return NULL;
+    if (shim.in_place)
+        return (void *)((char *)obj + sizeof(PyObject));
+    PyObject *addr = Py_TYPE(shim.cdata)->tp_descr_get(shim.cdata, obj, (PyObject *)Py_TYPE(obj));
+    if (addr == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    *slot = PyLong_AsVoidPtr(addr);
+    Py_DECREF(addr);
+    if (*slot == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return (void *)slot;
+}
+
+/* One tensor through the shim: 0, or nonzero where it has no such
+ * reading (not a tensor, no storage, symbolic sizes). */
+struct Reading {
+    int64_t ptr, ndim;
+    int32_t dtype, device;
+    int64_t *sizes, *strides;
+    bool contiguous;
+};
+
+static int read_one(PyObject *obj, Reading *r, bool flags)
+{
+    void *slot = NULL, *ptr = NULL;
+    void *h = handle_of(obj, &slot);
+    if (h == NULL)
+        return 1;
+    if (shim.data_ptr(h, &ptr) || shim.dtype(h, &r->dtype) || shim.dim(h, &r->ndim) || shim.sizes(h, &r->sizes) ||
+        shim.strides(h, &r->strides))
+        return 1;
+    r->ptr = (int64_t)(intptr_t)ptr;
+    if (flags && (shim.contiguous(h, &r->contiguous) || shim.device_type(h, &r->device)))
+        return 1;
+    if (flags && r->contiguous && shim.is_neg != NULL) {
+        try {
+            r->contiguous = !shim.is_neg(h) && !shim.is_conj(h);
+        } catch (...) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Each tensor's TensorImpl (and its storage's) is a cache miss of its own
+ * after a step touched GiBs: in-place reads start the loads of the tensors
+ * a few ahead, so their misses overlap (4x faster for 10k tensors here). */
+static inline void prefetch_ahead(PyObject *tensors, Py_ssize_t i, Py_ssize_t n)
+{
+    if (!shim.in_place)
+        return;
+    if (i + 16 < n)
+        __builtin_prefetch((char *)PyList_GET_ITEM(tensors, i + 16) + sizeof(PyObject));
+    if (i + 8 < n) {
+        PyObject *ahead = PyList_GET_ITEM(tensors, i + 8);
+        if (PyObject_TypeCheck(ahead, shim.tensor_type)) {
+            char *impl = *(char **)((char *)ahead + sizeof(PyObject));
+            __builtin_prefetch(impl);
+            __builtin_prefetch(impl + 64);
+            __builtin_prefetch(impl + 128);
+        }
+    }
+}
+
+static bool bound(void)
+{
+    if (shim.tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "tensorferry.tensors._ptrs: bind() was not called");
+        return false;
+    }
+    return true;
+}
+
+static bool fits(Py_buffer *b, Py_ssize_t n, Py_ssize_t itemsize, const char *what)
+{
+    if (b->len < n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: need %zd bytes, got %zd", what, n * itemsize, b->len);
+        return false;
+    }
+    return true;
+}
+
+/* columns(tensors, ptrs, dtypes, ndims, raw, devices) -> (i, sizes, strides).
+ * Fills, per tensor, its data pointer (int64), dtype (the shim's int32
+ * ScalarType), ndim (int64), whether its bytes are its values (uint8:
+ * contiguous, and, where bind_bits was given, neither a negative nor a
+ * conjugate view) and device type (int32),
+ * and returns every size and every stride, tensor after tensor, as bytes
+ * of int64; i is -1, or the index of the first tensor the shim could not
+ * read (the columns are then filled up to it only). */
+static PyObject *columns(PyObject *self, PyObject *args)
+{
+    PyObject *tensors;
+    Py_buffer b[5];
+    (void)self;
+    if (!bound() || !PyArg_ParseTuple(args, "O!w*w*w*w*w*", &PyList_Type, &tensors, &b[0], &b[1], &b[2], &b[3], &b[4]))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    PyObject *result = NULL;
+    if (fits(&b[0], n, 8, "columns ptrs") && fits(&b[1], n, 4, "columns dtypes") && fits(&b[2], n, 8, "columns ndims") &&
+        fits(&b[3], n, 1, "columns contiguous") && fits(&b[4], n, 4, "columns devices")) {
+        int64_t *ptrs = (int64_t *)b[0].buf, *ndims = (int64_t *)b[2].buf;
+        int32_t *dtypes = (int32_t *)b[1].buf, *devices = (int32_t *)b[4].buf;
+        uint8_t *contiguous = (uint8_t *)b[3].buf;
+        std::vector<int64_t> sizes, strides;
+        sizes.reserve(2 * n);
+        strides.reserve(2 * n);
+        Py_ssize_t i = 0;
+        for (; i < n; i++) {
+            Reading r;
+            prefetch_ahead(tensors, i, n);
+            if (read_one(PyList_GET_ITEM(tensors, i), &r, true))
+                break;
+            ptrs[i] = r.ptr;
+            dtypes[i] = r.dtype;
+            ndims[i] = r.ndim;
+            contiguous[i] = r.contiguous;
+            devices[i] = r.device;
+            sizes.insert(sizes.end(), r.sizes, r.sizes + r.ndim);
+            strides.insert(strides.end(), r.strides, r.strides + r.ndim);
+        }
+        /* y# makes None of a NULL pointer (an empty vector's data()). */
+        static const char none[1] = {0};
+        result = Py_BuildValue("(ny#y#)", i < n ? i : (Py_ssize_t)-1, sizes.empty() ? none : (const char *)sizes.data(),
+                               (Py_ssize_t)(sizes.size() * 8), strides.empty() ? none : (const char *)strides.data(),
+                               (Py_ssize_t)(strides.size() * 8));
+    }
+    for (int k = 0; k < 5; k++)
+        PyBuffer_Release(&b[k]);
+    return result;
+}
+
+/* differs(tensors, ptrs, dtypes, ndims, sizes, strides) -> -1, or the
+ * first i whose tensor is not as recorded by columns (address, dtype,
+ * sizes and strides) or cannot be read. */
+static PyObject *differs(PyObject *self, PyObject *args)
+{
+    PyObject *tensors;
+    Py_buffer b[5];
+    (void)self;
+    if (!bound() || !PyArg_ParseTuple(args, "O!y*y*y*y*y*", &PyList_Type, &tensors, &b[0], &b[1], &b[2], &b[3], &b[4]))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tensors), found = -1;
+    PyObject *result = NULL;
+    if (fits(&b[0], n, 8, "differs ptrs") && fits(&b[1], n, 4, "differs dtypes") && fits(&b[2], n, 8, "differs ndims")) {
+        const int64_t *ptrs = (const int64_t *)b[0].buf, *ndims = (const int64_t *)b[2].buf;
+        const int32_t *dtypes = (const int32_t *)b[1].buf;
+        const int64_t *sizes = (const int64_t *)b[3].buf, *strides = (const int64_t *)b[4].buf;
+        Py_ssize_t total = b[3].len / 8, at = 0;
+        if (b[4].len / 8 < total)
+            total = b[4].len / 8;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Reading r;
+            int64_t k = ndims[i];
+            prefetch_ahead(tensors, i, n);
+            if (read_one(PyList_GET_ITEM(tensors, i), &r, false) || r.ptr != ptrs[i] || r.dtype != dtypes[i] ||
+                r.ndim != k || k > total - at || memcmp(r.sizes, sizes + at, k * 8) || memcmp(r.strides, strides + at, k * 8)) {
+                found = i;
+                break;
+            }
+            at += k;
+        }
+        result = PyLong_FromSsize_t(found);
+    }
+    for (int k = 0; k < 5; k++)
+        PyBuffer_Release(&b[k]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"data_ptrs", data_ptrs, METH_VARARGS,
+     "data_ptrs(reader, tensors, out): each tensor's data pointer into out (int64); -1, or the index of a tensor the reader refused."},
+    {"slots_hold", slots_hold, METH_VARARGS,
+     "slots_hold(dicts, names, objects): -1 if each dicts[i].get(names[i]) is objects[i], else the first i that is not."},
+    {"bind", bind, METH_VARARGS, "bind(addresses, tensor_type, cdata_getter, sample, sample_impl): the shim functions columns and differs call; whether tensors are read in place."},
+    {"bind_bits", bind_bits, METH_VARARGS, "bind_bits(is_neg, is_conj): torch's operator entry points columns calls."},
+    {"columns", columns, METH_VARARGS,
+     "columns(tensors, ptrs, dtypes, ndims, raw, devices) -> (i, sizes, strides): each tensor's reading into the columns."},
+    {"differs", differs, METH_VARARGS,
+     "differs(tensors, ptrs, dtypes, ndims, sizes, strides): -1, or the first tensor not as recorded."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tensorferry.tensors._ptrs",
+    "Per-tensor reads as C++ loops: data pointers, module slots, addresses, dtypes, sizes and strides.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ptrs(void)
+{
+    return PyModule_Create(&module);
+}

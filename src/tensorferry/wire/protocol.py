@@ -1,0 +1,424 @@
+"""The control protocol between a Receiver and a Sender: framed, typed, bounded.
+
+Every frame is a fixed header (magic, version, message type, payload length)
+followed by a msgpack payload decoded by msgspec into one typed struct per
+message type. Lengths are bounded before anything is read; unknown types,
+bad magic, wrong versions and malformed payloads raise :class:`ProtocolError`
+and the connection is closed. Nothing is unpickled.
+
+Data never travels in control frames: the tcp transport streams raw block
+bytes after a ``DATA`` header, read with ``recv_into`` straight into the
+destination memory.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import socket
+import struct
+import time
+from typing import Annotated, Any, Sequence
+
+import msgspec
+
+from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "MAX_FRAME_NBYTES",
+    "MsgType",
+    "Hello",
+    "Welcome",
+    "Acquire",
+    "Located",
+    "Fetch",
+    "Pull",
+    "Lend",
+    "Exposed",
+    "Arrived",
+    "Sources",
+    "SourceRuns",
+    "Release",
+    "Released",
+    "Failure",
+    "send_msg",
+    "send_data_header",
+    "recv_msg",
+    "recv_exact_into",
+    "recv_scatter_into",
+    "send_all_views",
+]
+
+MAGIC = b"TFCP"
+VERSION = 1
+_HEADER = struct.Struct("<4sHHI")
+# A control frame carries ids, offsets and metadata: 16 MiB is far above
+# what NIXL agent metadata (the largest) needs, and small enough to buffer.
+MAX_FRAME_NBYTES = 16 << 20
+_MAX_BLOCKS = 1 << 20
+
+
+class MsgType:
+    HELLO = 1
+    WELCOME = 2
+    ACQUIRE = 3
+    LOCATED = 4
+    FETCH = 5
+    DATA = 6
+    RELEASE = 7
+    RELEASED = 8
+    FAILURE = 9
+    PULL = 10
+    SOURCES = 11
+    SOURCE_RUNS = 12
+    LEND = 13
+    ARRIVED = 14
+    EXPOSED = 15
+
+
+class Hello(msgspec.Struct, frozen=True):
+    """Receiver -> sender, first frame: who I am and what I speak."""
+
+    token: bytes = b""
+    transport: str = ""
+    nixl_metadata: bytes = b""
+
+
+class Welcome(msgspec.Struct, frozen=True):
+    """Sender -> receiver: the pool behind this sender (shm also passes its fd)."""
+
+    pool_nbytes: int
+    pool_generation: int
+    pool_base_addr: int = 0
+    nixl_metadata: bytes = b""
+    nixl_agent: str = ""
+
+
+class Acquire(msgspec.Struct, frozen=True):
+    """Take one reader slot of a ticket's piece; waits until the piece is packed."""
+
+    ticket_id: int
+    piece: int = 0
+    timeout_seconds: float = 60.0
+    # Ticket.digest of the ticket being redeemed: the sender checks it
+    # before it takes a slot, so an altered ticket consumes nothing.
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    # Broadcast tickets: where this receiver serves children ("" if it
+    # does not relay), and, when asking again for a slot it holds, the
+    # source that failed it.
+    relay: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    failed_source: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    # A sharded get's reader: a digest of the byte ranges it reads (b"":
+    # the whole piece). Of a broadcast ticket, the readers of the same
+    # ranges pull from each other, in a relay tree of their own.
+    ranges: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
+
+class Located(msgspec.Struct, frozen=True):
+    """Where a piece is in the sender's pool: (offset, nbytes) per block."""
+
+    blocks: list[tuple[int, int]]
+    virtual_offset: int = 0
+    # Broadcast tickets: pull the bytes from this relay ("" = this sender).
+    source: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    # The piece is the sender's tensors themselves (a plan put with
+    # snapshot=False), not its pool: shm readers ask for SourceRuns.
+    sourced: bool = False
+
+
+class Fetch(msgspec.Struct, frozen=True):
+    """tcp: send me the bytes of an acquired piece (its blocks back to
+    back), from byte ``start`` on (a receiver resuming after a relay failed)."""
+
+    ticket_id: int
+    piece: int = 0
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Only these ranges of the piece (a sharded get): little-endian int64
+    # (position, nbytes) pairs, ascending (two may overlap: a tied tensor
+    # read into two targets); empty: all of it.
+    ranges: bytes = b""
+
+
+class Pull(msgspec.Struct, frozen=True):
+    """Child -> relay: stream me bytes ``[start, start + nbytes)`` of the
+    ticket with this digest, as they arrive at the relay."""
+
+    ticket_id: int
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)]
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    # The child's host (boot, network and pid namespace; see
+    # transports._relay.host_identity), b"" for a stream: a relay on the
+    # same one answers with Lend, and the child copies out of its memory.
+    host: Annotated[bytes, msgspec.Meta(max_length=128)] = b""
+    # True: the child reads with NIXL (a nixl receiver on another host); a
+    # nixl relay answers with Exposed instead of a stream.
+    nixl: bool = False
+
+
+class Lend(msgspec.Struct, frozen=True):
+    """Relay -> a child on its host, in reply to Pull: the ticket's stream
+    is ``nbytes`` bytes at ``address`` in process ``pid``, and bytes 0 on
+    of the memfd that the relay's abstract Unix socket ``file`` passes (for
+    a Hello with ``key`` as its token, while this lend lasts); Arrived
+    frames follow, and the child copies each newly arrived range itself
+    (process_vm_readv, or out of its mapping of the file). The memory stays
+    there until the child says how far it read (an Arrived back; answered
+    with Released once it read it all) or closes."""
+
+    pid: Annotated[int, msgspec.Meta(gt=0)]
+    address: Annotated[int, msgspec.Meta(gt=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    # "": no shared file (the child reads by process_vm_readv or streams).
+    file: Annotated[str, msgspec.Meta(max_length=107)] = ""
+    key: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+
+
+class Exposed(msgspec.Struct, frozen=True):
+    """Relay -> a nixl child, in reply to Pull: the ticket's stream is
+    ``nbytes`` bytes at ``address`` in memory registered with the relay's
+    NIXL agent (``metadata``: its envelope, for the child's add_remote).
+    Then as Lend: Arrived frames, the child READs each newly arrived range,
+    and the memory stays registered until the child says how far it read
+    or closes."""
+
+    metadata: Annotated[bytes, msgspec.Meta(max_length=8 << 20)]
+    address: Annotated[int, msgspec.Meta(gt=0)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Arrived(msgspec.Struct, frozen=True):
+    """Relay -> a child it lends to: bytes ``[0, end)`` of the stream are
+    in its memory now. Child -> relay, last: it copied up to ``end``."""
+
+    end: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Sources(msgspec.Struct, frozen=True):
+    """shm: where the bytes of an acquired snapshot=False piece are in the
+    sender's memory (it is read with process_vm_readv)."""
+
+    ticket_id: int
+    piece: int = 0
+
+
+class SourceRuns(msgspec.Struct, frozen=True):
+    """Reply to Sources: the sender's pid and, as little-endian int64 arrays,
+    each run's position in the piece, its address there, and its length."""
+
+    pid: int
+    pos: bytes
+    address: bytes
+    nbytes: bytes
+
+
+class Release(msgspec.Struct, frozen=True):
+    """The reader is done with this piece (its slot is given back)."""
+
+    ticket_id: int
+    piece: int = 0
+
+
+class Released(msgspec.Struct, frozen=True):
+    """Reply to Release: whether the hold was still valid until now."""
+
+    valid: bool
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """Any request can be answered with a Failure: a kind and a message."""
+
+    kind: str
+    message: str
+
+
+_TYPES: dict[int, type] = {
+    MsgType.HELLO: Hello,
+    MsgType.WELCOME: Welcome,
+    MsgType.ACQUIRE: Acquire,
+    MsgType.LOCATED: Located,
+    MsgType.FETCH: Fetch,
+    MsgType.RELEASE: Release,
+    MsgType.RELEASED: Released,
+    MsgType.FAILURE: Failure,
+    MsgType.PULL: Pull,
+    MsgType.SOURCES: Sources,
+    MsgType.SOURCE_RUNS: SourceRuns,
+    MsgType.LEND: Lend,
+    MsgType.ARRIVED: Arrived,
+    MsgType.EXPOSED: Exposed,
+}
+_TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {code: msgspec.msgpack.Decoder(cls) for code, cls in _TYPES.items()}
+
+
+def send_msg(sock: socket.socket, msg: Any, *, fds: Sequence[int] = ()) -> None:
+    """Send one control frame (optionally passing file descriptors)."""
+    payload = _ENCODER.encode(msg)
+    frame = _HEADER.pack(MAGIC, VERSION, _TYPE_OF[type(msg)], len(payload)) + payload
+    try:
+        if fds:
+            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        else:
+            sock.sendall(frame)
+    except socket.timeout as exc:
+        raise TransferTimeoutError("timed out sending a control frame to the peer") from exc
+    except OSError as exc:
+        raise PeerGoneError(f"the peer closed the connection while we were sending ({exc})") from exc
+
+
+def send_data_header(sock: socket.socket, nbytes: int) -> None:
+    """tcp: announce ``nbytes`` of raw block bytes that follow."""
+    try:
+        sock.sendall(_HEADER.pack(MAGIC, VERSION, MsgType.DATA, 0) + struct.pack("<Q", nbytes))
+    except OSError as exc:
+        raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
+
+
+def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, deadline: float | None = None) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if deadline is not None:
+            # One deadline for the whole frame, not a timeout per recv: a
+            # peer dripping a byte at a time must not hold us for ever.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"the peer sent {got} of {n} bytes of a frame by its deadline")
+            sock.settimeout(left)
+        try:
+            if fds is not None and got == 0:
+                nbytes, ancdata, _flags, _addr = sock.recvmsg_into([view], socket.CMSG_SPACE(4 * 4))
+                for level, kind, data in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        usable = len(data) - len(data) % 4
+                        fds.extend(array.array("i", data[:usable]))
+            else:
+                nbytes = sock.recv_into(view[got:], n - got)
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after {got} of {n} bytes from the peer") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the connection to the peer broke after {got} of {n} bytes ({exc})") from exc
+        if nbytes == 0:
+            raise PeerGoneError(f"the peer closed the connection after {got} of {n} bytes")
+        got += nbytes
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None, deadline: float | None = None) -> Any:
+    """Receive one control frame and decode it into its typed struct.
+
+    ``deadline`` (``time.monotonic()``) bounds the whole frame; without it,
+    the socket's own timeout bounds each receive.
+
+    Raises:
+        ProtocolError: bad magic, version, type or length, or a malformed
+            payload; also a valid message of a type not in ``expect``.
+        PeerGoneError: the peer closed the connection.
+        TransferTimeoutError: the socket's timeout passed.
+    """
+    header = _recv_exact(sock, _HEADER.size, fds=fds, deadline=deadline)
+    magic, version, kind, length = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol")
+    if version != VERSION:
+        raise ProtocolError(f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry on both sides")
+    if kind == MsgType.DATA:
+        (nbytes,) = struct.unpack("<Q", _recv_exact(sock, 8, deadline=deadline))
+        return ("DATA", nbytes)
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise ProtocolError(f"peer sent unknown message type {kind}")
+    if length > MAX_FRAME_NBYTES:
+        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {MAX_FRAME_NBYTES:,}")
+    payload = _recv_exact(sock, length, deadline=deadline) if length else b""
+    try:
+        msg = decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"peer sent a malformed {_TYPES[kind].__name__}: {exc}") from exc
+    if isinstance(msg, Located) and len(msg.blocks) > _MAX_BLOCKS:
+        raise ProtocolError(f"peer located {len(msg.blocks):,} blocks; the limit is {_MAX_BLOCKS:,}")
+    if expect is not None and not isinstance(msg, expect) and not isinstance(msg, Failure):
+        raise ProtocolError(f"peer sent {type(msg).__name__}, expected {' or '.join(t.__name__ for t in expect)}")
+    return msg
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
+    """Fill ``view`` from the socket, straight into its memory (no copies)."""
+    got = 0
+    n = len(view)
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(n - got, 1 << 26))
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the sender's connection broke after {got:,} of {n:,} bytes ({exc})") from exc
+        if k == 0:
+            raise PeerGoneError(f"the sender closed the connection after {got:,} of {n:,} bytes")
+        got += k
+
+
+# Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
+# preadv, pwritev or process_vm_readv takes. The one definition.
+IOV_MAX = 1024
+
+
+def _advance(pending: collections.deque, nbytes: int) -> None:
+    """Drop ``nbytes`` from the front of a queue of buffers (a partial
+    scatter-gather send or receive), trimming the first one left."""
+    while nbytes:
+        first = pending[0]
+        if nbytes >= len(first):
+            nbytes -= len(first)
+            pending.popleft()
+        else:
+            pending[0] = first[nbytes:]
+            nbytes = 0
+
+
+def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline: float) -> None:
+    """Fill ``views`` in order from the socket, scatter-gather (recvmsg_into),
+    straight into their memory: many small tensors cost few system calls."""
+    pending = collections.deque(v for v in views if len(v))
+    total = sum(len(v) for v in pending)
+    got = 0
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes")
+        sock.settimeout(left)
+        batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
+        try:
+            k = sock.recvmsg_into(batch)[0]
+        except socket.timeout as exc:
+            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"the sender's connection broke after {got:,} of {total:,} bytes ({exc})") from exc
+        if k == 0:
+            raise PeerGoneError(f"the sender closed the connection after {got:,} of {total:,} bytes")
+        got += k
+        _advance(pending, k)
+
+
+def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-gather send of memory views straight from pool memory."""
+    # sendmsg takes many buffers per call but may send only part of them;
+    # advance through the list and resend the rest.
+    pending = collections.deque(v for v in views if len(v))
+    try:
+        while pending:
+            batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
+            _advance(pending, sock.sendmsg(batch))
+    except socket.timeout as exc:
+        raise TransferTimeoutError("timed out sending block bytes to the receiver") from exc
+    except OSError as exc:
+        raise PeerGoneError(f"the receiver closed the connection during a send ({exc})") from exc

@@ -1,0 +1,119 @@
+"""_tensor_meta: every tensor's address, dtype, sizes, strides and flags in
+one C++ pass, against what torch's own Python methods say, and the check a
+kept plan runs (Recorded.first_changed) for every kind of change; the same
+with the Python passes the module falls back to without the extension."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorferry.tensors import _meta as tm
+from tensorferry.tensors._types import _CODE_BY_TORCH
+
+
+@pytest.fixture(params=("c++", "python"))
+def mode(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(tm, "native", False)
+    return request.param
+
+
+def _kinds() -> list[torch.Tensor]:
+    flat = torch.arange(48, dtype=torch.float32)
+    z = torch.randn(3, dtype=torch.complex64)
+    return [
+        flat[:12].view(3, 4),
+        flat[:12].view(3, 4).t(),
+        flat[12:36].view(2, 3, 4).permute(2, 0, 1),
+        flat[1::2],
+        torch.tensor(3.5),  # 0-d
+        torch.empty(0, 5),
+        torch.empty(2, 0, dtype=torch.int64),
+        torch.ones(4, dtype=torch.bfloat16),
+        torch.zeros(3, dtype=torch.bool),
+        torch.nn.Parameter(torch.ones(2, 2)),
+        z,
+        z.conj(),
+        z.conj().imag,  # the negative bit
+        torch.arange(10, dtype=torch.uint8).expand(3, 10),
+    ]
+
+
+def test_the_cpp_pass_is_built_and_bound():
+    # Built wherever a C++ compiler is: missing, kept plans' checks and the
+    # sender's inspection fall back to slower Python passes silently.
+    assert tm.native, "tensorferry.tensors._ptrs was not built or could not bind torch's C shim"
+
+
+def test_columns_are_what_torch_says_of_every_kind_of_tensor(mode):
+    ts = _kinds()
+    cols = tm.read_columns(ts)
+    assert cols is not None
+    assert cols.ptrs.tolist() == [t.data_ptr() for t in ts]
+    assert [cols.dtype(i) for i in range(len(ts))] == [t.dtype for t in ts]
+    assert cols.codes.tolist() == [_CODE_BY_TORCH[t.dtype] for t in ts]
+    assert cols.ndims.tolist() == [t.dim() for t in ts]
+    assert cols.sizes.tolist() == [d for t in ts for d in t.shape]
+    assert cols.strides.tolist() == [d for t in ts for d in t.stride()]
+    raw = [t.is_contiguous() and not t.is_neg() and not t.is_conj() for t in ts]
+    want = raw if cols.raw_bits else [t.is_contiguous() for t in ts]
+    assert cols.contiguous.tolist() == want
+    assert cols.cpu.all()
+    rec = tm.Recorded(ts)
+    assert rec.numels().tolist() == [t.numel() for t in ts]
+    assert [rec.shape_of(i) for i in range(len(ts))] == [(tuple(t.shape), t.stride()) for t in ts]
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_what_has_no_reading_is_none(mode):
+    assert tm.read_columns([torch.ones(3), torch.ones(3).to_sparse()]) is None
+    assert tm.read_columns([torch.ones(3), "not a tensor"]) is None
+    # Dtypes with no wire code are read, and marked so (inspect_leaves refuses them by name).
+    cols = tm.read_columns([torch.ones(1), torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)])
+    assert cols is not None and cols.codes.tolist() == [_CODE_BY_TORCH[torch.float32], tm.NOT_SENDABLE]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ts: ts[0].t_(),
+        lambda ts: setattr(ts[1], "data", ts[1].data.view(2, 6)),
+        lambda ts: ts[2].resize_(5),  # shrinks in place: the address stays
+        lambda ts: ts[2].resize_(10_000),  # grows: new memory
+        lambda ts: ts[3].as_strided_((2, 2), (1, 2)),
+        lambda ts: ts[0].set_(torch.ones(3, 4).untyped_storage()),
+        lambda ts: ts.__setitem__(3, ts[3].view(torch.int32)),
+        lambda ts: ts.__setitem__(1, ts[1].clone()),
+        lambda ts: ts.__setitem__(2, "not a tensor"),
+        lambda ts: torch.utils.swap_tensors(ts[3], torch.ones(4).to_sparse()),
+    ],
+    ids=["t_", "data-view", "resize-shrinks", "resize-grows", "as_strided_", "set_", "dtype-view", "clone", "not-a-tensor", "swapped-sparse"],
+)
+def test_first_changed_names_the_first_tensor_not_as_recorded(mode, change):
+    flat = torch.arange(40, dtype=torch.float32)
+    ts = [flat[:12].view(3, 4), flat[12:24].view(3, 4), flat[24:32], flat[32:36], torch.ones(2)]
+    rec = tm.Recorded(ts)
+    assert rec.first_changed(ts) == -1
+    assert rec.first_changed([t.view(t.shape) for t in ts]) == -1  # other objects, the same views
+    before = [(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else None for t in ts]
+    change(ts)
+    after = []
+    for t in ts:
+        try:
+            after.append((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()))
+        except (AttributeError, RuntimeError):
+            after.append("unreadable")
+    want = next(i for i, (a, b) in enumerate(zip(before, after)) if a != b)
+    assert rec.first_changed(ts) == want
+
+
+def test_many_tensors_are_checked_to_the_last(mode):
+    ts = [torch.ones(3, 2) for _ in range(5000)]
+    rec = tm.Recorded(ts)
+    assert rec.first_changed(ts) == -1
+    ts[4999].t_()
+    assert rec.first_changed(ts) == 4999
+    assert rec.first_changed(ts[:10]) == 10  # fewer tensors than recorded
+    assert np.array_equal(rec.ptrs, np.array([t.data_ptr() for t in ts], dtype=np.int64))
