@@ -161,6 +161,36 @@ def test_fields_that_lie_are_rejected(fields, message):
         Ticket.from_bytes(data)
 
 
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (dict(address=7), "field 3 (address) has the wrong type: an integer where a string belongs"),
+        (dict(readers=-1), "field 10 (readers) is out of range (it must be >= 0)"),
+        (dict(transport="udp"), "field 2 (transport) names no transport this tensorferry knows (shm, tcp, nixl)"),
+        (dict(blocks=[("a", 16)]), "field 6 (blocks), entry 1 has the wrong type: a string where an integer belongs"),
+    ],
+)
+def test_malformed_fields_are_named_in_our_words_with_the_fix(fields, words):
+    data = make_ticket(**fields).to_bytes()
+    with pytest.raises(TicketError) as info:
+        Ticket.from_bytes(data)
+    message = str(info.value)
+    assert message == f"ticket is malformed ({words}): pass the bytes Ticket.to_bytes() returned, unchanged " \
+                      f"(a ticket cut or altered on the way cannot be read)"
+    assert "Expected" not in message and "$[" not in message  # not the decoder's words
+
+
+def test_a_flipped_byte_and_a_cut_ticket_say_what_is_wrong():
+    data = VALID[4]
+    # The transport field's first character flipped to a non-letter: an unknown transport.
+    at = data.index(b"tcp")
+    flipped = data[:at] + b"\x01" + data[at + 1:]
+    with pytest.raises(TicketError, match=r"^ticket is malformed \(field 2 \(transport\) names no transport"):
+        Ticket.from_bytes(flipped)
+    with pytest.raises(TicketError, match=r"^ticket is malformed \(it ends too soon: truncated\): pass the bytes"):
+        Ticket.from_bytes(data[:-3])
+
+
 def test_oversized_ticket_rejected_before_decoding():
     data = VALID[0] + b"\0" * (MAX_TICKET_NBYTES + 1 - len(VALID[0]))
     t0 = time.monotonic()

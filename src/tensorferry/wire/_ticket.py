@@ -10,6 +10,7 @@ Encoded with msgspec's msgpack, typed and bounded on decode; no pickle.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Annotated, Literal, get_args
 
 import msgspec
@@ -161,7 +162,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
         try:
             ticket = _DECODER.decode(data[6:])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise TicketError(f"ticket is malformed: {exc}") from exc
+            raise TicketError(_malformed(str(exc))) from exc
         for off, n in ticket.blocks:
             if off < 0 or n <= 0 or off % 16:
                 raise TicketError(f"ticket has an invalid block (offset {off}, nbytes {n})")
@@ -179,6 +180,53 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
             )
         return ticket
 
+
+_FIX = "pass the bytes Ticket.to_bytes() returned, unchanged (a ticket cut or altered on the way cannot be read)"
+# msgspec's own wording, taken apart to say it in ours: what was expected,
+# what was found, and where (``$[2]``: the third field, ``$[5][0][1]``: the
+# first entry of the sixth field, its second number).
+_WRONG_TYPE = re.compile(r"Expected `(\w+)`, got `(\w+)`")
+_OUT_OF_RANGE = re.compile(r"Expected `(\w+)` ((?:>|<)=?) (\S+)")
+_LENGTH = re.compile(r"Expected `(\w+)` of (?:at (?:least|most) )?length")
+
+
+def _malformed(decoder_message: str) -> str:
+    """A TicketError's message for msgspec's decode or validation error:
+    which field (numbered from 1, and named), what is wrong with it, and the fix."""
+    what, _, where = decoder_message.partition(" - at `")
+    indexes = [int(i) for i in re.findall(r"\[(\d+)\]", where)]
+    place = _place(indexes)
+    if m := _WRONG_TYPE.match(what):
+        problem = f"{place} has the wrong type: {_NOUN.get(m[2], m[2])} where {_NOUN.get(m[1], m[1])} belongs"
+    elif m := _OUT_OF_RANGE.match(what):
+        problem = f"{place} is out of range (it must be {m[2]} {m[3]})"
+    elif _LENGTH.match(what):
+        problem = f"{place} has too many or too few entries"
+    elif what.startswith("Invalid enum value"):
+        problem = f"{place} names no transport this tensorferry knows ({', '.join(TRANSPORTS)})"
+    elif "truncated" in what:
+        problem = "it ends too soon: truncated"
+    elif "UTF-8" in what:
+        problem = "a string in it is not UTF-8"
+    else:
+        problem = "its bytes are not valid MessagePack"
+    return f"ticket is malformed ({problem}): {_FIX}"
+
+
+def _place(indexes: list[int]) -> str:
+    if not indexes or indexes[0] >= len(Ticket.__struct_fields__):
+        return "the list of fields"
+    name = Ticket.__struct_fields__[indexes[0]]
+    text = f"field {indexes[0] + 1} ({name})"
+    if name == "delta" and len(indexes) > 1 and indexes[1] < len(DeltaOffer.__struct_fields__):
+        text += f", its {DeltaOffer.__struct_fields__[indexes[1]]}"
+    elif len(indexes) > 1:
+        text += f", entry {indexes[1] + 1}"
+    return text
+
+
+_NOUN = {"int": "an integer", "str": "a string", "None": "nil", "array": "a list", "bytes": "a byte string",
+         "float": "a number", "object": "a map", "bool": "a boolean"}
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Ticket)
