@@ -138,6 +138,7 @@ class Receiver:
         # Plans belong to the receiver that made them: this token says whose.
         self._owner = object()
         self.bytes_received = 0
+        self.delivered_nbytes = 0
         self.gets = 0
         self._closed = False
         self.stall_seconds = positive_seconds("Receiver(stall_seconds)", stall_seconds)
@@ -234,8 +235,9 @@ class Receiver:
             with self._channel(ticket, timeout) as ch:
                 if zero_copy and not ch.maps_sender_memory:
                     raise ConfigurationError(f"zero_copy needs a transport that maps the sender's memory (shm); this ticket is {ticket.transport}")
-                result = self._fetcher.get(ch, plan, ticket, zero_copy=zero_copy, deadline=deadline)
-            self.bytes_received += plan.layout.total_nbytes
+                result, moved = self._fetcher.get(ch, plan, ticket, zero_copy=zero_copy, deadline=deadline)
+            self.bytes_received += moved
+            self.delivered_nbytes += plan.layout.total_nbytes
         self.gets += 1
         return result
 
@@ -296,6 +298,7 @@ class Receiver:
         with self._channel(tickets[0], timeout) if registers else contextlib.nullcontext() as ch0, plan.registered(ch0):
             result = plan.execute(tickets, read)
         self.bytes_received += plan.nbytes
+        self.delivered_nbytes += plan.nbytes
         self.gets += 1
         return result
 
@@ -338,7 +341,11 @@ class Receiver:
     def stats(self) -> dict[str, int]:
         """This receiver's counters and its receive cache's figures.
 
-        ``gets`` and ``bytes_received`` (tensor bytes of completed gets);
+        ``gets`` (completed gets); ``bytes_received`` (bytes completed gets
+        read from senders and relays: a get that read a delta counts the
+        delta's bytes, a sharded get its own slices); ``delivered_nbytes``
+        (tensor bytes of the objects completed gets returned: a delta get
+        counts its whole object);
         ``cache_capacity_nbytes`` (the cap, 0: off), ``cache_cached_nbytes``
         and ``cache_cached_buffers`` (idle memory kept, already faulted in),
         ``cache_live_nbytes`` (the cache's memory held by results alive now),
@@ -366,7 +373,7 @@ class Receiver:
             server = self._relay_server
             relay.update(relay_bytes_sent=server.bytes_sent, relay_bytes_lent=server.bytes_lent, relay_bytes_exposed=server.bytes_exposed,
                          relay_held_nbytes=self._book.held_nbytes())
-        return {"gets": self.gets, "bytes_received": self.bytes_received, **relay, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
+        return {"gets": self.gets, "bytes_received": self.bytes_received, "delivered_nbytes": self.delivered_nbytes, **relay, **{f"cache_{k}": v for k, v in cache._asdict().items()}}
 
     def close(self) -> None:
         """Close the connections and unmap the receive cache's idle memory.

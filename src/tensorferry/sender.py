@@ -124,7 +124,7 @@ class Sender:
             raise
         self.server = self.servers[transport]
         self._delta_plans: weakref.WeakSet = weakref.WeakSet()  # the kept versions of this sender's delta plans
-        self._last_put = (0, 0, 0)  # the last put's whole bytes, delta bytes, elements changed
+        self._last_put = (0, 0, -1)  # the last put's whole bytes, delta bytes, elements changed (-1: not compared)
         self.address = self.server.address
         self._closed = False
 
@@ -238,7 +238,7 @@ class Sender:
         ex = choose(plan, opts, self.servers.values())
         offer, delta_packed = offer_delta(plan, ex, opts)
         last = plan.delta.last if plan.delta is not None else None
-        self._last_put = (plan.total_nbytes, last.delta_nbytes, last.changed) if last else (plan.total_nbytes, 0, 0)
+        self._last_put = (plan.total_nbytes, last.delta_nbytes, last.changed if last.compared else -1) if last else (plan.total_nbytes, 0, -1)
         ticket = Ticket(
             id=ticket_id,
             transport=self.transport,
@@ -311,7 +311,10 @@ class Sender:
         """The pool's figures, the transfers served, and the last put's:
         ``last_put_nbytes`` (the whole object), ``last_put_delta_nbytes`` (the
         delta a receiver holding its base read; 0 without one) and
-        ``last_put_changed`` (elements changed, for a delta plan);
+        ``last_put_changed`` (elements a delta plan's compare found changed;
+        -1 where no compare ran: not a delta plan, its first put, a refresh
+        after deltas too dense to pay, or a compare stopped at the delta's
+        size limit; receivers then read the whole object);
         ``delta_kept_nbytes``: the versions delta plans keep (pool bytes,
         counted in ``used_nbytes`` too)."""
         s = self.pool.stats()

@@ -280,7 +280,7 @@ def test_a_bad_cache_idle_seconds_is_a_configuration_error(value):
 def test_stats_keys():
     with Receiver("tcp") as r:
         assert set(r.stats()) == {
-            "gets", "bytes_received", "cache_capacity_nbytes", "cache_cached_nbytes", "cache_cached_buffers",
+            "gets", "bytes_received", "delivered_nbytes", "cache_capacity_nbytes", "cache_cached_nbytes", "cache_cached_buffers",
             "cache_live_nbytes", "cache_hits", "cache_misses", "cache_bypassed", "cache_taken_nbytes",
             "cache_trimmed_nbytes", "cache_evicted_nbytes",
             "relay_memory_read_nbytes", "relay_file_read_nbytes", "relay_stream_nbytes", "relay_nixl_read_nbytes",

@@ -120,18 +120,19 @@ class Fetcher:
 
     # -- one get -------------------------------------------------------------------
 
-    def get(self, ch: Channel, plan: RecvPlan, ticket: Ticket, *, zero_copy: bool, deadline: float) -> Any:
+    def get(self, ch: Channel, plan: RecvPlan, ticket: Ticket, *, zero_copy: bool, deadline: float) -> tuple[Any, int]:
         """Acquire, move and release every piece of ``ticket`` into ``plan``;
-        the plan's result."""
+        the plan's result and the bytes read (a delta's, or the whole object's)."""
+        moved = plan.layout.total_nbytes
         if zero_copy:
-            return self._views(ch, plan, ticket, deadline)
+            return self._views(ch, plan, ticket, deadline), moved
         # Targets are marked written while the bytes land (a failed get may
         # have written too); for a resident object after the acquire, whose
         # Python work a marking thread would only slow down.
         with plan.lock:
             holds, plan.version = plan.version, 0  # a failed get leaves no version
             if reads_delta(plan, ticket, holds, ch):
-                receive_delta(ch, plan, ticket, self.destination, deadline, relay_address=self._relay_address,
+                moved = receive_delta(ch, plan, ticket, self.destination, deadline, relay_address=self._relay_address,
                               broadcast=lambda sub, blocks, source: self._receive_broadcast(ch, sub, blocks, source, plan, deadline))
             elif ticket.streamed:
                 geometry = (ticket.total_nbytes,)
@@ -155,7 +156,7 @@ class Fetcher:
                 settle(ch, ticket, deadline)
             plan.finish()
             plan.version = version_of(plan, ticket)
-        return plan.result
+        return plan.result, moved
 
     def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any],
                     digest: Callable[[tuple[int, ...]], bytes], deadline: float, *, group: object = None) -> None:

@@ -152,7 +152,11 @@ class DeltaPut(NamedTuple):
         full_nbytes: bytes of the whole object (what other receivers read).
         delta_nbytes: bytes of the delta (what a receiver holding ``base``
             reads; 0 if nothing changed or there is no delta).
-        changed: elements (words of at most 8 bytes) that changed.
+        changed: elements (words of at most 8 bytes) that changed; all of
+            them where no compare counted them (``compared`` False).
+        compared: whether this put compared every element with the kept
+            version (not the first put, a refresh, or a compare stopped at
+            the delta's size limit).
     """
 
     version: int
@@ -160,6 +164,7 @@ class DeltaPut(NamedTuple):
     full_nbytes: int
     delta_nbytes: int
     changed: int
+    compared: bool = False
 
 
 class DeltaVersion:
@@ -303,9 +308,10 @@ class DeltaVersion:
                 if scratch is not None:
                     scratch.release()
             self.version = version
-            if not base or refresh or not fits:
+            compared = bool(base) and not refresh and scratch is not None and all(n >= 0 for n, _ in sizes)
+            if not compared:
                 changed = self.num_words  # not (all) compared with a version: all of it is sent
-            self.last = DeltaPut(version, base if fits else 0, self.total_nbytes, nbytes, changed)
+            self.last = DeltaPut(version, base if fits else 0, self.total_nbytes, nbytes, changed, compared)
             return self.last, packed
 
     def _encode(self, values: Values, scratch: "Lease | None", *, refresh: bool = False) -> tuple[list[tuple[int, int]], int]:
