@@ -176,3 +176,53 @@ def test_delta_rounds_move_a_few_percent_and_a_restarted_worker_gets_all() -> No
     finally:
         delta_front.close()
         delta_group.close()
+
+
+class _EngineCore:
+    """Stands in for vLLM's engine core, which cannot start here (vLLM's compiled ``_C``
+    is a CUDA build): ``collective_rpc`` runs the named Worker call on every worker
+    process, with the kwargs vLLM's offline ``LLM`` passes."""
+
+    def __init__(self, group: Workers) -> None:
+        self.group = group
+        self.version: str | None = None
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None) -> None:
+        import json
+
+        kwargs = kwargs or {}
+        if method == "init_weight_transfer_engine":
+            self.group.init_info = json.dumps(kwargs["init_info"])
+            self.group.call("init", self.group.init_info)
+        elif method == "start_weight_update":
+            self.group.call("start")
+        elif method == "update_weights":
+            self.group.call("update", json.dumps(kwargs["update_info"]))
+        elif method == "finish_weight_update":
+            self.group.call("finish")
+        else:
+            raise AssertionError(f"unexpected call {method}")
+
+    def set_weight_version(self, version: str) -> None:
+        self.version = version
+
+
+def test_offline_llm_client_drives_vllms_offline_methods(workers) -> None:
+    """``tv.LLMClient`` over vLLM's own offline weight-sync methods (``RLOfflineMixin``, what ``vllm.LLM`` inherits)."""
+    from vllm.entrypoints.rl.offline import RLOfflineMixin
+
+    group, _ = workers
+
+    class OfflineLLM(RLOfflineMixin):
+        def __init__(self, core: _EngineCore) -> None:
+            self.llm_engine = core
+
+    core = _EngineCore(group)
+    ckpt = checkpoint(SPEC, seed=13)
+    engine = WeightTransferTrainerFactory.trainer_init(tv.TensorferryTrainerInitInfo(rank=0), client=tv.LLMClient(OfflineLLM(core)),
+                                                       source=ModuleSource(module_of(ckpt)))
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    _check(group, ckpt, torch.float32)

@@ -7,7 +7,9 @@ receives with a kept ``RecvPlan`` or ``ShardedPlan`` and feeds vLLM's
 ``model.load_weights``), the trainer engine
 (:class:`TensorferryTrainerWeightTransferEngine`, puts a kept ``SendPlan``
 per trainer rank and drives vLLM's four-method client from rank 0), their
-JSON-safe init and update infos, and :func:`register`, the
+JSON-safe init and update infos, :class:`LLMClient` (vLLM's weight-sync
+client over an offline ``LLM`` in the trainer's process), and
+:func:`register`, the
 ``vllm.general_plugins`` entry point that names both in vLLM's factories.
 
 What it may import: vLLM (only here, and only when one of these names is
@@ -30,6 +32,7 @@ __all__ = [
     "TensorferryWeightTransferEngine",
     "TensorferryTrainerWeightTransferEngine",
     "RoundReport",
+    "LLMClient",
 ]
 
 # The name users select (WeightTransferConfig(backend=...)) and the key of
@@ -43,6 +46,7 @@ _LAZY = {
     "TensorferryWeightTransferEngine": "tensorferry.vllm._worker",
     "TensorferryTrainerWeightTransferEngine": "tensorferry.vllm._trainer",
     "RoundReport": "tensorferry.vllm._trainer",
+    "LLMClient": "tensorferry.vllm._client",
 }
 
 
