@@ -24,12 +24,27 @@ $(EXT): $(STAMP) src/tensorferry/copy/_memcpy.c src/tensorferry/plans/_diff.c sr
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(EXT)
 
+# vLLM 0.33 for tests/vllm and benchmarks/bench_vllm.py. Its metadata pins a
+# CUDA build of torch 2.14, so pip never resolves vLLM's own dependencies:
+# vllm goes in with --no-deps, then the pure-Python packages its import
+# chain needs (the `vllm` extra), all under constraints that keep every
+# version installed above (torch==2.13.0 included). Tolerant: where it
+# fails, the vLLM tests skip with the import error as their reason.
+VLLM_STAMP := $(VENV)/.vllm-installed
+VLLM_CONSTRAINTS := $(VENV)/constraints-vllm.txt
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_CONSTRAINTS)
+	echo 'torch==2.13.0' >> $(VLLM_CONSTRAINTS)
+	-$(BIN)/pip install -q --no-deps -c $(VLLM_CONSTRAINTS) vllm==0.33.0 && \
+		$(BIN)/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[vllm]'
+	touch $(VLLM_STAMP)
+
 venv: $(EXT)
 
 demo: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/tensorferry demo
 
-test: $(EXT)
+test: $(EXT) $(VLLM_STAMP)
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
 # bench_transfer.py runs the transfer benchmarks (bench_transports, bench_peers,
