@@ -204,3 +204,85 @@ def fsdp_source_main(rank: int, port: int, out: Any, go: Any) -> None:
         dist.destroy_process_group()
     except BaseException:
         out.put((rank, -1, traceback.format_exc()))
+
+
+def fsdp_watch_main(rank: int, port: int, out: Any) -> None:
+    """A trainer rank of an MLP sharded with ``fully_shard`` (the first
+    layer kept unsharded between its forward and backward, the root as
+    FSDP2 leaves it): real training steps with a put of a kept plan of the
+    module between each forward and backward and after each optimizer
+    step, each ticket's shards checked against the module's; then each way
+    of replacing a parameter, each of which a put must refuse, with
+    nothing sent. Reports what it saw as data."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import tensorferry as tf
+
+    def shards(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.to_local().detach().clone() for k, v in model.state_dict().items()}
+
+    def same(got: dict, want: dict) -> bool:
+        return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    def refused(s: Any, plan: Any) -> str:
+        before = (s.stats()["live_tickets"], s.stats()["transfers"])
+        try:
+            s.put(plan, readers=1)
+        except tf.PlanStaleError as exc:
+            after = (s.stats()["live_tickets"], s.stats()["transfers"])
+            return str(exc) if after == before else f"refused, but a ticket was made: {before} -> {after}"
+        return "not refused"
+
+    def fresh(p: Any) -> torch.nn.Parameter:
+        return torch.nn.Parameter(DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements, run_check=False,
+                                                             shape=p.shape, stride=p.stride()))
+
+    try:
+        mesh = _init(rank, 2, port, (2,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+        fully_shard(model[0], mesh=mesh, reshard_after_forward=False)
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        report: dict[str, Any] = {"steps": [], "states": []}
+        with tf.Sender("shm") as s, tf.Receiver("shm") as r:
+            plan = s.plan(model)
+            for step in range(3):
+                x = torch.randn(4, 6)
+                opt.zero_grad()
+                before = shards(model)
+                loss = model(x).square().mean()
+                groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+                report["states"].append([g.is_sharded for g in groups])
+                mid = r.get(s.put(plan, readers=1))  # between the forward and the backward
+                loss.backward()
+                opt.step()
+                after = r.get(s.put(plan, readers=1))
+                report["steps"].append((same(mid, before), same(after, shards(model)), same(after, before)))
+            # one parameter set to another DTensor Parameter (FSDP2 itself
+            # would register its own again at the next forward)
+            model[2].bias = fresh(model[2].bias)
+            report["setattr"] = refused(s, plan)
+            # load_state_dict(assign=True) with DTensors of other memory,
+            # which FSDP2 adopts
+            model.load_state_dict({k: fresh(v) for k, v in model.state_dict().items()}, assign=True)
+            report["assign"] = refused(s, plan)
+            plan = s.plan(model)
+            report["replanned"] = same(r.get(s.put(plan, readers=1)), shards(model))
+            # swapped in place: the same object, another local tensor
+            torch.utils.swap_tensors(model[0].weight, fresh(model[0].weight))
+            report["swapped"] = refused(s, plan)
+            plan = s.plan(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(4, 6)).square().mean().backward()
+                opt.step()
+            report["after"] = same(r.get(s.put(plan, readers=1)), shards(model))
+        out.put(("report", rank, report))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))

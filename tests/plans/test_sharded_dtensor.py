@@ -143,3 +143,30 @@ def test_fsdp2_gpt2_to_a_whole_model_and_a_tensor_parallel_worker():
         for q in gos:
             q.put(True)
         _joined(procs, deadline)
+
+
+def test_fsdp2_module_plan_notices_replaced_parameters_not_forward_backward():
+    """A kept plan of a ``fully_shard`` module on 2 gloo ranks: puts between
+    each forward and backward (one layer unsharded meanwhile) are no false
+    alarm and send the current shards, as do puts after real optimizer
+    steps; ``load_state_dict(assign=True)``, a parameter set to another
+    DTensor and a DTensor swapped in place (``torch.utils.swap_tensors``)
+    are each refused with PlanStaleError before any ticket is made; a new
+    plan then sends the new parameters."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=W.fsdp_watch_main, args=(k, port, out)) for k in range(2)]
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+    with _ranks(procs):
+        reports = dict(_take(out, deadline)[1:] for _ in range(2))
+        _joined(procs, deadline)
+    for rank, report in reports.items():
+        # the first layer's group unsharded between its forward and backward, the second's resharded
+        assert all(states.count(False) >= 1 for states in report["states"]), (rank, report["states"])
+        for mid, after, changed in report["steps"]:
+            assert mid and after and not changed, (rank, report["steps"])
+        for how in ("assign", "setattr", "swapped"):
+            assert "no longer the tensor the plan was made with" in report[how] and "nothing was sent" in report[how], (rank, how, report[how])
+        assert report["replanned"] and report["after"], (rank, report)

@@ -158,9 +158,11 @@ class SendPlan:
         self._info = info._replace(layout=sent, raw=info.raw & ~convert)
         self._inspected = info  # as found: what the conversions read
         self._host = info.all_cpu and pool.device.type == "cpu"
-        # A sharded module's slots hold DTensors, not the local leaves: its
-        # tensors are watched by address only.
-        self._watch = Watch(leaves, keys_of, None if boxes else module, ops, counts, keys, hold=self._host) if kept else None
+        # A sharded module's slots hold DTensors, not the local leaves: the
+        # watch checks the DTensors there (FSDP2's, while sharded).
+        slotted = list(src.values()) if boxes and module is not None and keys_of is not None and len(keys_of) == len(leaves) else None
+        module = module if slotted is not None or not boxes else None
+        self._watch = Watch(leaves, keys_of, module, ops, counts, keys, hold=self._host, slotted=slotted) if kept else None
         self.puts = 0  # puts of a kept plan: the version its tickets carry
         self._copy: CopyPlan | None = None
         self._sources: BufferList | None = None

@@ -14,6 +14,7 @@ import torch
 
 from ..copy import executor, finish
 from ..errors import PlanStaleError, UnsupportedTensorError
+from ..shards import Box, is_shard
 from ..tensors import Recorded, data_ptrs, first_replaced, flatten
 
 __all__ = ["PUT", "Watch", "outcome"]
@@ -28,15 +29,20 @@ class Watch:
     is another tensor). Each check is one C++ pass over the tensors
     (``_tensor_meta``)."""
 
-    def __init__(self, leaves: Sequence[torch.Tensor], names: list[Any] | None, module: torch.nn.Module | None, ops: Sequence[int], counts: Sequence[int], keys: Sequence[Any], *, hold: bool = False) -> None:
+    def __init__(self, leaves: Sequence[torch.Tensor], names: list[Any] | None, module: torch.nn.Module | None, ops: Sequence[int], counts: Sequence[int], keys: Sequence[Any], *, hold: bool = False,
+                 slotted: Sequence[Any] | None = None) -> None:
         self.leaves = leaves = leaves if type(leaves) is list else list(leaves)
         self.names = names
         self.recorded = Recorded(leaves)
         self.ptrs = self.recorded.ptrs
         self.numels = self.recorded.numels()
         self.tree = (list(ops), list(counts), list(keys))
-        # Per tensor, the module dict it lives in and its name there.
-        self.slots = _module_slots(module, names or [], leaves) if module is not None else None
+        # Per tensor, the module dict it lives in and its name there, and
+        # what that slot holds: the leaf, or the shard (a DTensor) whose
+        # local tensor the leaf is (``slotted``).
+        self.slotted = list(slotted) if slotted is not None else leaves
+        self.slots = _module_slots(module, names or [], self.slotted) if module is not None else None
+        self.shards = _Shards.of(module, self.slots, self.slotted, leaves) if self.slots is not None and slotted is not None else None
         # Recorded with the addresses (never later: a copy trusts both).
         self.storages = _Storages.of(leaves, self.numels) if hold else None
 
@@ -44,7 +50,7 @@ class Watch:
         """Raises PlanStaleError naming the first tensor that changed."""
         leaves = self.leaves
         if self.slots is not None:
-            i = first_replaced(*self.slots, leaves)
+            i = first_replaced(*self.slots, self.slotted) if self.shards is None else self.shards.first_replaced(self)
             if i >= 0:
                 raise PlanStaleError(
                     f"{what}: the module's {self.name(i)} is no longer the tensor the plan was made with "
@@ -203,6 +209,98 @@ class _Storages:
 
 
 _get_cdata = operator.attrgetter("_cdata")
+
+
+class _Shards:
+    """A sharded module's slots (FSDP2's ``fully_shard``, or DTensor
+    parameters of tensor parallelism): which hold a DTensor whose local
+    tensor is a planned leaf, and the FSDP2 parameter group of each.
+
+    FSDP2 registers a group's unsharded parameters (plain tensors, or
+    SHARDED_POST_FORWARD DTensors) in the module's slots between its
+    all-gather and its reshard (a forward, then the backward), and its
+    sharded DTensors, the planned ones, back after: a slot is checked only
+    while its group says it is sharded (``FSDPParamGroup.is_sharded``),
+    so a put between a forward and a backward is no false alarm. The
+    planned leaves stay where they were meanwhile (FSDP2 gathers into
+    memory of its own), so the address check holds in every state. A
+    slot in no group (tensor parallelism alone) is always checked."""
+
+    def __init__(self, groups: list[Any], member: np.ndarray, dtensors: np.ndarray) -> None:
+        self.groups = groups
+        self.member = member  # per slot: its group's index, or -1
+        self.dtensors = dtensors  # slots that hold a DTensor whose local tensor is a leaf
+        self._live: dict[tuple[bool, ...], tuple[np.ndarray, list, list, list]] = {}
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, slots: tuple[list[dict], list[Any]], slotted: list[Any], leaves: list[torch.Tensor]) -> "_Shards":
+        where = {}
+        for group in _fsdp_groups(module):
+            for param in getattr(group, "fsdp_params", ()):
+                info = getattr(param, "_module_info", None)
+                if info is None:
+                    continue
+                owners = [(info.module, info.param_name)]
+                owners += list(zip(getattr(info, "shared_modules", ()), getattr(info, "shared_param_names", ())))
+                for m, name in owners:
+                    where[(id(m._parameters), name)] = group
+        groups: list[Any] = []
+        index: dict[int, int] = {}
+        member = np.full(len(leaves), -1, dtype=np.int64)
+        for i, (d, name) in enumerate(zip(*slots)):
+            group = where.get((id(d), name))
+            if group is not None:
+                member[i] = index.setdefault(id(group), len(groups))
+                if member[i] == len(groups):
+                    groups.append(group)
+        dtensors = np.fromiter((i for i, (x, t) in enumerate(zip(slotted, leaves)) if x is not t and is_shard(x) and type(x) is not Box),
+                               dtype=np.int64)
+        return cls(groups, member, dtensors)
+
+    def first_replaced(self, watch: "Watch") -> int:
+        """The first slot, of those whose group is sharded now, that holds
+        another object than planned, or a DTensor whose local tensor is not
+        at the planned leaf's address (swapped in place, e.g. by
+        ``torch.utils.swap_tensors``); -1 if none."""
+        state = tuple(bool(getattr(g, "is_sharded", True)) for g in self.groups)
+        live = self._live.get(state)
+        if live is None:
+            keep = np.append(np.asarray(state, dtype=bool), True)[self.member]
+            idx = np.flatnonzero(keep)
+            dicts, names = watch.slots
+            live = self._live[state] = (idx, [dicts[i] for i in idx.tolist()], [names[i] for i in idx.tolist()],
+                                        [watch.slotted[i] for i in idx.tolist()])
+        idx, dicts, names, objects = live
+        i = first_replaced(dicts, names, objects)
+        first = int(idx[i]) if i >= 0 else -1
+        shards = self.dtensors[np.append(np.asarray(state, dtype=bool), True)[self.member[self.dtensors]]] if self.dtensors.size else self.dtensors
+        if shards.size:
+            with torch.no_grad():  # to_local() is then the local tensor itself, not a view made for autograd
+                now = data_ptrs([watch.slotted[j].to_local() for j in shards.tolist()])
+            moved = np.flatnonzero(now != watch.ptrs[shards])
+            if moved.size and (first < 0 or int(shards[moved[0]]) < first):
+                first = int(shards[moved[0]])
+        return first
+
+
+def _fsdp_groups(module: torch.nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``module`` and its submodules (none
+    for a module ``fully_shard`` was not applied to)."""
+    groups: list[Any] = []
+    for m in module.modules():
+        state_of = getattr(m, "_get_fsdp_state", None)
+        if state_of is None:
+            continue
+        try:
+            state = state_of()
+        except (AssertionError, AttributeError, RuntimeError):
+            continue
+        found = getattr(state, "_fsdp_param_groups", None)
+        if found is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            found = [one] if one is not None else []
+        groups.extend(g for g in found if all(g is not h for h in groups))
+    return groups
 
 
 def outcome(what: str) -> str:
