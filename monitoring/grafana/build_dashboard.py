@@ -4,7 +4,8 @@ The panels are data (title, unit, queries) so the dashboard, its test
 (tests/monitor/test_monitor_dashboard.py checks every metric and label the
 queries use against what a running ``tensorferry monitor`` serves) and the
 rendering in docs/monitor.md read the same list. Plain JSON in Grafana's
-dashboard schema (schemaVersion 39): import it, or provision it from a file.
+dashboard schema (schemaVersion 39): import it, or provision it from a file
+(docs/guides/monitoring.md shows both).
 
 Run: python monitoring/grafana/build_dashboard.py   (rewrites the JSON next to it)
 """
@@ -104,7 +105,9 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
 )
 
 VARIABLES = (
-    ("instance", "label_values(tensorferry_monitor_interval_seconds, instance)"),
+    # Both kinds of endpoint: `tensorferry monitor`'s and each process's own
+    # pool endpoint (which serves pool figures only, no monitor ones).
+    ("instance", 'label_values({__name__=~"tensorferry_monitor_interval_seconds|tensorferry_pool_capacity_bytes"}, instance)'),
     ("name", 'label_values(tensorferry_processes{instance=~"$instance"}, name)'),
 )
 

@@ -6,6 +6,7 @@ checks and unit-tests the rules and lints the scrape."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -104,10 +105,11 @@ def served(text: str) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def scrapes(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """One scrape of `tensorferry monitor -c` (a process, a whole core of budget
-    so its USS is read at the first tick) and one of a process that serves a
-    Sender's pool and a Receiver's cache."""
+def endpoints(tmp_path_factory) -> Iterator[dict[str, tuple[str, str]]]:  # type: ignore[no-untyped-def]
+    """``{"monitor": (url, text), "pools": (url, text)}``: one scrape of
+    `tensorferry monitor -c` (a process, a whole core of budget so its USS is
+    read at the first tick) and one of a process that serves a Sender's pool
+    and a Receiver's cache (no agent: pools only)."""
     from monitor_helpers import Target
 
     target = Target("big", "16")
@@ -121,16 +123,24 @@ def scrapes(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
         line = mon.stderr.readline()  # type: ignore[union-attr]
         m = re.match(r"serving (\S+/metrics)", line)
         assert m, line
-        texts = [scrape(m.group(1))]
-        texts.append(_pool_scrape())
-        yield "\n".join(texts)
+        with _pool_endpoint() as pools:
+            yield {"monitor": (m.group(1), scrape(m.group(1))), "pools": pools}
     finally:
         mon.terminate()
         mon.wait(10)
         target.close()
 
 
-def _pool_scrape() -> str:
+@pytest.fixture(scope="module")
+def scrapes(endpoints: dict[str, tuple[str, str]]) -> str:
+    """Both endpoints' scrapes as one text."""
+    return "\n".join(text for _, text in endpoints.values())
+
+
+@contextlib.contextmanager
+def _pool_endpoint() -> Iterator[tuple[str, str]]:
+    """A pools-only endpoint (a Sender's pool and a Receiver's cache), up
+    while the caller runs: its URL and a first scrape."""
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed: no Sender to serve a pool")
     import tensorferry
@@ -141,11 +151,10 @@ def _pool_scrape() -> str:
         register_pool_source("weights", sender.stats, role="sender")
         try:
             with serve_prometheus(None, port=0) as server:
-                text = scrape(server.url)
+                yield server.url, scrape(server.url)
         finally:
             unregister_pool_source("weights")
         assert receiver is not None
-    return text
 
 
 def test_every_metric_and_label_used_is_served(scrapes: str) -> None:
@@ -219,3 +228,58 @@ def test_promtool_checks_and_unit_tests_the_rules_and_lints_the_scrape(scrapes: 
         assert out.returncode == 0, out.stdout + out.stderr
     lint = subprocess.run([promtool, "check", "metrics"], input=scrapes, capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def _variable(dash: dict, name: str) -> str:
+    return next(v["query"]["query"] for v in dash["templating"]["list"] if v["name"] == name)
+
+
+def test_the_instance_variable_lists_monitors_and_pool_only_endpoints(endpoints: dict[str, tuple[str, str]]) -> None:
+    """Picking one instance must not hide the pool panels: the variable's
+    metric is served by the monitor and by a process serving only its pools."""
+    query = _variable(json.loads(DASHBOARD.read_text()), "instance")
+    m = re.fullmatch(r'label_values\(\{__name__=~"([\w|]+)"\}, instance\)', query)
+    assert m, query
+    names = m.group(1).split("|")
+    for kind, (_, text) in endpoints.items():
+        assert set(names) & set(served(text)), f"the {kind} endpoint serves none of {names}: its instance is not listed"
+    assert "tensorferry_monitor_interval_seconds" not in served(endpoints["pools"][1])  # the one metric it used before
+
+
+PROMETHEUS_YML = REPO / "monitoring" / "prometheus" / "prometheus.yml"
+
+
+def test_the_prometheus_config_scrapes_what_is_served(endpoints: dict[str, tuple[str, str]], tmp_path: Path) -> None:
+    """monitoring/prometheus/prometheus.yml: its rule files exist, each job's
+    path is what the endpoints serve (scraped again here at that path), the
+    monitor's target is `tensorferry monitor`'s default port, and promtool
+    (where installed) accepts the config with its rules."""
+    import yaml
+
+    from tensorferry.monitor._server import DEFAULT_PORT
+
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    for rules in config["rule_files"]:
+        assert (PROMETHEUS_YML.parent / rules).resolve() == RULES
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"tensorferry-monitor", "tensorferry-pools"}
+    wants = {"tensorferry-monitor": ("monitor", "tensorferry_monitor_interval_seconds"),
+             "tensorferry-pools": ("pools", "tensorferry_pool_capacity_bytes")}
+    for name, (endpoint, metric) in wants.items():
+        job = jobs[name]
+        url = endpoints[endpoint][0]
+        served_at = re.match(r"(https?://[^/]+)(/.*)", url)
+        assert served_at and job.get("scheme", "http") == url.split(":")[0]
+        text = scrape(served_at.group(1) + job.get("metrics_path", "/metrics"))
+        assert metric in served(text), f"job {name}: {metric} is not served at {job.get('metrics_path')}"
+        targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+        assert targets and all(re.fullmatch(r"[\w.-]+:\d+", t) for t in targets), targets
+    assert jobs["tensorferry-monitor"]["static_configs"][0]["targets"] == [f"127.0.0.1:{DEFAULT_PORT}"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus): the config was checked "
+                    "against the live endpoints above, not by promtool")
+    shutil.copy(PROMETHEUS_YML, tmp_path / "prometheus.yml")
+    shutil.copy(RULES, tmp_path / RULES.name)
+    out = subprocess.run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
