@@ -73,6 +73,9 @@ from _pool_report import compute_targets, plot, print_tables
 
 # tensorferry's layout math (packed offsets, blocks), where the tree keeps it.
 tf_layout = private(PACKING)
+# The pool's sources (for the record of whether they differ from the commit):
+# the flat tree's modules, the layered tree's folders.
+POOL_SOURCES = ("pool.py", "packing.py", "_tensors.py", "_copy", "layout.py", "memory", "wire", "tensors", "copy")
 
 MIB = 1 << 20
 # 256 MiB of float32: the storage every "views" case slices up.
@@ -484,8 +487,7 @@ def environment() -> dict[str, Any]:
 
     return common_environment(
         git_commit=git("rev-parse", "HEAD"),
-        src_modified=git("status", "--porcelain", "--", "../src/tensorferry/pool.py", "../src/tensorferry/packing.py",
-                         "../src/tensorferry/_tensors.py", "../src/tensorferry/_copy.py", "../src/tensorferry/layout.py") != "",
+        src_modified=git("status", "--porcelain", "--", *(f"../src/tensorferry/{p}" for p in POOL_SOURCES)) != "",
         torch_threads=torch.get_num_threads(),
     )
 
