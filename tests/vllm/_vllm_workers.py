@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -150,10 +151,18 @@ class Workers:
 
     def call(self, op: str, arg: Any = None, only: list[int] | None = None) -> list[Any]:
         """``op`` on every worker (or ``only``), all at once; their results in order."""
-        which = range(len(self.conns)) if only is None else only
+        which = list(range(len(self.conns))) if only is None else only
         for i in which:
             self.conns[i].send((op, arg))
-        return [self._reply(i) for i in which]
+        results, errors = [], []
+        for i in which:  # every reply read, so a failed call leaves no stale one behind
+            try:
+                results.append(self._reply(i))
+            except WorkerError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise WorkerError("; ".join(errors))
+        return results
 
     def restart(self, i: int) -> None:
         """Kill worker ``i`` (a TP=1 replica) and start a fresh process in its place, with the handshake replayed."""
@@ -203,6 +212,7 @@ class HttpFront:
                 try:
                     front.route(self.path.strip("/"), body)
                 except Exception as exc:  # noqa: BLE001 - an HTTP 500 with the worker's message
+                    print(f"HttpFront: /{self.path.strip('/')} failed: {exc}", file=sys.stderr)  # shown with a failing test
                     data = str(exc).encode()
                     self.send_response(500)
                     self.send_header("Content-Length", str(len(data)))

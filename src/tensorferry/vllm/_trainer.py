@@ -87,6 +87,7 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
         self._exchange: TicketExchange | None = None
         self.rounds = 0
         self.last_round: RoundReport | None = None
+        self._step = ""  # the client call rank 0 is in, for messages
 
     @classmethod
     def trainer_init(cls, init_info: TensorferryTrainerInitInfo, *, client: Any, source: Any = None) -> "TensorferryTrainerWeightTransferEngine":
@@ -130,8 +131,8 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
         """Put this rank's weights; on rank 0, drive the workers' round. Every rank calls it.
 
         Raises:
-            TransferError: rank 0's round failed (on the other ranks; rank 0
-                raises what its client raised).
+            TransferError: a client call of rank 0 failed (named, its error
+                chained; on the other ranks: that rank 0's round failed).
             PoolExhaustedError: ``capacity_nbytes`` cannot hold this rank's weights.
         """
         t0 = time.perf_counter()
@@ -158,7 +159,14 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
             assert tickets is not None
             try:
                 self._drive([base64.b64encode(t).decode("ascii") for t in tickets])
-            except BaseException as exc:  # noqa: BLE001 - other ranks must hear of it before it is raised
+            except Exception as exc:  # noqa: BLE001 - other ranks must hear of it before it is raised
+                error = TransferError(
+                    f"round {self.rounds + 1}: vLLM's {self._step} failed ({type(exc).__name__}: {exc}); the workers' own "
+                    "error is in the engine's log. The round was released; send_weights again once the engine is healthy "
+                    "(a worker that missed it reads the next round whole)"
+                )
+                error.__cause__ = exc
+            except BaseException as exc:  # KeyboardInterrupt and the like: other ranks hear of it too
                 error = exc
         ok = self._exchange.agree(error is None) if self._exchange is not None else error is None
         self._release(ticket, ok)
@@ -214,8 +222,11 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
 
     def _drive(self, tickets: list[str]) -> None:
         update = asdict(TensorferryUpdateInfo(tickets=tickets, round=self.rounds + 1))
+        self._step = "start_weight_update"
         self.client.start_weight_update()
+        self._step = "update_weights"
         self.client.update_weights(update)
+        self._step = "finish_weight_update"
         self.client.finish_weight_update()
 
     def _release(self, ticket: Any, ok: bool) -> None:
