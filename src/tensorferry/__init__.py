@@ -49,6 +49,7 @@ _LAZY = {
     "RecvPlan": "tensorferry.plans",
     "ShardedPlan": "tensorferry.plans",
     "Box": "tensorferry.shards",
+    "new_token": "tensorferry.transports",
 }
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "RecvPlan",
     "ShardedPlan",
     "Box",
+    "new_token",
     "TensorferryError",
     "PoolExhaustedError",
     "PoolCreationError",
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
     from .receiver import Receiver
     from .sender import Sender
     from .shards import Box
+    from .transports import new_token
     from .wire import Layout, Ticket
 
 

@@ -51,6 +51,7 @@ from .transports import (
     SameHostReads,
     channel_class,
     is_loopback,
+    resolve_token, tls_context,
 )
 from .wire import Ticket, TransportName, packing
 
@@ -70,7 +71,8 @@ class Receiver:
             views keep their blocks until collected. The nixl transport makes
             one of ``capacity_nbytes`` if none is given (it reads into
             registered memory).
-        token: the sender's shared secret, if it has one.
+        token: the sender's shared secret, if any (proved, never sent; ``None``: ``TENSORFERRY_TOKEN`` if set).
+        tls: a client ``ssl.SSLContext``: tcp and nixl's control over TLS.
         timeout: default seconds for every wait of a get.
         capacity_nbytes: size of the receive pool nixl makes.
         cache_nbytes: the most bytes of collected results kept for the next
@@ -119,6 +121,7 @@ class Receiver:
         stall_seconds: float = 5.0,
         relay_linger_seconds: float = 60.0,
         relay_reads: Literal["memory", "tcp"] = "memory",
+        tls: Any = None,
     ) -> None:
         if relay_reads not in ("memory", "tcp"):
             raise ConfigurationError(f"Receiver(relay_reads={relay_reads!r}): pass \"memory\" (copy out of a same-host relay) or \"tcp\"")
@@ -128,12 +131,12 @@ class Receiver:
             channel_class(transport)  # fail early on an unknown name
         huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         cache_cap, cache_idle = cap_nbytes(cache_nbytes), idle_seconds(cache_idle_seconds)
-        self.token = token.encode() if isinstance(token, str) else (token or b"")
+        self.token = resolve_token(token, "Receiver(token)")
         self.timeout = positive_seconds("Receiver(timeout)", timeout)
         self._context = ReceiveContext(pool, capacity_nbytes=capacity_nbytes)
         if transport is not None and channel_class(transport).reads_registered_only:
             self._context.ensure_pool()  # registered once, up front
-        self._channels = ChannelPool(channel_class, token=self.token, context=self._context)
+        self._channels = ChannelPool(channel_class, token=self.token, context=self._context, tls=tls_context(tls, server=False, what="Receiver(tls)"))
         self._releaser = Releaser()
         # Plans belong to the receiver that made them: this token says whose.
         self._owner = object()
@@ -164,7 +167,7 @@ class Receiver:
             )
         self._book = RelayBook(linger)
         try:
-            self._relay_server = RelayServer(self._book, token=self.token, host=host, port=port, advertise_host=advertise_host)
+            self._relay_server = RelayServer(self._book, token=self.token, host=host, port=port, advertise_host=advertise_host, tls=self._channels.tls)
         except BaseException:
             self.close()
             raise

@@ -32,7 +32,7 @@ from .errors import ConfigurationError, TransferTimeoutError, positive_seconds, 
 from .execution import Entry, Ledger, PutOptions, choose, delta_entry
 from .memory import DEFAULT_CAPACITY_NBYTES, MemoryPool
 from .plans import SendPlan, max_delta_fraction, offer_delta
-from .transports import TransportName, make_server
+from .transports import TransportName, make_server, resolve_token, tls_context
 from .wire import Ticket, packing
 
 __all__ = ["Sender"]
@@ -61,8 +61,12 @@ class Sender:
             ``connect`` to a documentation address, which sends nothing), else
             what the host name resolves to, else loopback. Set it when peers
             reach this host by another name (NAT, several interfaces).
-        token: shared secret receivers must present; required when binding
-            to anything but loopback.
+        token: shared secret receivers must prove they hold (it never
+            crosses the link; see ``docs/security.md``); required when
+            binding to anything but loopback. ``None``: ``TENSORFERRY_TOKEN``
+            if set; at least 16 bytes (``tensorferry.new_token()``).
+        tls: a server ``ssl.SSLContext``: tcp, and nixl's control
+            connection, run over TLS (mutual with ``CERT_REQUIRED``).
         lease_seconds: default time a ticket's unredeemed slots are kept.
         piece_nbytes: size of the pieces of streamed objects (default: half
             the pool, so one piece is read while the next is packed).
@@ -72,7 +76,7 @@ class Sender:
 
     Raises:
         ConfigurationError: an unknown transport, a non-loopback bind without
-            a token, an address or port that cannot be bound, a lease that is
+            a token, a token under 16 bytes, a ``tls`` not a server SSLContext, an address or port that cannot be bound, a lease that is
             not a positive number of seconds, pieces larger than the pool.
     """
 
@@ -90,8 +94,10 @@ class Sender:
         piece_nbytes: int | None = None,
         prefault: bool = False,
         extra_transports: tuple[str, ...] = (),
+        tls: Any = None,
     ) -> None:
         lease_seconds = positive_seconds("Sender(lease_seconds)", lease_seconds, allow_inf=True)
+        token_b, tls = resolve_token(token, "Sender(token)"), tls_context(tls, server=True, what="Sender(tls)")
         self.transport = transport
         self._own_pool = pool is None
         self.pool = pool if pool is not None else MemoryPool(capacity_nbytes, prefault=prefault)
@@ -105,7 +111,6 @@ class Sender:
                 f"Sender(piece_nbytes={piece_nbytes!r}): pieces of {self.piece_nbytes:,} bytes exceed the pool's {cap:,}; "
                 "pass at most the pool's capacity, or leave it unset (half the pool)"
             )
-        token_b = token.encode() if isinstance(token, str) else (token or b"")
         self.ledger = Ledger(self.pool)
         self.servers: dict[str, Any] = {}
         try:
@@ -113,7 +118,7 @@ class Sender:
                 if name not in self.servers:
                     self.servers[name] = make_server(
                         name, self.ledger, token=token_b, host=host, port=port if name == transport else 0,
-                        advertise_host=advertise_host,
+                        advertise_host=advertise_host, tls=tls,
                     )
         except BaseException:
             for server in self.servers.values():

@@ -149,6 +149,7 @@ def test_all_is_exactly_the_public_api():
         "RecvPlan",
         "ShardedPlan",
         "Box",
+        "new_token",
         "TensorferryError",
         "PoolExhaustedError",
         "PoolCreationError",

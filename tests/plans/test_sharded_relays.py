@@ -149,18 +149,16 @@ def test_the_sender_keeps_a_tree_per_range_set_and_makes_none_for_a_failed_sourc
     that failed a range set no one acquired makes no tree (each tree costs
     a reader slot, so a peer cannot make them without end)."""
     from tensorferry.wire import protocol as P
-    from tensorferry.transports._tcp import connect
+    from tensorferry.transports import open_control
 
     with tf.Sender("tcp") as sender:
         ticket = sender.put(source(0), readers=3, fanout=1)
         entry = sender.ledger._entries[ticket.id]
-        ctl = connect(sender.address, 5.0)
+        ctl, _, session = open_control(sender.address, timeout=5.0)
         try:
-            P.send_msg(ctl, P.Hello(transport="tcp"))
-            P.recv_msg(ctl, expect=(P.Welcome,))
 
             def acquire(**kw):
-                P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, **kw))
+                P.send_msg(ctl, session.sign(P.Acquire(ticket_id=ticket.id, digest=ticket.digest, **kw)))
                 return P.recv_msg(ctl)
 
             assert acquire(relay="127.0.0.1:1", ranges=b"a" * 16).source == ""  # the first of set a: from the sender

@@ -41,7 +41,7 @@ from tensorferry import (
     TransferTimeoutError,
 )
 from tensorferry.wire import protocol as P
-from tensorferry.transports._tcp import connect
+from tensorferry.transports import open_control
 
 MiB = 1 << 20
 
@@ -126,10 +126,8 @@ def test_a_relay_that_never_sends_is_given_up_after_stall_seconds(receivers):
         ticket = sender.put(want, readers=2, fanout=1)
         # A "receiver" takes the sender's one direct slot and registers a
         # relay that accepts connections and never answers.
-        ctl = connect(sender.address, 5.0)
-        P.send_msg(ctl, P.Hello(transport="tcp"))
-        P.recv_msg(ctl, expect=(P.Welcome,))
-        P.send_msg(ctl, P.Acquire(ticket_id=ticket.id, digest=ticket.digest, relay=fake))
+        ctl, _, session = open_control(sender.address, timeout=5.0)
+        P.send_msg(ctl, session.sign(P.Acquire(ticket_id=ticket.id, digest=ticket.digest, relay=fake)))
         assert P.recv_msg(ctl, expect=(P.Located,)).source == ""
         (child,) = receivers(1, stall_seconds=0.5)
         assert_same(child.get(ticket), want)  # from the sender, after the stall
@@ -155,20 +153,20 @@ def test_a_late_receiver_pulls_from_a_relay_that_still_holds_the_object(receiver
 
 def test_relays_check_the_digest_and_children_the_token(receivers):
     want = obj(6)
-    with Sender("tcp", capacity_nbytes=64 * MiB, token="s3cret") as sender:
-        (relay,) = receivers(1, relay=True, token="s3cret")
+    with Sender("tcp", capacity_nbytes=64 * MiB, token="s3cret-token-of-24-bytes") as sender:
+        (relay,) = receivers(1, relay=True, token="s3cret-token-of-24-bytes")
         ticket = sender.put(want, readers=2, fanout=1)
         relay.get(ticket)
         from tensorferry.transports._relay import pull
 
         buf = memoryview(bytearray(ticket.total_nbytes))
         with pytest.raises(TransferError, match="holds no ticket"):
-            pull(relay.relay_address, token=b"s3cret", ticket_id=ticket.id, digest=b"x" * 16, buf=buf, start=0,
+            pull(relay.relay_address, token=b"s3cret-token-of-24-bytes", ticket_id=ticket.id, digest=b"x" * 16, buf=buf, start=0,
                  progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
         with pytest.raises(TransferError, match="token"):
-            pull(relay.relay_address, token=b"wrong", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=0,
+            pull(relay.relay_address, token=b"wrong-token-of-24-bytes!", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=0,
                  progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
-        pull(relay.relay_address, token=b"s3cret", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=1000,
+        pull(relay.relay_address, token=b"s3cret-token-of-24-bytes", ticket_id=ticket.id, digest=ticket.digest, buf=buf, start=1000,
              progress=lambda end: None, stall_seconds=5.0, deadline=time.monotonic() + 10)
         stream = torch.frombuffer(buf, dtype=torch.uint8)
         sender_bytes = sender.pool.view(tuple(ticket.blocks[0]))  # the packed block

@@ -20,6 +20,7 @@ import torch
 
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, pool_empty, require, wait_until
 from tensorferry import Receiver, Sender, TransferError, TransferTimeoutError
+from tensorferry.transports._auth import server_handshake
 from tensorferry.wire import protocol as P
 
 MiB = 1 << 20
@@ -154,7 +155,7 @@ class FakeRelay:
         def run() -> None:
             conn, _ = self.listener.accept()
             with conn:
-                P.recv_msg(conn, expect=(P.Hello,))
+                server_handshake(conn, token=b"", transport="tcp", peer="child", deadline=time.monotonic() + 10)
                 P.send_msg(conn, P.Welcome(pool_nbytes=0, pool_generation=0))
                 assert P.recv_msg(conn, expect=(P.Pull,)).nixl
                 P.send_msg(conn, P.Exposed(metadata=self.endpoint.metadata(), address=address, nbytes=nbytes))

@@ -51,23 +51,23 @@ def test_a_wildcard_bind_advertises_an_address_of_this_host(transport, bind):
     if ":" in bind and not _ipv6_works():
         pytest.skip("this machine cannot bind IPv6")
     obj = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, dtype=torch.int64)}
-    with Sender(transport, capacity_nbytes=MiB, host=bind, token="s3cret") as sender:
+    with Sender(transport, capacity_nbytes=MiB, host=bind, token="s3cret-token-of-24-bytes") as sender:
         ticket = sender.put(obj)
         host, port = parse_address(ticket.address)
         assert not is_wildcard(host), ticket.address
         assert sender.address == ticket.address
         assert _is_local(host), f"{host} is not an address of this host"
-        with Receiver(transport, token="s3cret", timeout=20.0) as receiver:
+        with Receiver(transport, token="s3cret-token-of-24-bytes", timeout=20.0) as receiver:
             got = receiver.get(ticket.to_bytes())
         assert got.keys() == obj.keys() and all(torch.equal(got[k], obj[k]) for k in obj)
 
 
 def test_advertise_host_is_what_tickets_carry():
-    with Sender("tcp", capacity_nbytes=MiB, host="0.0.0.0", token="t", advertise_host="127.0.0.1") as sender:
+    with Sender("tcp", capacity_nbytes=MiB, host="0.0.0.0", token="t-is-a-token-of-24-bytes", advertise_host="127.0.0.1") as sender:
         ticket = sender.put(torch.arange(10))
         port = parse_address(sender.address)[1]
         assert ticket.address == f"127.0.0.1:{port}"
-        with Receiver("tcp", token="t", timeout=20.0) as receiver:
+        with Receiver("tcp", token="t-is-a-token-of-24-bytes", timeout=20.0) as receiver:
             assert torch.equal(receiver.get(ticket), torch.arange(10))
 
 
@@ -79,4 +79,4 @@ def test_a_specific_bind_is_advertised_as_bound():
 @pytest.mark.parametrize("advertise", ["0.0.0.0", "::", "", 17])
 def test_advertise_host_must_be_an_address_peers_can_use(advertise):
     with pytest.raises(ConfigurationError, match=f"advertise_host={advertise!r}"):
-        Sender("tcp", capacity_nbytes=MiB, host="0.0.0.0", token="t", advertise_host=advertise)
+        Sender("tcp", capacity_nbytes=MiB, host="0.0.0.0", token="t-is-a-token-of-24-bytes", advertise_host=advertise)

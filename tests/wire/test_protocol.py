@@ -21,10 +21,15 @@ from tensorferry.wire import protocol as P
 from tensorferry.errors import PeerGoneError, ProtocolError, TransferTimeoutError
 
 MESSAGES = [
-    P.Hello(token=b"tok", transport="tcp", nixl_metadata=b"\x00\x01"),
+    P.Hello(transport="tcp", nonce=b"n" * 32),
     P.Hello(),
-    P.Welcome(pool_nbytes=1 << 30, pool_generation=7, pool_base_addr=1 << 40, nixl_metadata=b"md", nixl_agent="a"),
+    P.Challenge(nonce=b"s" * 32, token=True),
+    P.Proof(mac=b"m" * 32),
+    P.Proof(),
+    P.Claim(key=b"k" * 16),
+    P.Welcome(pool_nbytes=1 << 30, pool_generation=7, pool_base_addr=1 << 40, nixl_metadata=b"md", nixl_agent="a", proof=b"p" * 32),
     P.Acquire(ticket_id=(1 << 63) - 1, piece=3, timeout_seconds=2.5, digest=b"d" * 16),
+    P.Acquire(ticket_id=5, digest=b"d" * 16, seq=(1 << 63) - 1, mac=b"m" * 16),
     P.Located(blocks=[(0, 16), (4096, 1 << 20)], virtual_offset=1 << 21),
     P.Located(blocks=[]),
     P.Acquire(ticket_id=5, digest=b"d" * 16, relay="198.18.0.2:4000", failed_source="198.18.0.3:4000"),
@@ -180,11 +185,11 @@ def test_the_frame_length_is_bounded_before_the_payload_is_read(pair):
 
 def test_a_frame_of_exactly_the_limit_is_read(pair):
     a, b = pair
-    overhead = len(msgspec.msgpack.encode(P.Hello(token=b"x" * 70_000))) - 70_000
-    msg = P.Hello(token=b"x" * (P.MAX_FRAME_NBYTES - overhead))
+    overhead = len(msgspec.msgpack.encode(P.Failure(kind="", message="x" * 70_000))) - 70_000
+    msg = P.Failure(kind="", message="x" * (P.MAX_FRAME_NBYTES - overhead))
     payload = msgspec.msgpack.encode(msg)
-    assert len(payload) == P.MAX_FRAME_NBYTES
-    t = send_in_thread(a, frame(P.MsgType.HELLO, payload))
+    assert len(payload) == P.MAX_FRAME_NBYTES, len(payload)
+    t = send_in_thread(a, frame(P.MsgType.FAILURE, payload))
     assert P.recv_msg(b, deadline=time.monotonic() + 20.0) == msg
     t.join(5.0)
 

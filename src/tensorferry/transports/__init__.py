@@ -14,6 +14,7 @@ transport's private module.
 from __future__ import annotations
 
 import importlib.util
+import time
 import sys
 from typing import Any
 
@@ -24,14 +25,17 @@ __all__ = [
     "Channel", "ChannelPool", "ReceiveContext", "Releaser", "is_loopback",
     "CHUNK_NBYTES", "pull", "RelayBook", "RelayServer", "SameHostReads",
     "Held", "Holdings", "backend_available",
+    "new_token", "resolve_token", "tls_context", "open_control", "Session", "MIN_TOKEN_NBYTES",
 ]
 
 from ..wire import TRANSPORTS, TransportName
+from ._auth import MIN_TOKEN_NBYTES, Session, client_handshake, new_token, resolve_token
 from ._base import Held, Holdings
 from ._channel import Channel
 from ._connections import ChannelPool, ReceiveContext, Releaser
 from ._relay import CHUNK_NBYTES, RelayBook, RelayServer, SameHostReads, pull
-from ._tcp import is_loopback
+from ._tcp import connect, is_loopback
+from ._tls import tls_context, wrap_client
 
 
 def _check(name: str) -> None:
@@ -39,11 +43,13 @@ def _check(name: str) -> None:
         raise ConfigurationError(f"unknown transport {name!r}; choose one of {', '.join(TRANSPORTS)}")
 
 
-def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int, advertise_host: str | None = None) -> Any:
+def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int, advertise_host: str | None = None, tls: Any = None) -> Any:
     """Start the sender-side server of transport ``name``.
 
     ``advertise_host`` (tcp, nixl) is the host tickets name; see
     :func:`tensorferry.transports._tcp.advertised_host` for the default.
+    ``tls`` (a server ``ssl.SSLContext``) secures tcp and nixl's control
+    connection; shm never leaves the host and ignores it.
     """
     _check(name)
     if name in ("tcp", "nixl"):
@@ -59,10 +65,31 @@ def make_server(name: str, ledger: Any, *, token: bytes, host: str, port: int, a
     if name == "tcp":
         from ._tcp import TcpServer
 
-        return TcpServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
+        return TcpServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host, tls=tls)
     from ._nixl import NixlServer
 
-    return NixlServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
+    return NixlServer(ledger, token=token, host=host, port=port, advertise_host=advertise_host, tls=tls)
+
+
+def open_control(address: str, *, transport: str = "tcp", token: bytes = b"", timeout: float = 10.0, tls: Any = None) -> tuple[Any, Any, Session]:
+    """A raw control connection to a tcp (or nixl) sender or a relay, past
+    the handshake: ``(socket, welcome, session)``; Acquires go out as
+    ``session.sign(P.Acquire(...))``. For tools and tests that speak the
+    protocol themselves.
+
+    Raises:
+        AuthenticationError, ProtocolError, PeerGoneError: as a channel's handshake.
+    """
+    sock = connect(address, timeout)
+    try:
+        deadline = time.monotonic() + timeout
+        if tls is not None:
+            sock = wrap_client(sock, tls, address.rpartition(":")[0].strip("[]"), deadline)
+        welcome, session = client_handshake(sock, token=token, transport=transport, address=address, deadline=deadline)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, welcome, session
 
 
 def channel_class(name: str) -> type:

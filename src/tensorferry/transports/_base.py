@@ -29,9 +29,9 @@ server keeps serving everyone else.
 from __future__ import annotations
 
 import abc
-import hmac
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -40,8 +40,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+import msgspec
+
 from ..errors import AuthenticationError, PeerGoneError, ProtocolError, TensorferryError, TransferTimeoutError
 from ..wire import protocol as P
+from ._auth import HANDSHAKE_SECONDS, FailureCount, Session, server_handshake
 
 if TYPE_CHECKING:
     from ..memory import Block
@@ -54,10 +57,10 @@ log = logging.getLogger("tensorferry.transports")
 # may wait forever (a receiver between gets).
 _FRAME_TIMEOUT_SECONDS = 30.0
 # Connections still before their handshake (unauthenticated, each a thread
-# for up to one frame timeout): beyond this many, new ones are closed at
-# once, so a flood of silent or dripping connections cannot pile up threads.
+# for up to HANDSHAKE_SECONDS): beyond this many, the oldest is closed for
+# each new one, so a flood of silent or dripping connections cannot pile up
+# threads, nor keep a receiver out (its handshake takes milliseconds).
 _MAX_HANDSHAKING = 128
-
 
 
 class Held(Protocol):
@@ -147,6 +150,7 @@ class Connection:
             self.remote_host = peer[0] if peer[0] != here else ""
         self.holds: dict[tuple[int, int], int] = {}
         self.lock = threading.Lock()
+        self.session: Session | None = None  # set once it authenticated
 
 
 class ControlServer:
@@ -158,7 +162,8 @@ class ControlServer:
     Args:
         ledger: what it serves from (:class:`Holdings`: the sender's
             ledger, whose ``pool`` the welcome describes, or a relay's book).
-        token: shared secret every receiver must present (empty: none).
+        token: shared secret every receiver must prove it holds (empty:
+            none); see :mod:`tensorferry.transports._auth`.
     """
 
     transport: ClassVar[str] = ""
@@ -180,8 +185,12 @@ class ControlServer:
         self.listener = self._listen()
         self._closed = False
         self._conns: set[Connection] = set()
-        self._handshaking = 0
-        self.refused = 0  # connections closed at once: too many handshaking
+        # Before their handshake, oldest first; the value is a duplicate of
+        # the socket's fd, closed by whoever takes the entry out, so that its
+        # number cannot name another connection while it is here.
+        self._shaking: dict[Connection, int] = {}
+        self.evicted = 0  # closed before their handshake ended, for newer ones
+        self.failed = FailureCount(f"{self.transport} sender at {self.address}")
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name=f"tensorferry-{self.transport}-accept", daemon=True)
         self._thread.start()
@@ -197,6 +206,10 @@ class ControlServer:
 
     def _authorize(self, sock: socket.socket) -> None:
         """Check the peer before the handshake (shm: same user)."""
+
+    def _secure(self, conn: Connection, deadline: float) -> socket.socket:
+        """The connection's socket for the handshake on (tcp: TLS where asked)."""
+        return conn.sock
 
     def _welcome(self, conn: Connection, hello: P.Hello) -> tuple[P.Welcome, list[int]]:
         pool = self.ledger.pool  # a sender's ledger; a relay's server welcomes otherwise
@@ -227,67 +240,84 @@ class ControlServer:
                 continue
             conn = Connection(sock, addr, self)
             with self._lock:
-                if self._handshaking >= _MAX_HANDSHAKING:
-                    self.refused += 1
-                    sock.close()
-                    continue
-                self._handshaking += 1
+                if len(self._shaking) >= _MAX_HANDSHAKING:
+                    oldest = next(iter(self._shaking))
+                    self.evicted += 1
+                    _shutdown_fd(self._shaking.pop(oldest))
+                self._shaking[conn] = os.dup(sock.fileno())
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="tensorferry-conn", daemon=True).start()
 
+    def _handshake(self, conn: Connection) -> None:
+        """Before it is authenticated: bounded in time and frame size, and
+        nothing allocated or served until the receiver proved its token."""
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
+        self._authorize(conn.sock)
+        conn.sock = sock = self._secure(conn, deadline)
+        hello, conn.session, proof = server_handshake(sock, token=self.token, transport=self.transport, peer=conn.peer, deadline=deadline)
+        welcome, fds = self._welcome(conn, hello)
+        P.send_msg(sock, msgspec.structs.replace(welcome, proof=proof), fds=fds)
+
     def _serve(self, conn: Connection) -> None:
-        sock = conn.sock
         shaking = True
         try:
-            self._authorize(sock)
-            sock.settimeout(_FRAME_TIMEOUT_SECONDS)
-            hello = P.recv_msg(sock, expect=(P.Hello,), deadline=time.monotonic() + _FRAME_TIMEOUT_SECONDS)
-            if not isinstance(hello, P.Hello):
-                raise ProtocolError("expected Hello")
-            if hello.transport != self.transport:
-                raise ProtocolError(f"receiver speaks {hello.transport!r}, this sender serves {self.transport!r}")
-            if self.token and not hmac.compare_digest(hello.token, self.token):
-                P.send_msg(sock, P.Failure(kind="auth", message="wrong or missing token"))
-                raise AuthenticationError(f"peer {conn.peer} presented a wrong token")
-            welcome, fds = self._welcome(conn, hello)
-            P.send_msg(sock, welcome, fds=fds)
+            try:
+                self._handshake(conn)
+            except ProtocolError as exc:
+                peer_version = getattr(exc, "peer_version", None)
+                if peer_version is not None:  # in our framing: the peer's decoder names both versions
+                    P.send_msg(conn.sock, P.Failure(kind="version", message=f"this sender speaks protocol version {P.VERSION}, "
+                                                    f"you speak {peer_version}; use the same tensorferry version on both sides"))
+                raise
             with self._lock:
-                self._handshaking -= 1
-                shaking = False
+                fd = self._shaking.pop(conn, None)
+            if fd is None:
+                raise PeerGoneError("evicted by newer connections before its handshake ended")
+            os.close(fd)
+            shaking = False
+            sock = conn.sock
             while not self._closed:
                 # Idle between requests: wait for a first byte without a
                 # timeout; once a frame starts, it must finish in time.
-                sock.settimeout(None)
-                try:
-                    started = sock.recv(1, socket.MSG_PEEK)
-                except OSError as exc:
-                    raise PeerGoneError(f"receiver {conn.peer} went away ({exc})") from exc
-                if not started:
-                    raise PeerGoneError(f"receiver {conn.peer} closed the connection")
+                _wait_readable(sock, conn.peer)
                 sock.settimeout(_FRAME_TIMEOUT_SECONDS)
                 msg = P.recv_msg(sock, deadline=time.monotonic() + _FRAME_TIMEOUT_SECONDS)
                 if isinstance(msg, P.Acquire):
+                    if not conn.session.check(msg):
+                        P.send_msg(sock, P.Failure(kind="auth", message="this Acquire is not the next one signed with this connection's key"))
+                        raise AuthenticationError(f"receiver {conn.peer} sent an Acquire not signed for this connection (replayed?)")
                     P.send_msg(sock, self.ledger.acquire(conn, msg))
                 elif isinstance(msg, P.Release):
                     self.ledger.release(conn, msg.ticket_id, msg.piece, send=lambda reply: P.send_msg(sock, reply))
                 elif not self._handle_extra(conn, msg):
                     raise ProtocolError(f"unexpected {type(msg).__name__} from a receiver")
-        except (PeerGoneError, TransferTimeoutError):
-            pass  # the receiver went away: its holds are dropped below
-        except TensorferryError as exc:
-            log.warning("closing connection from %s: %s", conn.peer, exc)
-        except Exception:  # a bug must not kill the server for everyone
-            log.exception("closing connection from %s after an internal error", conn.peer)
+        except Exception as exc:
+            if shaking and isinstance(exc, (TensorferryError, OSError)):  # unauthenticated: counted, logged at most once a minute
+                self.failed.add(conn.peer, f"{type(exc).__name__}: {exc}")
+            elif isinstance(exc, (PeerGoneError, TransferTimeoutError)):
+                pass  # the receiver went away: its holds are dropped below
+            elif isinstance(exc, TensorferryError):
+                log.warning("closing connection from %s: %s", conn.peer, exc)
+            else:  # a bug must not kill the server for everyone
+                log.exception("closing connection from %s after an internal error", conn.peer)
         finally:
             self.ledger.drop_connection(conn)
             with self._lock:
                 self._conns.discard(conn)
-                if shaking:
-                    self._handshaking -= 1
+                fd = self._shaking.pop(conn, None)
+            if fd is not None:
+                os.close(fd)
             try:
-                sock.close()
+                conn.sock.close()
             except OSError:
                 pass
+
+    def stats(self) -> dict[str, int]:
+        """Connections now, and those that never authenticated (failed their
+        handshake, or evicted by newer ones while it lasted)."""
+        with self._lock:
+            return {"connections": len(self._conns), "handshaking": len(self._shaking), "failed_handshakes": self.failed.total,
+                    "evicted_handshakes": self.evicted}
 
     def close(self) -> None:
         if self._closed:
@@ -307,3 +337,27 @@ class ControlServer:
                 pass
         self._thread.join(timeout=2.0)
 
+
+def _shutdown_fd(fd: int) -> None:
+    """Shut down the connection behind ``fd`` (its thread, blocked in a
+    read, sees the end and closes it), and close ``fd``."""
+    with socket.socket(fileno=fd) as dup:
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _wait_readable(sock: socket.socket, peer: str) -> None:
+    """Wait, without a timeout, for the first byte of the next request."""
+    if P.is_tls(sock):
+        if not sock.pending():  # decrypted bytes already here need no wait
+            select.select([sock], [], [])
+        return
+    sock.settimeout(None)
+    try:
+        started = sock.recv(1, socket.MSG_PEEK)
+    except OSError as exc:
+        raise PeerGoneError(f"receiver {peer} went away ({exc})") from exc
+    if not started:
+        raise PeerGoneError(f"receiver {peer} closed the connection")

@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,7 +31,9 @@ from ..errors import (
 )
 from ..wire import packing
 from ..wire import protocol as P
+from ._auth import client_handshake
 from ._connections import ReceiveContext
+from ._tls import wrap_client
 
 __all__ = ["Channel"]
 
@@ -51,13 +54,17 @@ class Channel:
 
     Args:
         address: the sender's address from the ticket.
-        token: the shared secret, if the sender wants one.
+        token: the shared secret, if the sender wants one (proved, never sent).
         timeout: seconds for the handshake.
         context: what the receiver lends it (its receive pool, shared
             per-transport state).
+        tls: a client ``ssl.SSLContext``: the connection is TLS (channels
+            that declare ``secured_by_tls``; shm never leaves the host).
     """
 
     transport: ClassVar[str] = ""
+    # Its connection crosses a link and takes TLS when asked (tcp, nixl's control).
+    secured_by_tls: ClassVar[bool] = False
     # remote_views: the sender's pool is mapped here; its blocks can be
     # handed out as views, or copied by address without any request.
     maps_sender_memory: ClassVar[bool] = False
@@ -87,7 +94,8 @@ class Channel:
     # destinations registered); None: a stream or a same-host copy.
     relay_endpoint: Any = None
 
-    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None,
+                 tls: Any = None) -> None:
         self.address = address
         self.context = context if context is not None else ReceiveContext(None)
         self.sock = self._connect(address, timeout)
@@ -96,25 +104,20 @@ class Channel:
         self.closed = False
         self.lock = threading.Lock()
         try:
+            deadline = time.monotonic() + timeout
+            if tls is not None and self.secured_by_tls:
+                self.sock = wrap_client(self.sock, tls, address.rpartition(":")[0].strip("[]"), deadline)
             self.sock.settimeout(timeout)
-            P.send_msg(self.sock, self._hello(token))
             fds: list[int] = []
-            welcome = P.recv_msg(self.sock, expect=(P.Welcome,), fds=fds)
-            if isinstance(welcome, P.Failure):
-                if welcome.kind == "auth":
-                    raise AuthenticationError(f"sender at {address} refused us: {welcome.message}; pass the sender's token")
-                raise TransferError(f"sender at {address} refused us: {welcome.message}")
-            self.welcome: P.Welcome = welcome
-            self._on_welcome(welcome, fds)
+            self.welcome, self.session = client_handshake(self.sock, token=token, transport=self.transport, address=address,
+                                                          deadline=deadline, fds=fds)
+            self._on_welcome(self.welcome, fds)
         except BaseException:
             self.sock.close()
             raise
 
     def _connect(self, address: str, timeout: float) -> socket.socket:
         raise NotImplementedError
-
-    def _hello(self, token: bytes) -> P.Hello:
-        return P.Hello(token=token, transport=self.transport)
 
     def _on_welcome(self, welcome: P.Welcome, fds: list[int]) -> None:
         for fd in fds:
@@ -138,6 +141,8 @@ class Channel:
                 raise TransferTimeoutError(f"sender at {self.address}: {reply.message}")
             if reply.kind == "altered":
                 raise TicketError(f"sender at {self.address}: {reply.message}")
+            if reply.kind == "auth":
+                raise AuthenticationError(f"sender at {self.address}: {reply.message}")
             raise TransferError(f"sender at {self.address}: {reply.message}")
         return reply
 
@@ -151,8 +156,8 @@ class Channel:
         each other)."""
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
-        msg = P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay, failed_source=failed_source,
-                        ranges=ranges)
+        msg = self.session.sign(P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay,
+                                          failed_source=failed_source, ranges=ranges))
         located = self.request(msg, P.Located, timeout=timeout + 5.0)
         pool_n = self.welcome.pool_nbytes
         for off, n in located.blocks:

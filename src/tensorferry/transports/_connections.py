@@ -112,13 +112,15 @@ class ChannelPool:
 
     Args:
         channel_class: ``name -> Channel subclass``.
-        token: the shared secret the channels present.
+        token: the shared secret the channels prove they hold.
         context: lent to every channel.
+        tls: a client ``ssl.SSLContext`` for the channels that cross a link.
     """
 
-    def __init__(self, channel_class: Callable[[str], type], *, token: bytes, context: ReceiveContext) -> None:
+    def __init__(self, channel_class: Callable[[str], type], *, token: bytes, context: ReceiveContext, tls: Any = None) -> None:
         self._channel_class = channel_class
         self._token = token
+        self.tls = tls
         self._context = context
         self._lock = threading.Lock()
         self._idle: dict[tuple[str, str], list[Any]] = {}
@@ -149,7 +151,7 @@ class ChannelPool:
             self.discard(dead)
         if ch is None:
             self.prune()
-            ch = self._channel_class(transport)(address, token=self._token, timeout=timeout, context=self._context)
+            ch = self._channel_class(transport)(address, token=self._token, timeout=timeout, context=self._context, tls=self.tls)
             with self._lock:
                 self._all.append(ch)
         if ch.welcome.pool_generation != pool_generation:

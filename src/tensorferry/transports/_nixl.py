@@ -67,14 +67,15 @@ class NixlServer(TcpControlServer):
     broadcasts = True
 
     def __init__(
-        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+        tls: Any = None,
     ) -> None:
         pool = ledger.pool
         self.endpoint = serving_endpoint("s")
         try:
             self.endpoint.register(pool.buffer)  # once, for the pool's life
             self._metadata = self.endpoint.metadata()
-            super().__init__(ledger, token=token, host=host, port=port, advertise_host=advertise_host)
+            super().__init__(ledger, token=token, host=host, port=port, advertise_host=advertise_host, tls=tls)
         except BaseException:
             self.endpoint.close()
             raise
@@ -112,17 +113,19 @@ class NixlChannel(Channel):
     READs into the receive pool the context lends (registered once)."""
 
     transport = "nixl"
+    secured_by_tls = True  # its control connection; the READs are NIXL's (see docs/security.md)
     reads_registered_only = True
     relays = True
     reads_ranges = True
     relay_chunk_nbytes = RELAY_CHUNK_NBYTES
 
-    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None) -> None:
+    def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None,
+                 tls: Any = None) -> None:
         context = context if context is not None else ReceiveContext(None)
         self.endpoint = _receiver_endpoint(context)
         self.relay_endpoint = self.endpoint  # a pull from a nixl relay READs with it
         self.pool = context.ensure_pool()
-        super().__init__(address, token=token, timeout=timeout, context=context)
+        super().__init__(address, token=token, timeout=timeout, context=context, tls=tls)
 
     def _connect(self, address: str, timeout: float):
         return connect(address, timeout)

@@ -4,8 +4,10 @@ The sender's background thread serves the control protocol; a Fetch of an
 acquired piece is answered with a DATA header and the raw block bytes, sent
 with scatter-gather ``sendmsg`` straight from pool memory. The receiver reads
 them with ``recv_into`` straight into its destination memory: no
-intermediate ``bytes``. A shared-secret token authenticates receivers; it is
-required when the sender binds to anything but loopback.
+intermediate ``bytes``. A shared-secret token authenticates both sides
+without crossing the link (:mod:`._auth`); it is required when the sender
+binds to anything but loopback. With ``tls=`` the connection is TLS
+(:mod:`._tls`): its bytes go one buffer at a time, encrypted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import ctypes
 import ipaddress
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ from ..wire import protocol as P
 from ._base import Connection, ControlServer
 from ._channel import Channel
 from ._ranges import block_ranges
+from ._tls import wrap_server
 
 __all__ = ["TcpControlServer", "TcpServer", "TcpChannel", "connect", "is_loopback", "is_wildcard", "advertised_host", "parse_address"]
 
@@ -143,10 +147,12 @@ class TcpControlServer(ControlServer):
     binds, advertises an address peers can reach, tunes each connection."""
 
     def __init__(
-        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None
+        self, ledger, *, token: bytes = b"", host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._host, self._port = host, port
         self._advertise = advertise_host
+        self.tls = tls
         super().__init__(ledger, token=token)
 
     def _listen(self) -> socket.socket:
@@ -180,6 +186,9 @@ class TcpControlServer(ControlServer):
     def _serve(self, conn: Connection) -> None:
         _tune(conn.sock)
         super()._serve(conn)
+
+    def _secure(self, conn: Connection, deadline: float) -> socket.socket:
+        return conn.sock if self.tls is None else wrap_server(conn.sock, self.tls, conn.peer, deadline)
 
 
 class TcpServer(TcpControlServer):
@@ -274,6 +283,7 @@ def _scratch() -> Iterator[torch.Tensor]:
 
 class TcpChannel(Channel):
     transport = "tcp"
+    secured_by_tls = True
     receives_into_buffers = True
     reads_ranges = True
     receives_by_loop = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import collections
 import socket
+import ssl
 import struct
 import time
 from typing import Annotated, Any, Sequence
@@ -25,39 +26,24 @@ import msgspec
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
 
 __all__ = [
-    "MAGIC",
-    "VERSION",
-    "MAX_FRAME_NBYTES",
-    "MsgType",
-    "Hello",
-    "Welcome",
-    "Acquire",
-    "Located",
-    "Fetch",
-    "Pull",
-    "Lend",
-    "Exposed",
-    "Arrived",
-    "Sources",
-    "SourceRuns",
-    "Release",
-    "Released",
-    "Failure",
-    "send_msg",
-    "send_data_header",
-    "recv_msg",
-    "recv_exact_into",
-    "recv_scatter_into",
-    "send_all_views",
+    "MAGIC", "VERSION", "MAX_FRAME_NBYTES", "MsgType", "Hello", "Challenge", "Proof", "Claim", "Welcome",
+    "Acquire", "Located", "Fetch", "Pull", "Lend", "Exposed", "Arrived", "Sources", "SourceRuns", "Release",
+    "Released", "Failure", "send_msg", "send_data_header", "recv_msg", "encode", "is_tls", "recv_exact_into",
+    "recv_scatter_into", "send_all_views",
 ]
 
 MAGIC = b"TFCP"
-VERSION = 1
+# 2: challenge-response handshake (Hello, Challenge, Proof, Welcome with the
+# sender's proof; no token on the wire), Acquires signed with the session key.
+VERSION = 2
 _HEADER = struct.Struct("<4sHHI")
 # A control frame carries ids, offsets and metadata: 16 MiB is far above
 # what NIXL agent metadata (the largest) needs, and small enough to buffer.
 MAX_FRAME_NBYTES = 16 << 20
 _MAX_BLOCKS = 1 << 20
+# Bytes of a frame allocated before they arrived: a header may claim up to
+# MAX_FRAME_NBYTES, but memory follows the bytes that came, not the claim.
+_RECV_CHUNK_NBYTES = 1 << 20
 
 
 class MsgType:
@@ -76,14 +62,43 @@ class MsgType:
     LEND = 13
     ARRIVED = 14
     EXPOSED = 15
+    CHALLENGE = 16
+    PROOF = 17
+    CLAIM = 18
+
+# A nonce or a proof: 32 bytes (SHA-256's output); a field allows a little more
+# so that a wrong size is the handshake's error, not the decoder's.
+_NONCE = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class Hello(msgspec.Struct, frozen=True):
-    """Receiver -> sender, first frame: who I am and what I speak."""
+    """Receiver -> sender, first frame: what I speak and my fresh nonce
+    (see :mod:`tensorferry.transports._auth`; no secret in any form)."""
 
-    token: bytes = b""
-    transport: str = ""
-    nixl_metadata: bytes = b""
+    transport: Annotated[str, msgspec.Meta(max_length=16)] = ""
+    nonce: _NONCE = b""
+
+
+class Challenge(msgspec.Struct, frozen=True):
+    """Sender -> receiver, in reply to Hello: the sender's fresh nonce and
+    whether it holds a token (then the receiver must prove it holds it too)."""
+
+    nonce: _NONCE
+    token: bool = False
+
+
+class Proof(msgspec.Struct, frozen=True):
+    """Receiver -> sender: HMAC-SHA256 of the handshake's transcript under
+    the token (b"" when the sender holds none)."""
+
+    mac: _NONCE = b""
+
+
+class Claim(msgspec.Struct, frozen=True):
+    """A child -> a relay's file socket (same host, same user): the one-time
+    key of the lend whose memfd it wants."""
+
+    key: Annotated[bytes, msgspec.Meta(max_length=32)]
 
 
 class Welcome(msgspec.Struct, frozen=True):
@@ -94,6 +109,8 @@ class Welcome(msgspec.Struct, frozen=True):
     pool_base_addr: int = 0
     nixl_metadata: bytes = b""
     nixl_agent: str = ""
+    # HMAC-SHA256 of the transcript under the token: the sender holds it too.
+    proof: _NONCE = b""
 
 
 class Acquire(msgspec.Struct, frozen=True):
@@ -114,6 +131,10 @@ class Acquire(msgspec.Struct, frozen=True):
     # the whole piece). Of a broadcast ticket, the readers of the same
     # ranges pull from each other, in a relay tree of their own.
     ranges: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    # This connection's count of Acquires and the session key's HMAC of this
+    # message (with mac=b""): a copy replayed on any connection is refused.
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    mac: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class Located(msgspec.Struct, frozen=True):
@@ -249,6 +270,9 @@ _TYPES: dict[int, type] = {
     MsgType.LEND: Lend,
     MsgType.ARRIVED: Arrived,
     MsgType.EXPOSED: Exposed,
+    MsgType.CHALLENGE: Challenge,
+    MsgType.PROOF: Proof,
+    MsgType.CLAIM: Claim,
 }
 _TYPE_OF: dict[type, int] = {cls: code for code, cls in _TYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -278,11 +302,17 @@ def send_data_header(sock: socket.socket, nbytes: int) -> None:
         raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
 
 
+def is_tls(sock: socket.socket) -> bool:
+    """A TLS socket: no sendmsg/recvmsg (nor descriptors, nor MSG_PEEK)."""
+    return isinstance(sock, ssl.SSLSocket)
+
+
 def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, deadline: float | None = None) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
+    # Memory follows the bytes that arrived, a chunk at a time: a header
+    # claiming 16 MiB followed by nothing costs a chunk, not 16 MiB.
+    buf = bytearray()
+    while len(buf) < n:
+        got, want = len(buf), min(n - len(buf), _RECV_CHUNK_NBYTES)
         if deadline is not None:
             # One deadline for the whole frame, not a timeout per recv: a
             # peer dripping a byte at a time must not hold us for ever.
@@ -291,33 +321,37 @@ def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, de
                 raise TransferTimeoutError(f"the peer sent {got} of {n} bytes of a frame by its deadline")
             sock.settimeout(left)
         try:
-            if fds is not None and got == 0:
-                nbytes, ancdata, _flags, _addr = sock.recvmsg_into([view], socket.CMSG_SPACE(4 * 4))
-                for level, kind, data in ancdata:
+            if fds is not None and not got and not is_tls(sock):
+                data, ancdata, _flags, _addr = sock.recvmsg(want, socket.CMSG_SPACE(4 * 4))
+                for level, kind, cmsg in ancdata:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        usable = len(data) - len(data) % 4
-                        fds.extend(array.array("i", data[:usable]))
+                        fds.extend(array.array("i", cmsg[: len(cmsg) - len(cmsg) % 4]))
             else:
-                nbytes = sock.recv_into(view[got:], n - got)
+                data = sock.recv(want)
         except socket.timeout as exc:
             raise TransferTimeoutError(f"timed out after {got} of {n} bytes from the peer") from exc
         except OSError as exc:
             raise PeerGoneError(f"the connection to the peer broke after {got} of {n} bytes ({exc})") from exc
-        if nbytes == 0:
+        if not data:
             raise PeerGoneError(f"the peer closed the connection after {got} of {n} bytes")
-        got += nbytes
+        buf += data
     return bytes(buf)
 
 
-def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None, deadline: float | None = None) -> Any:
+def recv_msg(
+    sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds: list[int] | None = None, deadline: float | None = None,
+    max_nbytes: int = MAX_FRAME_NBYTES,
+) -> Any:
     """Receive one control frame and decode it into its typed struct.
 
     ``deadline`` (``time.monotonic()``) bounds the whole frame; without it,
-    the socket's own timeout bounds each receive.
+    the socket's own timeout bounds each receive. ``max_nbytes`` bounds its
+    payload (small before a peer authenticated).
 
     Raises:
         ProtocolError: bad magic, version, type or length, or a malformed
-            payload; also a valid message of a type not in ``expect``.
+            payload; also a valid message of a type not in ``expect``. A
+            wrong version's error has ``peer_version``.
         PeerGoneError: the peer closed the connection.
         TransferTimeoutError: the socket's timeout passed.
     """
@@ -326,15 +360,19 @@ def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds
     if magic != MAGIC:
         raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol")
     if version != VERSION:
-        raise ProtocolError(f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry on both sides")
+        err = ProtocolError(
+            f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry version on both sides"
+        )
+        err.peer_version = version  # type: ignore[attr-defined]
+        raise err
     if kind == MsgType.DATA:
         (nbytes,) = struct.unpack("<Q", _recv_exact(sock, 8, deadline=deadline))
         return ("DATA", nbytes)
     decoder = _DECODERS.get(kind)
     if decoder is None:
         raise ProtocolError(f"peer sent unknown message type {kind}")
-    if length > MAX_FRAME_NBYTES:
-        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {MAX_FRAME_NBYTES:,}")
+    if length > max_nbytes:
+        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {max_nbytes:,}")
     payload = _recv_exact(sock, length, deadline=deadline) if length else b""
     try:
         msg = decoder.decode(payload)
@@ -345,6 +383,12 @@ def recv_msg(sock: socket.socket, *, expect: tuple[type, ...] | None = None, fds
     if expect is not None and not isinstance(msg, expect) and not isinstance(msg, Failure):
         raise ProtocolError(f"peer sent {type(msg).__name__}, expected {' or '.join(t.__name__ for t in expect)}")
     return msg
+
+
+def encode(msg: Any) -> bytes:
+    """A message's payload bytes, as :func:`send_msg` sends them (what a
+    signature covers)."""
+    return _ENCODER.encode(msg)
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
@@ -388,6 +432,11 @@ def _advance(pending: collections.deque, nbytes: int) -> None:
 def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline: float) -> None:
     """Fill ``views`` in order from the socket, scatter-gather (recvmsg_into),
     straight into their memory: many small tensors cost few system calls."""
+    if is_tls(sock):  # no recvmsg_into over TLS: one buffer at a time
+        for v in views:
+            if len(v):
+                recv_exact_into(sock, v, deadline=deadline)
+        return
     pending = collections.deque(v for v in views if len(v))
     total = sum(len(v) for v in pending)
     got = 0
@@ -415,6 +464,10 @@ def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
     # advance through the list and resend the rest.
     pending = collections.deque(v for v in views if len(v))
     try:
+        if is_tls(sock):  # no sendmsg over TLS: one buffer at a time
+            for v in pending:
+                sock.sendall(v)
+            return
         while pending:
             batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
             _advance(pending, sock.sendmsg(batch))

@@ -24,6 +24,7 @@ from ...errors import (
     TransferTimeoutError,
 )
 from ...wire import protocol as P
+from .._auth import client_handshake
 from .._tcp import connect
 from ._book import CHUNK_NBYTES
 from ._same_host import LEND_READ_NBYTES, SameHostReads, _LentReader, _VmReadRefused, host_identity
@@ -58,7 +59,8 @@ def pull(
         PeerGoneError: the relay is gone, or does not hold the ticket.
         TransferTimeoutError: no chunk arrived within ``stall_seconds`` (a
             stalled relay), or the get's deadline passed.
-        AuthenticationError: the relay refused the token.
+        AuthenticationError: the relay refused our proof of the token, or
+            did not prove it holds it.
     """
     reached = [start]
 
@@ -89,12 +91,14 @@ def _pull_session(
     sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
     try:
         sock.settimeout(stall_seconds)
-        P.send_msg(sock, P.Hello(token=token, transport="tcp"))
-        welcome = P.recv_msg(sock, expect=(P.Welcome,), deadline=time.monotonic() + stall_seconds)
-        if isinstance(welcome, P.Failure):
-            if welcome.kind == "auth":
-                raise AuthenticationError(f"relay at {address} refused us: {welcome.message}; pass the sender's token")
-            raise PeerGoneError(f"relay at {address} refused us: {welcome.message}")
+        try:
+            client_handshake(sock, token=token, transport="tcp", address=f"relay {address}", deadline=time.monotonic() + stall_seconds)
+        except AuthenticationError:
+            raise
+        except TransferError as exc:
+            if isinstance(exc, TransferTimeoutError):
+                raise
+            raise PeerGoneError(f"relay at {address} refused us ({exc})") from exc
         P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None))
         reply = P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
         if isinstance(reply, P.Failure):

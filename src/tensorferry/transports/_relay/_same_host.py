@@ -148,7 +148,7 @@ class _LentReader:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as us:
                 us.settimeout(self.timeout)
                 us.connect("\0" + lend.file[1:])
-                P.send_msg(us, P.Hello(token=lend.key, transport="tcp"))
+                P.send_msg(us, P.Claim(key=lend.key))
                 reply = P.recv_msg(us, expect=(P.Welcome,), fds=fds, deadline=time.monotonic() + self.timeout)
         except (OSError, TransferError) as exc:
             for fd in fds:

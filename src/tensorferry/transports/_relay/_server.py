@@ -16,6 +16,7 @@ from typing import Any
 
 from ...errors import (
     AuthenticationError,
+    ConfigurationError,
     PeerGoneError,
     ProtocolError,
     TensorferryError,
@@ -34,7 +35,8 @@ log = logging.getLogger("tensorferry.transports")
 
 
 class RelayServer(TcpControlServer):
-    """A relaying receiver's server: children present the token, then
+    """A relaying receiver's server: children prove they hold the token
+    (the same handshake as a sender's), then
     :class:`Pull` byte ranges of a ticket, streamed as they arrive here,
     lent (children on this host) or exposed to NIXL READs (nixl children),
     and announced as they arrive.
@@ -45,7 +47,12 @@ class RelayServer(TcpControlServer):
 
     transport = "tcp"
 
-    def __init__(self, book: RelayBook, *, token: bytes, host: str, port: int, advertise_host: str | None) -> None:
+    def __init__(self, book: RelayBook, *, token: bytes, host: str, port: int, advertise_host: str | None, tls: Any = None) -> None:
+        if tls is not None:
+            raise ConfigurationError(
+                "Receiver(relay=True, tls=...): relays serve their children without TLS (not built yet); "
+                "relay without tls=, or take TLS without relay=True (every reader then reads from the sender)"
+            )
         self.book = book
         book.on_drop = self._unexpose
         self.bytes_sent = 0  # passed on to children, streamed, lent or exposed
@@ -73,7 +80,7 @@ class RelayServer(TcpControlServer):
 
     def _pass_files(self) -> None:
         """The file socket: a child on this host presents the key of its
-        lend (a Hello) and gets a read-only fd of the lent memfd (SCM_RIGHTS)
+        lend (a Claim) and gets a read-only fd of the lent memfd (SCM_RIGHTS)
         with the stream's size (a Welcome). The key exists only while that
         lend lasts, so the memory is ours to keep while the child reads it."""
         while True:
@@ -89,16 +96,16 @@ class RelayServer(TcpControlServer):
 
     def _pass_file(self, conn: socket.socket) -> None:
         conn.settimeout(2.0)
-        # The Hello first, also from a child we refuse: closing before it
+        # The Claim first, also from a child we refuse: closing before it
         # arrived would fail the child's send, and it would never read why.
-        hello = P.recv_msg(conn, expect=(P.Hello,), deadline=time.monotonic() + 2.0)
+        claim = P.recv_msg(conn, expect=(P.Claim,), deadline=time.monotonic() + 2.0, max_nbytes=256)
         try:
             check_same_user(conn, "map this relay's memory")
         except AuthenticationError as exc:
             P.send_msg(conn, P.Failure(kind="auth", message=str(exc)))
             return
         with self._lock:
-            held = self._files.get(hello.token) if isinstance(hello, P.Hello) else None
+            held = self._files.get(claim.key) if isinstance(claim, P.Claim) else None
             if held is None:
                 P.send_msg(conn, P.Failure(kind="unknown", message="no lend of this relay has that key"))
                 return
