@@ -70,7 +70,7 @@ def test_one_trainer_to_tp2_workers_fuses_and_slices(tp_workers) -> None:
         engine.shutdown()
 
 
-def _trainer_rank(conn: Any, rank: int, world: int, rendezvous: str, url: str, transport: str, rounds: int) -> None:
+def _trainer_rank(conn: Any, rank: int, world: int, rendezvous: str, url: str, transport: str, fanout: int | None, rounds: int) -> None:
     """One FSDP2 trainer rank: shards the model over a gloo mesh, updates its shards in place, sends."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +85,7 @@ def _trainer_rank(conn: Any, rank: int, world: int, rendezvous: str, url: str, t
         ckpt = checkpoint(SPEC, seed=5)
         model = module_of(ckpt)
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-        info = tv.TensorferryTrainerInitInfo(rank=rank, world_size=world, transport=transport)
+        info = tv.TensorferryTrainerInitInfo(rank=rank, world_size=world, transport=transport, fanout=fanout)
         client = HTTPVLLMWeightSyncClient(url, timeout=120)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
         for r in range(rounds):
@@ -96,7 +96,7 @@ def _trainer_rank(conn: Any, rank: int, world: int, rendezvous: str, url: str, t
                     local.copy_(ckpt[name][tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
             engine.send_weights()
             report = engine.last_round
-            conn.send(("ok", (report.nbytes, report.planned)))
+            conn.send(("ok", (report.nbytes, report.planned, report.bytes_sent)))
             conn.recv()  # the test has checked the workers
         engine.shutdown()
         conn.send(("ok", None))
@@ -106,15 +106,17 @@ def _trainer_rank(conn: Any, rank: int, world: int, rendezvous: str, url: str, t
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_sharded_trainer_ranks_to_tp2_workers(tp_workers, transport: str) -> None:
+@pytest.mark.parametrize(("transport", "fanout"), [("shm", None), ("tcp", 1)])
+def test_sharded_trainer_ranks_to_tp2_workers(tp_workers, transport: str, fanout: int | None) -> None:
+    """shm: both workers read each rank's shards; tcp with fanout=1: each rank sends
+    its shards once, and the second worker takes them from the first (a relay)."""
     group, front = tp_workers
     ctx = mp.get_context("spawn")
     rendezvous, rounds, world = rendezvous_file(), 2, 2
     pipes, procs = [], []
     for rank in range(world):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_trainer_rank, args=(child, rank, world, rendezvous, front.url, transport, rounds), daemon=True)
+        proc = ctx.Process(target=_trainer_rank, args=(child, rank, world, rendezvous, front.url, transport, fanout, rounds), daemon=True)
         proc.start()
         pipes.append(parent)
         procs.append(proc)
@@ -131,9 +133,12 @@ def test_sharded_trainer_ranks_to_tp2_workers(tp_workers, transport: str) -> Non
             perturb(ckpt, r, 0.05)
             _check_tp(group, ckpt)
             # each rank put its own shards: about half the model, never the whole
-            assert all(nbytes < 0.6 * full_nbytes for nbytes, _ in replies), (replies, full_nbytes)
-            assert sum(nbytes for nbytes, _ in replies) == full_nbytes
-            assert [planned for _, planned in replies] == [r == 0] * world
+            assert all(nbytes < 0.6 * full_nbytes for nbytes, _, _ in replies), (replies, full_nbytes)
+            assert sum(nbytes for nbytes, _, _ in replies) == full_nbytes
+            assert [planned for _, planned, _ in replies] == [r == 0] * world
+            if fanout is not None:
+                # one copy of each rank's shards left the rank, for two workers
+                assert all(nbytes <= sent < 1.2 * nbytes for nbytes, _, sent in replies), replies
             for pipe in pipes:
                 pipe.send("next")
         for pipe in pipes:
