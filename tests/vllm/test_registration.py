@@ -101,3 +101,12 @@ def test_trainer_init_needs_a_source() -> None:
     tv.register()
     with pytest.raises(ConfigurationError, match="ModuleSource"):
         WeightTransferTrainerFactory.trainer_init(tv.TensorferryTrainerInitInfo(rank=0), client=object(), source=None)
+
+
+def test_importing_the_package_imports_no_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, tensorferry, tensorferry.vllm; print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
