@@ -33,6 +33,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -175,14 +176,19 @@ def client_handshake(
         TransferError: the sender refused us for another reason.
     """
     nonce = secrets.token_bytes(NONCE_NBYTES)
-    P.send_msg(sock, P.Hello(transport=transport, nonce=nonce))
     try:
+        P.send_msg(sock, P.Hello(transport=transport, nonce=nonce))
         challenge = P.recv_msg(sock, expect=(P.Challenge,), deadline=deadline)
     except PeerGoneError as exc:
+        if isinstance(exc.__cause__, ssl.SSLError):
+            raise AuthenticationError(
+                f"the sender at {address} ended TLS ({exc.__cause__.reason or exc.__cause__}): it requires a client certificate "
+                "that this side lacks or that it does not trust; load one into the Receiver's tls context"
+            ) from exc
         raise ProtocolError(
             f"the sender at {address} closed the connection at our Hello ({exc}): it speaks another protocol version "
-            f"(this tensorferry speaks version {P.VERSION}; releases before the handshake of issue 35 speak 1), "
-            "or it is not a tensorferry sender; use the same tensorferry version on both sides"
+            f"(this tensorferry speaks version {P.VERSION}; releases before the handshake of issue 35 speak 1), it requires "
+            "TLS (pass tls= too), or it is not a tensorferry sender; use the same tensorferry version and options on both sides"
         ) from exc
     _refused(challenge, address)
     if len(challenge.nonce) != NONCE_NBYTES:
