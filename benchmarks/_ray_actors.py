@@ -15,6 +15,7 @@ import hashlib
 import os
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -201,6 +202,21 @@ def quick_sizes() -> None:
     SYNC_NBYTES, SYNC_TENSORS = 64 * MIB, 200
 
 
+def settled(read: Callable[[], Any], timeout: float, idle: Callable[[Any], bool] = lambda x: not x,
+            interval_seconds: float = 0.01) -> Any:
+    """``read()`` after a garbage collection, again every ``interval_seconds``
+    until ``idle`` of it or ``timeout`` seconds: what a transport in this actor
+    still holds once the driver has dropped the ref (the settle step,
+    outside the timing). Returns the last read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        got = read()
+        if idle(got) or time.monotonic() > deadline:
+            return got
+        time.sleep(interval_seconds)
+
+
 def instrument_tf() -> None:
     """Time tensorferry's two Ray hooks in this actor process (diagnostics).
 
@@ -315,14 +331,8 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
             return self.tensors
 
         def settle(self, timeout: float) -> dict:
-            deadline = time.monotonic() + timeout
-            while True:
-                gc.collect()
-                h = held(self.nixl_pool)
-                if (not h.get("tensorferry_pool_used_nbytes") and not h.get("nixl_pool_objects")) \
-                        or time.monotonic() > deadline:
-                    return h
-                time.sleep(0.01)
+            return settled(lambda: held(self.nixl_pool), timeout,
+                           lambda h: not h.get("tensorferry_pool_used_nbytes") and not h.get("nixl_pool_objects"))
 
     @ray.remote(enable_tensor_transport=True)
     class Consumer:
@@ -394,19 +404,16 @@ def define_actors(ray: Any) -> tuple[Any, Any, Any, Any]:
             return digest(list(self.sd.values()))
 
         def settle(self, timeout: float) -> dict:
-            deadline = time.monotonic() + timeout
-            while True:
-                gc.collect()
+            def objects() -> dict:
                 try:
                     from ray.experimental.rdt.util import get_tensor_transport_manager
 
                     pool = get_tensor_transport_manager("NIXL")._memory_pool
-                    n = 0 if pool is None else len(pool._allocated_by_obj)
+                    return {"nixl_pool_objects": 0 if pool is None else len(pool._allocated_by_obj)}
                 except Exception:  # noqa: BLE001 - no NIXL in this process yet
-                    n = 0
-                if n == 0 or time.monotonic() > deadline:
-                    return {"nixl_pool_objects": n}
-                time.sleep(0.01)
+                    return {"nixl_pool_objects": 0}
+
+            return settled(objects, timeout, lambda h: h["nixl_pool_objects"] == 0)
 
     @ray.remote(enable_tensor_transport=True)
     class Worker:

@@ -43,6 +43,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from _ray_actors import settled
+
 MIB = 1 << 20
 SHARE_NBYTES = 256 * MIB
 SHARE_TENSORS = 10_000
@@ -180,14 +182,11 @@ def define_actors(ray: Any) -> tuple[Any, Any]:
             """Wait until tensorferry's pool here holds nothing (outside the timing)."""
             from tensorferry.ray import _transport as tft
 
-            deadline = time.monotonic() + timeout
-            while True:
-                gc.collect()
+            def used() -> int:
                 proc = tft._PROCESS
-                used = proc.segments.stats()["used_nbytes"] if proc is not None and proc.segments is not None else 0
-                if not used or time.monotonic() > deadline:
-                    return used
-                time.sleep(0.005)
+                return proc.segments.stats()["used_nbytes"] if proc is not None and proc.segments is not None else 0
+
+            return settled(used, timeout, interval_seconds=0.005)
 
     @ray.remote(enable_tensor_transport=True)
     class ShareConsumer:
