@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test docs bench clean
 
 $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -44,12 +44,19 @@ venv: $(EXT)
 demo: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/tensorferry demo
 
+# The test run includes the docs: tests/docs builds the site strictly (as
+# `make docs` does) and runs every python block of README.md and docs/.
 test: $(EXT) $(VLLM_STAMP)
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
 
+# The documentation site (mkdocs.yml), strict: a broken link, anchor or
+# API reference fails it. Output in build/site/; `mkdocs serve` to browse.
+docs: $(EXT)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 # bench_transfer.py runs the transfer benchmarks (bench_transports, bench_peers,
 # bench_stream, bench_plans) in one pair of processes; interleave.py compares
-# two checkouts (see README, "Docs and figures").
+# two checkouts (see docs/architecture.md, "Tests and benchmarks").
 bench: $(EXT)
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_transfer.py
