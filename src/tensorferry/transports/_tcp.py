@@ -230,7 +230,10 @@ def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | N
     pos, n = pairs[:, 0], pairs[:, 1]
     sizes = np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers))
     total = int(sizes.sum())
-    if (n <= 0).any() or (pos < 0).any() or int((pos + n).max()) > total or (pos[1:] < pos[:-1]).any():
+    # Each bounded first: a position and a length near 2**63 add up past
+    # int64's range to a negative end that would pass the last check.
+    if (n <= 0).any() or (pos < 0).any() or (n > total).any() or (pos > total).any() or int((pos + n).max()) > total \
+            or (pos[1:] < pos[:-1]).any():
         return None
     # The buffers as blocks at their stream positions: each range cut at their seams.
     starts = np.cumsum(sizes) - sizes
