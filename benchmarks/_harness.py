@@ -159,15 +159,19 @@ def run_cases(w: Workers, doc: dict, transports: list[str], cases: Callable[[str
         w.run({"job": "tf_close"})
 
 
-def namespace_hosts() -> tuple[Any, str | None]:
+def namespace_hosts(benchmark: str | None = None) -> tuple[Any, str | None]:
     """``tests/_hosts.py`` (hosts as network namespaces on a bridge, links
-    shaped by ``tc``) and why this machine cannot make them (None: it can)."""
+    shaped by ``tc``) and why this machine cannot make them (None: it can;
+    with ``benchmark``, the reason is also said on stderr in its name)."""
     tests = str(Path(__file__).resolve().parents[1] / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     import _hosts
 
-    return _hosts, _hosts.available()
+    reason = _hosts.available()
+    if reason is not None and benchmark is not None:
+        print(f"{benchmark}: cannot make namespace hosts here: {reason}", file=sys.stderr)
+    return _hosts, reason
 
 
 # -- the report ----------------------------------------------------------------------

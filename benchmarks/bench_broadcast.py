@@ -275,9 +275,8 @@ def main() -> int:
         plot(doc, args.replot.with_suffix(".png"))
         return 0
 
-    hosts_module, reason = namespace_hosts()
+    hosts_module, reason = namespace_hosts("bench_broadcast")
     if reason is not None:
-        print(f"bench_broadcast: cannot make namespace hosts here: {reason}", file=sys.stderr)
         return 1
     Hosts, parse_rate = hosts_module.Hosts, hosts_module.parse_rate
     args.rate = args.rate or ("100mbit" if args.quick else "1gbit")

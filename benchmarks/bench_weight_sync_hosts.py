@@ -220,9 +220,8 @@ def main() -> int:
         driver(args)
         return 0
 
-    hosts_module, reason = namespace_hosts()
+    hosts_module, reason = namespace_hosts("bench_weight_sync_hosts")
     if reason is not None:
-        print(f"bench_weight_sync_hosts: cannot make namespace hosts here: {reason}", file=sys.stderr)
         return 1
     Hosts, parse_rate = hosts_module.Hosts, hosts_module.parse_rate
     ray_bin = str(Path(sys.executable).with_name("ray"))
