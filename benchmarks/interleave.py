@@ -60,7 +60,7 @@ def check_tree(tree: Path) -> str:
     if proc.returncode != 0 or got != src.resolve():
         raise SystemExit(f"interleave: with PYTHONPATH={tree / 'src'} Python imports tensorferry from {got} "
                          f"(rc {proc.returncode}: {proc.stderr.strip()[-300:]})")
-    if not list(src.glob("*.so")):
+    if not list(src.rglob("*.so")):  # the flat tree and the layered one (copy/, tensors/, plans/)
         print(f"interleave: note: {src} holds no compiled extension (*.so); build it there "
               "(python -c 'from setuptools import setup; setup()' build_ext --inplace) or copy the .so files",
               file=sys.stderr)
