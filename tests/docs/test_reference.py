@@ -148,3 +148,20 @@ def test_every_command_line_option_is_accepted() -> None:
                                for o in re.findall(r"`(--[-\w]+)`", cell)}
             offered = set(re.findall(r"^\s+(?:-\w[ \w]*, )?(--[-\w]+)", helptext, re.M)) - {"--help"}
             assert offered <= documented, f"tensorferry {verb}: undocumented {sorted(offered - documented)}"
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    """Each name in the public packages' ``__all__`` has a ``:::`` entry (or
+    is in a listed ``members``) on docs/reference/api.md."""
+    import tensorferry.monitor
+    import tensorferry.ray
+
+    text = (REF / "api.md").read_text()
+    documented = {m.split(".")[-1] for m in re.findall(r"^::: ([\w.]+)", text, re.M)}
+    for members in re.findall(r"members: \[([^\]]*)\]", text):
+        documented |= {m.strip() for m in members.split(",")}
+    errors = {n for n in tf.__all__ if n.endswith(("Error", "Process", "Denied"))}
+    assert errors <= set(tensorferry.errors.__all__) and "errors" in documented  # the errors module, whole
+    public = (set(tf.__all__) - errors - {"__version__"}) | (set(tensorferry.ray.__all__) - {"NAME"}) \
+        | set(tensorferry.monitor.__all__)
+    assert not public - documented, f"not in docs/reference/api.md: {sorted(public - documented)}"
