@@ -140,9 +140,9 @@ def test_an_unknown_keyword_is_a_configuration_error_naming_it_and_the_settings(
 
 def test_good_values_read_back_and_the_defaults_hold():
     assert settings({}) == Settings()
-    env = tfr.env_vars(pool_nbytes=1 << 20, pool_max_nbytes=1 << 30, transport="tcp", host="10.0.0.1", token="t",
+    env = tfr.env_vars(pool_nbytes=1 << 20, pool_max_nbytes=1 << 30, transport="tcp", host="10.0.0.1", token="t-is-a-token-of-24-bytes",
                        zero_copy=True, timeout_seconds=2.5, recv_pool_nbytes=0)
-    assert settings(env) == Settings(pool_nbytes=1 << 20, transport="tcp", host="10.0.0.1", token="t", zero_copy=True,
+    assert settings(env) == Settings(pool_nbytes=1 << 20, transport="tcp", host="10.0.0.1", token="t-is-a-token-of-24-bytes", zero_copy=True,
                                      timeout_seconds=2.5, recv_pool_nbytes=0, pool_max_nbytes=1 << 30)
     env = tfr.runtime_env(transport="shm")
     assert env["worker_process_setup_hook"] == "tensorferry.ray.register"

@@ -249,7 +249,7 @@ TICKETS = [
     _ticket(LAYOUTS[1], DeltaOffer(5, 4, 99, [(4096, 64)], 64, 3)),
     _ticket(LAYOUTS[2], DeltaOffer(5, 0), blocks=[], num_pieces=3, piece_nbytes=2048, total_nbytes=5000),
 ]
-delta_st = st.builds(DeltaOffer, st.integers(0, 1 << 64), st.integers(0, 1 << 64), st.integers(-(1 << 63), (1 << 63) - 1),
+delta_st = st.builds(DeltaOffer, st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1), st.integers(-(1 << 63), (1 << 63) - 1),
                      st.lists(st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-(1 << 63), (1 << 63) - 1)), max_size=2),
                      st.integers(0, 1 << 63), st.integers(0, 1 << 63))
 tickets_st = st.one_of(

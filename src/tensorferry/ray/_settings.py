@@ -142,6 +142,12 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         recv_pool_nbytes=_read(env, "TENSORFERRY_RAY_RECV_POOL_BYTES", d.recv_pool_nbytes, _nbytes(0), "a whole number of bytes (0: no receive pool)"),
         pool_max_nbytes=_read(env, "TENSORFERRY_RAY_POOL_MAX_BYTES", d.pool_max_nbytes, _nbytes(0), "a whole number of bytes (0: no cap but the machine's memory)"),
     )
+    if s.token:
+        # Checked where it is set (the driver's env_vars), not in every actor's
+        # first transfer; the transports' import is paid only when one is set.
+        from ..transports import resolve_token
+
+        resolve_token(s.token, "TENSORFERRY_TOKEN")
     if s.pool_max_nbytes and s.pool_max_nbytes < s.pool_nbytes:
         raise ConfigurationError(
             f"TENSORFERRY_RAY_POOL_MAX_BYTES={s.pool_max_nbytes} is below TENSORFERRY_RAY_POOL_BYTES={s.pool_nbytes} "
