@@ -293,14 +293,15 @@ class Receiver:
         def read(k: int, t: Ticket) -> None:
             if t.blocks or t.streamed:
                 with self._channel(t, timeout) as ch:
-                    self._fetcher.read_ranges(ch, t, lambda g, lo, hi: plan.ranges(k, g, lo, hi), lambda g: plan.digest(k, g), deadline, group=group)
+                    self._fetcher.read_ranges(ch, t, lambda g, lo, hi: plan.ranges(k, g, lo, hi), lambda g: plan.digest(k, g), deadline, group=group,
+                                              delta=plan.delta(k))
 
         # Reads land only in registered memory on some channels: the targets
         # are registered once for all sources (through one channel).
         registers = channel_class(tickets[0].transport).reads_registered_only
         with self._channel(tickets[0], timeout) if registers else contextlib.nullcontext() as ch0, plan.registered(ch0):
             result = plan.execute(tickets, read)
-        self.bytes_received += plan.nbytes
+        self.bytes_received += plan.last_nbytes
         self.delivered_nbytes += plan.nbytes
         self.gets += 1
         return result

@@ -286,3 +286,43 @@ def fsdp_watch_main(rank: int, port: int, out: Any) -> None:
         dist.destroy_process_group()
     except BaseException:
         out.put(("error", rank, traceback.format_exc()))
+
+
+DELTA_SHAPES = {"wq": (512, 768), "w2": (301, 700), "bias": (300,)}  # Shard(0) on 2 ranks; uneven rows
+
+
+def delta_source_main(rank: int, port: int, transport: str, fractions: list[float], readers: int, out: Any, go: Any) -> None:
+    """A trainer rank of row-sharded (FSDP-like) DTensors: a bfloat16 delta
+    plan, and a put after each step, which changes ``fraction`` of the
+    rank's elements in place; each ticket and the local shards as sent
+    (bf16 bits, with their row offsets) to ``out``; waits on ``go``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import tensorferry as tf
+
+    try:
+        mesh = _init(rank, 2, port, (2,))
+        g = torch.Generator().manual_seed(SEED)
+        sd = {name: distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(0)]) for name, shape in DELTA_SHAPES.items()}
+        mine = torch.Generator().manual_seed(SEED + 1 + rank)
+        with tf.Sender(transport) as s:
+            plan = s.plan(sd, dtype=torch.bfloat16, delta=True)
+            for step, fraction in enumerate(fractions):
+                with torch.no_grad():
+                    for v in sd.values():
+                        flat = v.to_local().view(-1)
+                        n = int(flat.numel() * fraction)
+                        if n:
+                            flat[torch.randint(0, flat.numel(), (n,), generator=mine)] += 1.0
+                t = s.put(plan, readers=readers)
+                shards = {}
+                for name, v in sd.items():
+                    _, offsets = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+                    shards[name] = (int(offsets[0]), v.to_local().to(torch.bfloat16).view(torch.int16).numpy().copy())
+                out.put((rank, step, t.to_bytes(), shards))
+                go.get()
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, -1, traceback.format_exc()))

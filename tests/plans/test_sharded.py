@@ -80,11 +80,13 @@ def test_box_sources_to_box_targets_planned_and_replayed(senders):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_delta_plan_sources_are_read_whole_and_their_delta_slots_given_back(transport):
-    """A sharded get reads ranges of the whole object; the delta a delta
-    plan's ticket also offers (tcp, nixl: a one-element change pays across
-    hosts) is not read, and its reader slot goes back, so the source's
-    wait_released returns."""
+def test_delta_plan_sources_are_read_by_delta_and_every_slot_given_back(transport):
+    """A kept sharded plan's first get reads ranges of the whole object (the
+    delta slot goes back unread), its second the delta each source offers
+    (tcp, nixl: a one-element change pays across hosts; the whole object's
+    slot goes back unread), so each source's wait_released returns, and
+    the targets end exact (the sharded deltas themselves:
+    ``test_sharded_delta.py``)."""
     require(transport)
     senders = [tf.Sender(transport, capacity_nbytes=1 << 20) for _ in range(3)]
     try:

@@ -170,3 +170,90 @@ def test_fsdp2_module_plan_notices_replaced_parameters_not_forward_backward():
         for how in ("assign", "setattr", "swapped"):
             assert "no longer the tensor the plan was made with" in report[how] and "nothing was sent" in report[how], (rank, how, report[how])
         assert report["replanned"] and report["after"], (rank, report)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_row_sharded_delta_trainers_to_column_workers_read_only_their_changes(transport):
+    """Two trainer ranks (gloo processes) of row-sharded DTensors with a
+    bf16 delta plan; two column-parallel workers and one that joins late.
+    A first sync reads each worker's whole share; after each small step
+    (1% of the elements over tcp; 0.1% over shm, where only deltas under
+    1% of the bytes are sent) each worker that held the previous version
+    receives at most 5% of its share, from both ranks, and every worker's
+    columns are bit-exact; the late worker's first get reads its whole
+    share, its next the delta."""
+    import numpy as np
+    import torch
+
+    import tensorferry as tf
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    fraction = 0.01 if transport == "tcp" else 0.001
+    fractions = [0.0, fraction, fraction, fraction]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    gos = [ctx.Queue() for _ in range(2)]
+    port = _port()
+    procs = [ctx.Process(target=W.delta_source_main, args=(k, port, transport, fractions, 3, out, gos[k])) for k in range(2)]
+    deadline = time.monotonic() + _TIMEOUT_SECONDS
+
+    def target(worker: int) -> dict:
+        t = {}
+        for name, shape in W.DELTA_SHAPES.items():
+            if len(shape) == 1:
+                t[name] = torch.zeros(shape, dtype=torch.bfloat16)  # the whole vector
+                continue
+            lo, hi = shape[1] * worker // 2, shape[1] * (worker + 1) // 2
+            t[name] = tf.Box(torch.zeros(shape[0], hi - lo, dtype=torch.bfloat16), (0, lo), shape)
+        return t
+
+    def exact(t: dict, full: dict) -> bool:
+        for name, x in t.items():
+            want = full[name] if not isinstance(x, tf.Box) else full[name][:, x.offsets[1] : x.offsets[1] + x.tensor.shape[1]]
+            got = (x.tensor if isinstance(x, tf.Box) else x).view(torch.int16).numpy()
+            if not np.array_equal(got, want):
+                return False
+        return True
+
+    def share(t: dict) -> int:
+        return sum((x.tensor if isinstance(x, tf.Box) else x).numel() * 2 for x in t.values())
+
+    targets = [target(0), target(1), target(1)]
+    receivers = [tf.Receiver(transport, timeout=60.0) for _ in targets]
+    plans: list = [None, None, None]
+    received: list = []
+    try:
+        with _ranks(procs):
+            for step in range(len(fractions)):
+                got = {}
+                for _ in range(2):
+                    rank, _, ticket, shards = _take(out, deadline)
+                    got[rank] = (ticket, shards)
+                tickets = [got[k][0] for k in (1, 0)]  # any order
+                full = {name: np.concatenate([got[k][1][name][1] for k in (0, 1)]) for name in W.DELTA_SHAPES}
+                row = []
+                for i, (r, t) in enumerate(zip(receivers, targets)):
+                    if i == 2 and step < 2:  # joins at step 2; its slots go back unread until then
+                        for tk in tickets:
+                            r.get(tk)
+                        row.append(None)
+                        continue
+                    if plans[i] is None:
+                        plans[i] = r.plan(tickets, into=t)
+                    before = r.bytes_received
+                    r.get(tickets, into=plans[i])
+                    row.append(r.bytes_received - before)
+                    assert exact(t, full), (step, i)
+                received.append(row)
+                for q in gos:
+                    q.put(True)
+            _joined(procs, deadline)
+    finally:
+        for r in receivers:
+            r.close()
+    shares = [share(t) for t in targets]
+    assert received[0][:2] == shares[:2] and received[2][2] == shares[2], (received, shares)
+    for step in (1, 2, 3):
+        for i in (0, 1):
+            assert 0 < received[step][i] <= 0.05 * shares[i], (step, i, received, shares)
+    assert 0 < received[3][2] <= 0.05 * shares[2], (received, shares)

@@ -43,7 +43,7 @@ from ..errors import (
     TransferTimeoutError,
 )
 from ..memory import ReceiveCache
-from ..plans import RecvPlan, reads_delta, receive_delta, settle, version_of
+from ..plans import RecvPlan, SourceDelta, reads_delta, receive_delta, settle, version_of
 from ..transports import Channel, ReceiveContext, RelayBook, Releaser, SameHostReads, pull
 from ..wire import Ticket, packing
 
@@ -159,11 +159,14 @@ class Fetcher:
         return plan.result, moved
 
     def read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any],
-                    digest: Callable[[tuple[int, ...]], bytes], deadline: float, *, group: object = None) -> None:
+                    digest: Callable[[tuple[int, ...]], bytes], deadline: float, *, group: object = None,
+                    delta: SourceDelta | None = None) -> None:
         """A sharded get's part from one source: every piece of ``ticket``
         acquired and released (this receiver is one of its readers), and of
         each only the ranges ``ranges(geometry, lo, hi)`` names read; the
-        slot of a delta plan's delta is given back unread.
+        slot of a delta plan's delta is given back unread. With ``delta``
+        (a kept plan's), the delta's records of those ranges instead where
+        the targets hold its base (``plans/_delta_sharded.py``).
 
         Of a resident ticket over a relaying channel the acquire names the
         ranges (``digest(geometry)``): readers of the same ranges of a
@@ -172,6 +175,14 @@ class Fetcher:
         relay keeps side by side)."""
         if not ch.reads_ranges:
             raise ConfigurationError(f"the {ch.transport} transport cannot read byte ranges; a sharded get needs shm, tcp or nixl")
+        if delta is not None:
+            delta.read(ch, ticket, deadline, lambda: self._read_ranges(ch, ticket, ranges, digest, deadline, group))
+        else:
+            self._read_ranges(ch, ticket, ranges, digest, deadline, group)
+
+    def _read_ranges(self, ch: Channel, ticket: Ticket, ranges: Callable[[tuple[int, ...], int, int], Any],
+                     digest: Callable[[tuple[int, ...]], bytes], deadline: float, group: object) -> None:
+        """:meth:`read_ranges` of the whole object."""
         if ticket.streamed:
             for piece in range(ticket.num_pieces):
                 blocks, lo = self._acquire_piece(ch, ticket, piece, deadline)

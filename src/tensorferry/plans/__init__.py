@@ -40,6 +40,7 @@ from __future__ import annotations
 # user API (not user-facing, so not in __all__).
 from ._delta_put import max_delta_fraction, offer_delta
 from ._delta_receive import reads_delta, receive_delta, settle, version_of
+from ._delta_sharded import SourceDelta
 from ._recv import RecvPlan
 from ._send import SendPlan, SourcedPiece
 from ._sharded import ShardedPlan

@@ -44,7 +44,7 @@ except ImportError:  # built without a C compiler: delta plans cannot be made
 if TYPE_CHECKING:
     from ..memory import Lease, MemoryPool, Packed
 
-__all__ = ["ACROSS_HOSTS_MAX_FRACTION", "BF16", "RAW", "SAME_HOST_MAX_FRACTION", "ChunkTable", "DeltaPut", "DeltaVersion", "KeptBlock", "Values", "apply_delta", "chunk_table", "delta_runs", "new_version"]
+__all__ = ["ACROSS_HOSTS_MAX_FRACTION", "BF16", "RAW", "SAME_HOST_MAX_FRACTION", "ChunkTable", "DeltaPut", "DeltaVersion", "KeptBlock", "Values", "apply_delta", "apply_records", "chunk_table", "delta_runs", "new_version"]
 
 # Words a chunk holds (the C module's CHUNK_WORDS): a position is a uint16.
 CHUNK_WORDS = 4096
@@ -66,14 +66,22 @@ _MAX_BACKOFF = 16
 # the time a byte; past about 0.35 of the bytes the whole object is sent.
 SAME_HOST_MAX_FRACTION = 0.01
 ACROSS_HOSTS_MAX_FRACTION = 0.35
+# A delta's index entry: a chunk's record end, int64 (a delta may exceed 4 GiB).
+_INDEX_ENTRY_NBYTES = 8
 
 
 class ChunkTable(NamedTuple):
-    """Where each chunk of the packed object is: int64 arrays, one entry a chunk."""
+    """Where each chunk of the packed object is: int64 arrays, one entry a
+    chunk; and the size of the index a delta of this layout ends with (0:
+    none). A layout of shards (its boxes section) has one: each chunk's
+    record end, an int64 a chunk, after the records, so that a sharded
+    receiver reads only the records of the chunks its ranges touch
+    (``plans/_delta_sharded.py``)."""
 
     offsets: np.ndarray
     words: np.ndarray
     word_nbytes: np.ndarray
+    index_nbytes: int = 0
 
     @property
     def count(self) -> int:
@@ -90,6 +98,7 @@ def chunk_table(layout: Layout, offsets: np.ndarray) -> ChunkTable:
     if not keep.size:
         empty = np.zeros(0, dtype=np.int64)
         return ChunkTable(empty, empty.copy(), empty.copy())
+    indexed = layout.boxes is not None
     start = offsets[keep].astype(np.int64)
     size = nbytes[keep].astype(np.int64)
     word = np.minimum(layout.alignments[keep].astype(np.int64), _MAX_WORD)
@@ -109,6 +118,7 @@ def chunk_table(layout: Layout, offsets: np.ndarray) -> ChunkTable:
         seg_start[which] + k * CHUNK_WORDS * w,
         np.minimum(CHUNK_WORDS, seg_words[which] - k * CHUNK_WORDS),
         w,
+        _INDEX_ENTRY_NBYTES * int(which.size) if indexed else 0,
     )
 
 
@@ -298,10 +308,15 @@ class DeltaVersion:
                 version = new_version()
                 fits = base != 0 and scratch is not None and all(n >= 0 for n, _ in sizes)
                 nbytes = sum(n for n, _ in sizes) if fits else 0
+                index = self._index(sizes) if nbytes and self.table.index_nbytes else None
+                if index is not None and nbytes + index.nbytes > budget:
+                    fits, nbytes, index = False, 0, None  # with its index, no smaller than the whole
+                if index is not None:
+                    nbytes += index.nbytes
                 packed = None
                 if nbytes:
                     try:
-                        packed = self.pool.pack_with(layout, nbytes, lambda out: _gather(out, scratch, sizes), num_tensors=0)
+                        packed = self.pool.pack_with(layout, nbytes, lambda out: _gather(out, scratch, sizes, index), num_tensors=0)
                     except PoolExhaustedError:
                         fits, nbytes = False, 0  # no room for the delta: this put's receivers read the whole
             finally:
@@ -336,10 +351,15 @@ class DeltaVersion:
             at += share
         results: list[tuple[int, int]] = [(0, 0)] * len(jobs)
         kept = self.kept.view().data_ptr() if self.kept is not None else 0
+        # Each compared chunk's record end within its part, for the index.
+        self._ends = ends = np.zeros(t.count, dtype=np.int64) if t.index_nbytes and not refresh else None
+        self._parts = [(lo, hi) for _, lo, hi, _, _ in jobs]
+        ends_at = ends.ctypes.data if ends is not None else 0
 
         def one(i: int, lo: int, hi: int, share: int, at: int) -> None:
             results[i] = native.encode(kept, pos.ctypes.data, addr.ctypes.data, length.ctypes.data, kinds_at, pos.size,
-                                       t.offsets.ctypes.data, t.words.ctypes.data, t.word_nbytes.ctypes.data, lo, hi, base + at, share, nan)
+                                       t.offsets.ctypes.data, t.words.ctypes.data, t.word_nbytes.ctypes.data, lo, hi, base + at, share, nan,
+                                       ends_at)
 
         try:
             run_parts(one, jobs)
@@ -349,13 +369,27 @@ class DeltaVersion:
         starts = [j[4] for j in jobs]
         return [(n, s) for (n, _), s in zip(results, starts)], sum(c for _, c in results)
 
+    def _index(self, sizes: list[tuple[int, int]]) -> np.ndarray:
+        """The delta's index: each chunk's record end in the records back
+        to back (little-endian int64, one a chunk; an unchanged chunk's
+        record is empty)."""
+        ends = self._ends.copy()
+        at = 0
+        for (lo, hi), (n, _) in zip(self._parts, sizes):
+            ends[lo:hi] += at
+            at += n
+        return ends.astype("<i8", copy=False)
 
-def _gather(out: "torch.Tensor", scratch: "Lease", sizes: list[tuple[int, int]]) -> tuple[int, int]:
-    """The parts' records back to back into ``out`` (a pool block)."""
+
+def _gather(out: "torch.Tensor", scratch: "Lease", sizes: list[tuple[int, int]], index: np.ndarray | None = None) -> tuple[int, int]:
+    """The parts' records back to back into ``out`` (a pool block), then
+    the index, if any."""
     src, at = scratch.view(), 0
     for n, start in sizes:
         out[at : at + n].copy_(src[start : start + n])
         at += n
+    if index is not None:
+        out[at : at + index.nbytes].copy_(torch.from_numpy(index.view(np.uint8)))
     return len(sizes), 0
 
 
@@ -404,6 +438,24 @@ def apply_delta(delta: "torch.Tensor", runs: tuple[np.ndarray, np.ndarray, np.nd
     Raises:
         ValueError: a malformed delta (from the network: checked record by record).
     """
+    return _apply(delta, delta.numel() - table.index_nbytes, runs, table, partial=False)
+
+
+def apply_records(records: "torch.Tensor", runs: tuple[np.ndarray, np.ndarray, np.ndarray], table: ChunkTable) -> int:
+    """Write records of a delta (``records``: 1-D uint8, host; some chunks'
+    records back to back, ascending) through a sharded receiver's runs of
+    one source, skipping words no run holds; receiver side, without the
+    GIL. Returns the words seen.
+
+    Raises:
+        ValueError: a malformed record (from the network: checked record by record).
+    """
+    return _apply(records, records.numel(), runs, table, partial=True)
+
+
+def _apply(delta: "torch.Tensor", nbytes: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray], table: ChunkTable, *, partial: bool) -> int:
     pos, addr, length = runs
-    return native.apply(delta.data_ptr(), delta.numel(), pos.ctypes.data, addr.ctypes.data, length.ctypes.data, pos.size,
-                        table.offsets.ctypes.data, table.words.ctypes.data, table.word_nbytes.ctypes.data, table.count)
+    if nbytes < 0:  # the records, without the index a delta of shards ends with
+        raise ValueError(f"{delta.numel()} bytes, shorter than its index of {table.index_nbytes} bytes")
+    return native.apply(delta.data_ptr(), nbytes, pos.ctypes.data, addr.ctypes.data, length.ctypes.data, pos.size,
+                        table.offsets.ctypes.data, table.words.ctypes.data, table.word_nbytes.ctypes.data, table.count, partial)

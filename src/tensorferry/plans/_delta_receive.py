@@ -26,7 +26,7 @@ from ..wire import Ticket
 from ._recv import RecvPlan
 from ._delta import SAME_HOST_MAX_FRACTION, ChunkTable, apply_delta, chunk_table, delta_runs
 
-__all__ = ["reads_delta", "receive_delta", "settle", "version_of"]
+__all__ = ["give_back", "reads_delta", "receive_delta", "settle", "version_of"]
 
 
 # A kept plan's runs in stream order and its chunk table, made at its first
@@ -104,7 +104,7 @@ def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Call
             ch.release(sub.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
     # The whole object was not read: its slots go back unread.
     for piece in range(ticket.num_pieces):
-        _give_back(ch, ticket.id, piece, ticket.digest, deadline)
+        give_back(ch, ticket.id, piece, ticket.digest, deadline)
     return d.nbytes
 
 
@@ -114,10 +114,10 @@ def settle(ch: Channel, ticket: Ticket, deadline: float) -> None:
     d = ticket.delta
     if d is not None and d.ticket_id:
         sub = ticket.delta_ticket()
-        _give_back(ch, sub.id, 0, sub.digest, deadline)
+        give_back(ch, sub.id, 0, sub.digest, deadline)
 
 
-def _give_back(ch: Channel, ticket_id: int, piece: int, digest: bytes, deadline: float) -> None:
+def give_back(ch: Channel, ticket_id: int, piece: int, digest: bytes, deadline: float) -> None:
     """Take a slot and give it back at once (a few bytes each way). A slot
     already gone (expired, discarded) needs nothing."""
     try:

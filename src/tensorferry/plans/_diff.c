@@ -171,7 +171,26 @@ static int gather_scatter(Runs *r, int64_t o, int64_t n, char *buf, int to_runs)
     return 0;
 }
 
-/* encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan):
+/* Buffer -> runs for stream bytes [o, o + n), only the bytes some run
+ * holds (a receiver that reads part of the stream: a sharded get). */
+static void scatter_covered(Runs *r, int64_t o, int64_t n, const char *buf)
+{
+    Py_ssize_t lo = 0, hi = r->count;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (r->pos[mid] + r->len[mid] <= o)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (Py_ssize_t i = lo; i < r->count && r->pos[i] < o + n; i++) {
+        int64_t a = r->pos[i] > o ? r->pos[i] : o, b = r->pos[i] + r->len[i] < o + n ? r->pos[i] + r->len[i] : o + n;
+        if (b > a)
+            memcpy((char *)(uintptr_t)(r->addr[i] + (a - r->pos[i])), buf + (a - o), (size_t)(b - a));
+    }
+}
+
+/* encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan, ends):
  * chunks [lo, hi) of the current values (the runs) against the kept
  * version at address kept (the one-block layout), which is updated to the
  * current values. Records go to out while they fit in cap bytes; past
@@ -179,15 +198,19 @@ static int gather_scatter(Runs *r, int64_t o, int64_t n, char *buf, int to_runs)
  * kept version, not compared. All
  * arrays int64, by address. Returns (bytes written, or -1 if they did not
  * fit: then the words changed before it stopped comparing). kind: 0, or an int64 array of RUN_RAW / RUN_BF16 a
- * run (nan: the bfloat16 a NaN becomes). Without the GIL. */
+ * run (nan: the bfloat16 a NaN becomes). ends: 0, or an int64 array, one
+ * entry a chunk, given each compared chunk's end in out (the bytes
+ * written up to and with its record): a sharded receiver's index of where
+ * each chunk's record is. Without the GIL. */
 static PyObject *encode(PyObject *self, PyObject *args)
 {
-    unsigned long long kept_at, pos_at, addr_at, len_at, kind_at, coff_at, cwords_at, cw_at, out_at;
+    unsigned long long kept_at, pos_at, addr_at, len_at, kind_at, coff_at, cwords_at, cw_at, out_at, ends_at = 0;
     Py_ssize_t nruns, lo, hi, cap;
     unsigned int nan = 0x7fc0;
-    if (!PyArg_ParseTuple(args, "KKKKKnKKKnnKn|I", &kept_at, &pos_at, &addr_at, &len_at, &kind_at, &nruns, &coff_at, &cwords_at, &cw_at,
-                          &lo, &hi, &out_at, &cap, &nan))
+    if (!PyArg_ParseTuple(args, "KKKKKnKKKnnKn|IK", &kept_at, &pos_at, &addr_at, &len_at, &kind_at, &nruns, &coff_at, &cwords_at, &cw_at,
+                          &lo, &hi, &out_at, &cap, &nan, &ends_at))
         return NULL;
+    int64_t *ends = (int64_t *)(uintptr_t)ends_at;
     if (nruns < 0 || lo < 0 || hi < lo) {
         PyErr_SetString(PyExc_ValueError, "encode: negative count or range");
         return NULL;
@@ -233,6 +256,8 @@ static PyObject *encode(PyObject *self, PyObject *args)
             cur = tmp;
         }
         size_t count = diff_words(cur, k, n, w, idx);
+        if (ends != NULL)
+            ends[c] = (int64_t)used;
         if (count == 0)
             continue;
         changed += (long long)count;
@@ -269,6 +294,8 @@ static PyObject *encode(PyObject *self, PyObject *args)
                     copy_word(o + j * w, cur + (size_t)idx[j] * w, w);
             }
             used += size;
+            if (ends != NULL)
+                ends[c] = (int64_t)used;
         }
         if (count * 8 > n)
             memcpy(k, cur, nb);
@@ -284,16 +311,20 @@ static PyObject *encode(PyObject *self, PyObject *args)
     return Py_BuildValue("(nL)", fits && cap >= 0 ? (Py_ssize_t)used : (Py_ssize_t)-1, changed);
 }
 
-/* apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks):
+/* apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks, partial):
  * the records of a delta (nbytes at address delta, from the network:
- * checked) written through the runs (stream position -> address).
+ * checked) written through the runs (stream position -> address); with
+ * partial, words no run holds are skipped (a sharded receiver's runs hold
+ * its ranges of the stream only), else they are an error.
  * Returns the words written. Raises ValueError on a malformed delta (what
  * was applied before it stays: the caller drops its version). */
 static PyObject *apply(PyObject *self, PyObject *args)
 {
     unsigned long long delta_at, pos_at, addr_at, len_at, coff_at, cwords_at, cw_at;
     Py_ssize_t nbytes, nruns, nchunks;
-    if (!PyArg_ParseTuple(args, "KnKKKnKKKn", &delta_at, &nbytes, &pos_at, &addr_at, &len_at, &nruns, &coff_at, &cwords_at, &cw_at, &nchunks))
+    int partial = 0;
+    if (!PyArg_ParseTuple(args, "KnKKKnKKKn|p", &delta_at, &nbytes, &pos_at, &addr_at, &len_at, &nruns, &coff_at, &cwords_at, &cw_at, &nchunks,
+                          &partial))
         return NULL;
     if (nbytes < 0 || nruns < 0 || nchunks < 0) {
         PyErr_SetString(PyExc_ValueError, "apply: negative size or count");
@@ -324,7 +355,9 @@ static PyObject *apply(PyObject *self, PyObject *args)
         at += HEADER;
         if (kind == KIND_WHOLE) {
             if (count != n || end - at < al8(nb)) { err = "a whole chunk of the wrong size"; break; }
-            if (gather_scatter(&r, base, (int64_t)nb, (char *)(d + at), 1) < 0) { err = "a chunk outside the plan's runs"; break; }
+            if (partial)
+                scatter_covered(&r, base, (int64_t)nb, d + at);
+            else if (gather_scatter(&r, base, (int64_t)nb, (char *)(d + at), 1) < 0) { err = "a chunk outside the plan's runs"; break; }
             at += al8(nb);
             written += (long long)n;
             continue;
@@ -351,6 +384,8 @@ static PyObject *apply(PyObject *self, PyObject *args)
                 }
                 int64_t o = base + (int64_t)p * (int64_t)w;
                 Py_ssize_t ri = run_of(&r, o, (int64_t)w);
+                if (ri < 0 && partial)
+                    continue;
                 if (ri < 0)
                     break;
                 copy_word((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
@@ -371,6 +406,7 @@ static PyObject *apply(PyObject *self, PyObject *args)
                     }
                     int64_t o = base + (int64_t)p * (int64_t)w;
                     Py_ssize_t ri = run_of(&r, o, (int64_t)w);
+                    if (ri < 0 && partial) { j++; continue; }
                     if (ri < 0) { j = count + 1; break; }
                     copy_word((char *)(uintptr_t)(r.addr[ri] + (o - r.pos[ri])), values + j * w, w);
                     j++;
@@ -391,9 +427,9 @@ static PyObject *apply(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
-     "encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan=0x7fc0) -> (nbytes or -1, words changed): compare, update the kept version, encode."},
+     "encode(kept, pos, addr, len, kind, nruns, coff, cwords, cw, lo, hi, out, cap, nan=0x7fc0, ends=0) -> (nbytes or -1, words changed): compare, update the kept version, encode."},
     {"apply", apply, METH_VARARGS,
-     "apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks) -> words written: a delta's records through a plan's runs."},
+     "apply(delta, nbytes, pos, addr, len, nruns, coff, cwords, cw, nchunks, partial=False) -> words written: a delta's records through a plan's runs."},
     {NULL, NULL, 0, NULL},
 };
 

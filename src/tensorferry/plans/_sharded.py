@@ -33,6 +33,7 @@ from ..errors import ConfigurationError, LayoutMismatchError, UnsupportedTensorE
 from ..shards import Box
 from ..tensors import dtype_code, flatten, gc_paused, listed, unflatten
 from ..wire import Boxes, Layout, box_runs, cover, packing, region
+from ._delta_sharded import SourceDelta
 from ._watch import Watch
 
 if TYPE_CHECKING:
@@ -218,6 +219,9 @@ class ShardedPlan:
             )
         for s in sources:
             s.seal()
+        # Per source, once it offered a delta: what a kept plan reads of it.
+        self._deltas: list[SourceDelta | None] = [None] * len(sources)
+        self.last_nbytes = 0
         self._watch = Watch(leaves, None, None, ops, counts, keys) if self.kept else None
         bases = {id(b): b for b in (t if t._base is None else t._base for t in leaves)}
         self._versioned = [b for b in bases.values() if not b.is_inference()]
@@ -234,6 +238,19 @@ class ShardedPlan:
         ``k`` (in the plan's order) whose ticket has blocks of these sizes:
         (position from ``lo``, address here, nbytes), ascending."""
         return packing.window(self._sources[k].runs(geometry), lo, hi)
+
+    def delta(self, k: int) -> SourceDelta | None:
+        """What this plan reads of source ``k``'s deltas, and the version of
+        it the targets hold (``plans/_delta_sharded.py``); None for a
+        one-shot plan, which reads whole ranges."""
+        if not self.kept:
+            return None
+        d = self._deltas[k]
+        if d is None:
+            s = self._sources[k]
+            _, total = packing.packed_offsets(s.layout.nbytes, s.layout.alignments)
+            d = self._deltas[k] = SourceDelta(s.layout, s.runs((total,)))
+        return d
 
     def digest(self, k: int, geometry: tuple[int, ...]) -> bytes:
         """What names the ranges this receiver reads of source ``k`` (see
@@ -284,8 +301,13 @@ class ShardedPlan:
     def execute(self, tickets: list["Ticket"], read: Callable[[int, "Ticket"], None]) -> Any:
         """``read(k, ticket)`` for every source at once (a thread each),
         the targets marked written; the result. The first error is raised
-        after every read has stopped."""
+        after every read has stopped. :attr:`last_nbytes`: the bytes the
+        reads moved (a source's delta, else its ranges)."""
         with self.lock:
+            self.last_nbytes = 0
+            for d in self._deltas:
+                if d is not None:
+                    d.last_nbytes = 0
             try:
                 if len(tickets) == 1:
                     read(0, tickets[0])
@@ -298,6 +320,7 @@ class ShardedPlan:
             finally:
                 if self._versioned:
                     torch.autograd.graph.increment_version(self._versioned)
+            self.last_nbytes = sum(int(s.nbytes.sum()) if d is None else d.last_nbytes for s, d in zip(self._sources, self._deltas))
         return self.result
 
 

@@ -47,8 +47,11 @@ class WeightSync:
             it in its pool) and workers that hold it read only what changed
             (``Sender.plan(delta=True)``, ``docs/delta.md``); a worker that
             joins late or missed a sync reads the whole version. With
-            ``fanout``, the relays pass the delta on. Not with a list of
-            trainers (sharded workers read ranges of whole versions).
+            ``fanout``, the relays pass the delta on. With a list of
+            trainers, each keeps its own, and a worker reads of each
+            trainer's delta only the records of the chunks its slices
+            touch (``docs/sharded.md``); with ``fanout`` too, a worker
+            reads its delta slices from the trainer, not from a relay.
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
@@ -86,9 +89,6 @@ class WeightSync:
         self._sharded = isinstance(trainer, (list, tuple))
         if self._sharded and not self.trainers:
             raise ConfigurationError("WeightSync(a list of trainers): give at least one trainer")
-        if self._sharded and delta:
-            raise ConfigurationError("WeightSync(a list of trainers, delta=True): sharded workers read byte ranges of each trainer's whole "
-                                     "version, not deltas; leave delta False with a list of trainers")
         self.dtype = dtype
         self.fanout = fanout
         self.delta = bool(delta)
@@ -139,8 +139,9 @@ class WeightSync:
             nbytes=sum(v.nbytes for v in version) if self._sharded else version.nbytes * len(self.workers),
             worker_seconds=list(worker_seconds),
             num_workers=len(self.workers),
-            delta_nbytes=first.delta_nbytes,  # delta=True takes one trainer
-            changed=first.changed,
+            # Sharded: every trainer's delta (each worker reads its part of them).
+            delta_nbytes=sum(v.delta_nbytes for v in version) if self._sharded else version.delta_nbytes,
+            changed=sum(v.changed for v in version) if self._sharded else version.changed,
         )
 
     def add_worker(self, worker: Any) -> float | None:

@@ -65,9 +65,11 @@ class SyncReport(NamedTuple):
         delta_nbytes: ``WeightSync(delta=True)``: the delta a worker that
             held the previous version read instead of the whole version
             (0: no delta this sync; workers that did not hold it read the
-            whole).
+            whole); with a list of trainers, their deltas together (each
+            worker reads the records of its slices).
         changed: ``delta=True``: elements that changed since the previous
-            version (all of them when it was not compared).
+            version (all of them when it was not compared; with a list of
+            trainers, on all of them together).
     """
 
     version: int
