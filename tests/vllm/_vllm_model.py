@@ -188,3 +188,24 @@ def expected_worker_params(ckpt: dict[str, torch.Tensor], spec: Spec, rank: int,
         out[m + "gate_up_proj.weight"] = torch.cat([_rows(c[m + "gate_proj.weight"], rank, world), _rows(c[m + "up_proj.weight"], rank, world)])
         out[m + "down_proj.weight"] = _rows(c[m + "down_proj.weight"].t(), rank, world).t()
     return out
+
+
+def save_hf_config(spec: Spec, path: str) -> None:
+    """A Qwen2 config of ``spec``'s sizes at ``path`` (no weights: vLLM builds its model class from it)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                num_key_value_heads=spec.kv_heads, intermediate_size=spec.intermediate, vocab_size=spec.vocab,
+                tie_word_embeddings=False, max_position_embeddings=128, torch_dtype="float32").save_pretrained(path)
+
+
+def expected_qwen2_params(ckpt: dict[str, torch.Tensor], spec: Spec, rank: int, world: int,
+                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What vLLM's Qwen2ForCausalLM holds on TP rank ``rank`` after loading ``ckpt``: the
+    decoder's parameters, the second norm of each layer, and the vocabulary-parallel head."""
+    out = expected_worker_params(ckpt, spec, rank, world, dtype)
+    for i in range(spec.layers):
+        name = f"model.layers.{i}.post_attention_layernorm.weight"
+        out[name] = ckpt[name].to(dtype)
+    out["lm_head.weight"] = _rows(ckpt["lm_head.weight"].to(dtype), rank, world)
+    return out

@@ -40,9 +40,16 @@ def rendezvous_file() -> str:
     return path
 
 
-def _build(spec: Any, dtype_name: str, layerwise: bool) -> Any:
+def _build(spec: Any, dtype_name: str, layerwise: bool, vcfg: Any = None) -> Any:
     import torch
     from _vllm_model import WorkerModel
+
+    if vcfg is not None and vcfg.model_config is not None:
+        # vLLM's own model class for the config, built by vLLM's loader
+        # function (which records the layerwise-reload metadata)
+        from vllm.model_executor.model_loader.utils import initialize_model
+
+        return initialize_model(vllm_config=vcfg)
 
     model = WorkerModel(spec, getattr(torch, dtype_name))
     if layerwise:
@@ -54,8 +61,10 @@ def _build(spec: Any, dtype_name: str, layerwise: bool) -> Any:
     return model
 
 
-def worker_main(conn: Any, rank: int, world: int, rendezvous: str, spec: Any, dtype_name: str, layerwise: bool) -> None:
-    """One vLLM worker process (rank ``rank`` of a tensor-parallel group of ``world``)."""
+def worker_main(conn: Any, rank: int, world: int, rendezvous: str, spec: Any, dtype_name: str, layerwise: bool,
+                hf_dir: str | None = None) -> None:
+    """One vLLM worker process (rank ``rank`` of a tensor-parallel group of ``world``); with
+    ``hf_dir`` (a Hugging Face config, no weights) vLLM's own model class for it."""
     import torch
 
     torch.set_num_threads(1)
@@ -67,11 +76,20 @@ def worker_main(conn: Any, rank: int, world: int, rendezvous: str, spec: Any, dt
     from _vllm_model import init_worker_dist
 
     load_general_plugins()
-    vcfg = VllmConfig(weight_transfer_config=WeightTransferConfig(backend="tensorferry"))
+    transfer = WeightTransferConfig(backend="tensorferry")
+    if hf_dir is None:
+        vcfg = VllmConfig(weight_transfer_config=transfer)
+    else:
+        from vllm.config import LoadConfig, ModelConfig
+
+        model_config = ModelConfig(model=hf_dir, tokenizer=hf_dir, skip_tokenizer_init=True, dtype=dtype_name, enforce_eager=True)
+        vcfg = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format="dummy"), weight_transfer_config=transfer)
     with set_current_vllm_config(vcfg):
         init_worker_dist(rank, world, rendezvous)
-        model = _build(spec, dtype_name, layerwise)
-        draft = _build(spec, dtype_name, False)
+        model = _build(spec, dtype_name, layerwise, vcfg)
+        # vLLM registers a real model's attention layers by name in its config:
+        # one model of a config a process (no draft, no rebuild with hf_dir)
+        draft = _build(spec, dtype_name, False) if hf_dir is None else None
         engine = WeightTransferEngineFactory.create_engine(vcfg.weight_transfer_config, vcfg, torch.device("cpu"), model)
         conn.send(("ok", type(engine).__name__))
         while True:
@@ -95,7 +113,7 @@ def worker_main(conn: Any, rank: int, world: int, rendezvous: str, spec: Any, dt
                 elif op == "rebuild":  # a fresh model (dtype, layerwise) and engine, as a restarted vLLM would hold
                     dtype_name, layerwise = arg
                     engine.shutdown()
-                    model = _build(spec, dtype_name, layerwise)
+                    model = _build(spec, dtype_name, layerwise, vcfg)
                     engine = WeightTransferEngineFactory.create_engine(vcfg.weight_transfer_config, vcfg, torch.device("cpu"), model)
                 elif op == "params":
                     target = draft if arg == "draft" else model
@@ -118,8 +136,9 @@ class WorkerError(RuntimeError):
 class Workers:
     """Replicas of a tensor-parallel group of vLLM workers, each rank a process."""
 
-    def __init__(self, spec: Any, *, replicas: int = 1, tp: int = 1, dtype: str = "float32", layerwise: bool = False) -> None:
-        self.spec, self.tp, self.dtype, self.layerwise = spec, tp, dtype, layerwise
+    def __init__(self, spec: Any, *, replicas: int = 1, tp: int = 1, dtype: str = "float32", layerwise: bool = False,
+                 hf_dir: str | None = None) -> None:
+        self.spec, self.tp, self.dtype, self.layerwise, self.hf_dir = spec, tp, dtype, layerwise, hf_dir
         self._ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
@@ -133,7 +152,8 @@ class Workers:
 
     def _spawn(self, rank: int, rendezvous: str, at: int | None = None) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=worker_main, args=(child, rank, self.tp, rendezvous, self.spec, self.dtype, self.layerwise), daemon=True)
+        proc = self._ctx.Process(target=worker_main, args=(child, rank, self.tp, rendezvous, self.spec, self.dtype, self.layerwise, self.hf_dir),
+                                  daemon=True)
         proc.start()
         if at is None:
             self.procs.append(proc)

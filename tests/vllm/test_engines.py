@@ -92,7 +92,7 @@ def test_rounds_over_shm_are_exact_and_replay_the_plan(workers) -> None:
     assert [report.round for report, _ in out] == [1, 2, 3]
     # loaded in place: the workers' parameters are the same memory every round
     assert out[0][1] == out[-1][1]
-    assert group.call("stats")[0]["rounds"] == 3
+    assert [(s["rounds"], s["layerwise_sessions"]) for s in group.call("stats")] == [(3, 0)] * 2  # no reload metadata: in place
 
 
 def test_fp32_trainer_to_bf16_engine_over_tcp(workers) -> None:
@@ -113,6 +113,7 @@ def test_layerwise_reload_wraps_the_rounds(workers) -> None:
         out = _rounds(front, group, torch.float32, rounds=2)
         # vLLM's layerwise reload copies the reloaded values back into the kernel tensors
         assert out[0][1] == out[-1][1]
+        assert [s["layerwise_sessions"] for s in group.call("stats")] == [2, 2]
     finally:
         group.call("rebuild", ("float32", False))
 

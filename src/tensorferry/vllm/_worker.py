@@ -89,6 +89,8 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         self._stager: Any = None
         self.rounds = 0
         """Rounds received since the handshake."""
+        self.layerwise_sessions = 0
+        """Sessions wrapped in vLLM's layerwise reload since the handshake."""
 
     # -- vLLM's parse hooks: a ConfigurationError (a ValueError, as vLLM's own) naming the fields
 
@@ -120,6 +122,7 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
+            self.layerwise_sessions += 1
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One round; the device is synchronized only where there is one (a CPU worker has none)."""
@@ -174,10 +177,10 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
             self._stager.release()
 
     def stats(self) -> dict[str, int]:
-        """``rounds`` received since the handshake and the receiver's figures
+        """``rounds`` received and ``layerwise_sessions`` since the handshake, and the receiver's figures
         (``bytes_received``, ``gets``, ...; ``Receiver.stats``)."""
         figures = {} if self._receiver is None else dict(self._receiver.stats())
-        return {"rounds": self.rounds, **figures}
+        return {"rounds": self.rounds, "layerwise_sessions": self.layerwise_sessions, **figures}
 
     def shutdown(self) -> None:
         """Close the receiver and drop the plans and their tensors; the worker goes on serving."""
