@@ -252,3 +252,44 @@ def test_any_sequence_of_steps_skips_joins_and_replans_ends_bit_exact(steps, tra
         for r in receivers:
             r.close()
         ranks.close()
+
+
+def test_relaying_replicas_read_their_delta_slices_and_whole_shares_through_relays():
+    """Ranks put with ``fanout=1`` to three relaying replicas of one column
+    worker: the first sync (whole shares) goes through the relays; after a
+    1% step each replica reads its delta slices (at most 5% of its share,
+    from the ranks) and all end bit-exact; a replica that skipped a step
+    reads its whole share through the same machinery."""
+    g = torch.Generator().manual_seed(5)
+    sources = _sources(9)
+    ranks = _Ranks("tcp", sources)
+    targets = [_target("column", 0) for _ in range(3)]
+    receivers = [tf.Receiver("tcp", timeout=30.0, relay=True) for _ in targets]
+    try:
+        plans = None
+        for step, moves in enumerate([("get",) * 3, ("get", "get", "skip"), ("get",) * 3]):
+            if step:
+                _change(sources, g, 0.01)
+            readers = [i for i, m in enumerate(moves) if m == "get"]
+            tickets = [s.put(p, readers=len(readers), fanout=1) for s, p in zip(ranks.senders, ranks.plans)]
+            plans = plans or [r.plan(tickets, into=t) for r, t in zip(receivers, targets)]
+            got = {}
+            for i in readers:
+                before = receivers[i].bytes_received
+                receivers[i].get(tickets, into=plans[i])
+                got[i] = receivers[i].bytes_received - before
+                assert _exact(targets[i], _global(sources)), (step, i)
+            ranks.released(tickets)
+            share = _share(targets[0])
+            if step == 0:
+                relayed = [sum(r.stats()[k] for k in ("relay_memory_read_nbytes", "relay_stream_nbytes", "relay_nixl_read_nbytes"))
+                           for r in receivers]
+                assert sum(relayed) >= share, relayed  # two replicas' shares, at least one of them from a relay
+            if step == 1:
+                assert all(0 < n <= 0.05 * share for n in got.values()), got
+            if step == 2:
+                assert got[2] == share and all(0 < got[i] <= 0.05 * share for i in (0, 1)), got
+    finally:
+        for r in receivers:
+            r.close()
+        ranks.close()
