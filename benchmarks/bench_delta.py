@@ -24,6 +24,12 @@ Parts (``--parts``, default all that the machine allows):
   the same chain (the relays pass the delta on).
   Targets from the issue: 1% changed at most 0.1x a full sync, 10% at most
   0.4x, 50% at most 1.05x.
+* ``sharded``: sharded deltas on one host, shm and tcp (``_sharded_delta.py``):
+  two source ranks of row-sharded bf16 matrices, two tensor-parallel
+  workers (row and column slices), 1, 10 and 50% changed; a full sharded
+  sync (plain kept plans) against a sharded delta sync, interleaved, each
+  worker's received bytes against its share. Target from the issue: with
+  1% changed each worker receives at most 5% of its share.
 
 Run: ``.venv/bin/python benchmarks/bench_delta.py`` (``--size-mib`` the
 object's bf16 size, ``--quick`` for a small machine). Writes
@@ -44,6 +50,8 @@ from typing import Any
 from _common import MIB, environment, log, med, results_dir, rotated, write_result
 
 FRACTIONS = (0.001, 0.01, 0.1, 0.5)
+SHARDED_FRACTIONS = (0.01, 0.1, 0.5)
+TARGET_SHARDED_RECEIVED_VS_SHARE = 0.05  # at 1% changed
 TARGET_SHM_DELTA_VS_FULL = 1.1
 
 
@@ -187,7 +195,8 @@ def rl_part(steps: int, model: str) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", nargs="*", default=["rl", "shm", "hosts"], choices=["rl", "shm", "hosts"])
+    ap.add_argument("--parts", nargs="*", default=["rl", "shm", "hosts", "sharded"], choices=["rl", "shm", "hosts", "sharded"])
+    ap.add_argument("--sharded-size-mib", type=int, default=128, help="the sharded part's bf16 model (over 2 ranks)")
     ap.add_argument("--hosts-size-mib", type=int, default=512, help="the hosts part's bf16 object (the issue's: 512)")
     ap.add_argument("--size-mib", type=int, default=256, help="the shm object's bf16 size")
     ap.add_argument("--repeats", type=int, default=7)
@@ -196,7 +205,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small machine: 32 MiB, 5 repeats, 5 steps")
     a = ap.parse_args()
     if a.quick:
-        a.size_mib, a.repeats, a.steps, a.hosts_size_mib = 32, 5, 5, 64
+        a.size_mib, a.repeats, a.steps, a.hosts_size_mib, a.sharded_size_mib = 32, 5, 5, 64, 32
     doc: dict[str, Any] = {"environment": environment(), "args": vars(a)}
     ratios: dict[str, float | None] = {}
     if "rl" in a.parts:
@@ -220,6 +229,19 @@ def main() -> None:
             ratios[f"hosts_{fraction}_delta_vs_full"] = r["delta_vs_full"]
         if "skipped" in hosts:
             log(f"hosts: skipped: {hosts['skipped']}")
+    if "sharded" in a.parts:
+        from _sharded_delta import sharded_part
+
+        doc["sharded"] = {}
+        for transport in ("shm", "tcp"):
+            part = doc["sharded"][transport] = sharded_part(a.sharded_size_mib, a.repeats, SHARDED_FRACTIONS, transport)
+            for fraction, r in part["fractions"].items():
+                ratios[f"sharded_{transport}_{fraction}_delta_vs_full"] = r["delta_vs_full"]
+                ratios[f"sharded_{transport}_{fraction}_received_vs_share"] = r["received_vs_share"]
+            got = part["fractions"].get("0.01", {}).get("received_vs_share")
+            if got is not None:
+                log(f"sharded {transport}: at 1% changed each worker received {got:.3f}x its share "
+                    f"(target at most {TARGET_SHARDED_RECEIVED_VS_SHARE}x)")
     path = write_result(results_dir() / "bench_delta.json", doc, ratios)
     log(f"wrote {path}")
 
