@@ -36,7 +36,7 @@ import torch
 import tensorferry as tf
 from _tls_certs import client_context, make_certs, server_context
 from _transfer_helpers import assert_same, require, state_dict, wait_until
-from tensorferry import AuthenticationError, ConfigurationError, ProtocolError, Receiver, Sender, TensorferryError
+from tensorferry import AuthenticationError, ConfigurationError, ProtocolError, Receiver, Sender, TensorferryError, TransferError
 from tensorferry.transports import open_control
 from tensorferry.transports._auth import MIN_TOKEN_NBYTES
 from tensorferry.wire import protocol as P
@@ -248,6 +248,13 @@ def test_both_sides_must_hold_the_same_token(caplog):
     with Sender("tcp", capacity_nbytes=MiB) as open_sender:  # holds no token: cannot prove ours
         with Receiver("tcp", token=TOKEN, timeout=10.0) as r, pytest.raises(AuthenticationError, match="holds no token"):
             r.get(open_sender.put(obj))
+
+
+def test_a_receiver_of_another_transport_is_told_which_one_the_sender_serves():
+    with Sender("tcp", capacity_nbytes=MiB) as sender:
+        with pytest.raises(TransferError, match="this sender serves 'tcp'"):
+            open_control(sender.address, transport="nixl")
+        assert wait_until(lambda: sender.server.stats()["failed_handshakes"] == 1, 5.0)
 
 
 # -- tokens --------------------------------------------------------------------------------------------

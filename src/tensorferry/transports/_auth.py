@@ -147,6 +147,8 @@ def server_handshake(sock: socket.socket, *, token: bytes, transport: str, peer:
     if not isinstance(hello, P.Hello):
         raise ProtocolError(f"receiver {peer} sent a Failure before its Hello")
     if hello.transport != transport:
+        P.send_msg(sock, P.Failure(kind="transport", message=f"you speak {hello.transport!r}, this sender serves {transport!r}; "
+                                   "redeem its tickets with a Receiver of that transport"))
         raise ProtocolError(f"receiver {peer} speaks {hello.transport!r}, this sender serves {transport!r}")
     if len(hello.nonce) != NONCE_NBYTES:
         raise ProtocolError(f"receiver {peer} sent a {len(hello.nonce)}-byte nonce, not {NONCE_NBYTES}")

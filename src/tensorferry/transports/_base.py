@@ -352,7 +352,9 @@ def _wait_readable(sock: socket.socket, peer: str) -> None:
     """Wait, without a timeout, for the first byte of the next request."""
     if P.is_tls(sock):
         if not sock.pending():  # decrypted bytes already here need no wait
-            select.select([sock], [], [])
+            poller = select.poll()  # not select(): fds past 1023 are common on a busy server
+            poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            poller.poll()
         return
     sock.settimeout(None)
     try:
