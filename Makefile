@@ -51,7 +51,7 @@ test: $(EXT) $(VLLM_STAMP)
 
 # The documentation site (mkdocs.yml), strict: a broken link, anchor or
 # API reference fails it. Output in build/site/; `mkdocs serve` to browse.
-docs: $(EXT)
+docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 # bench_transfer.py runs the transfer benchmarks (bench_transports, bench_peers,

