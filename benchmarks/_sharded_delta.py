@@ -14,6 +14,11 @@ returned. After the last round each worker checks its delta targets
 against its full-sync targets, bit for bit. Reported per fraction
 (medians of the rounds): the delta sync's time against the full sync's,
 and each worker's received bytes against its share.
+
+With ``hosts`` (network namespaces, ``tests/_hosts.py``; root) every rank
+and worker is on a host of its own, each link at the hosts' rate, over
+tcp: the issue's target there is a 1% step in at most 0.15x the full
+sharded sync.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import traceback
 from typing import Any
 
 from _common import MIB, log, med, rotated
+from bench_sharded import enter_host
 
 RANKS, WORKERS, COUNT = 2, 2, 8
 NAMES = ("full", "delta")
+TOKEN = "bench-sharded-delta"  # servers off loopback need one
 
 
 def _slice(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -35,8 +42,9 @@ def _slice(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return ((w * half, 0), (half, d)) if k % 2 == 0 else ((0, w * half), (d, half))
 
 
-def _source(rank: int, d: int, transport: str, cmds: Any, out: Any) -> None:
+def _source(rank: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
     try:
+        here = enter_host(where)
         import torch
 
         import tensorferry as tf
@@ -46,7 +54,7 @@ def _source(rank: int, d: int, transport: str, cmds: Any, out: Any) -> None:
         g = torch.Generator().manual_seed(rank)
         sd = {f"w{k}": tf.Box(torch.randn(rows, d, generator=g).to(torch.bfloat16), (rank * rows, 0), (d, d)) for k in range(COUNT)}
         shard = COUNT * rows * d * 2
-        with tf.Sender(transport, capacity_nbytes=4 * shard + 64 * MIB) as s:
+        with tf.Sender(transport, capacity_nbytes=4 * shard + 64 * MIB, host=here, token=TOKEN) as s:
             plans = {"full": s.plan(sd), "delta": s.plan(sd, delta=True)}
             out.put(("ready", rank, shard))
             live = None
@@ -70,8 +78,9 @@ def _source(rank: int, d: int, transport: str, cmds: Any, out: Any) -> None:
         out.put(("error", rank, traceback.format_exc()))
 
 
-def _worker(w: int, d: int, transport: str, cmds: Any, out: Any) -> None:
+def _worker(w: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
     try:
+        enter_host(where)
         import torch
 
         import tensorferry as tf
@@ -81,7 +90,7 @@ def _worker(w: int, d: int, transport: str, cmds: Any, out: Any) -> None:
                    for name in NAMES}
         share = sum(b.tensor.numel() * 2 for b in targets["full"].values())
         plans: dict[str, Any] = {}
-        with tf.Receiver(transport, timeout=120.0) as r:
+        with tf.Receiver(transport, timeout=120.0, token=TOKEN) as r:
             out.put(("ready", 100 + w, share))
             while (cmd := cmds.get()) is not None:
                 if cmd[0] == "check":
@@ -112,8 +121,9 @@ def _take(q: Any, kind: str, n: int) -> dict[int, Any]:
     return got
 
 
-def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], transport: str) -> dict:
-    """The part over ``transport`` (shm or tcp): ``size_mib`` of bf16 over the ranks."""
+def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], transport: str, hosts: Any = None) -> dict:
+    """The part over ``transport`` (shm or tcp): ``size_mib`` of bf16 over
+    the ranks; on ``hosts`` (a ``Hosts`` of RANKS + WORKERS) if given."""
     import math
 
     d = int(math.sqrt(size_mib * MIB / 2 / COUNT)) // 4 * 4
@@ -121,11 +131,14 @@ def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], tran
     out = ctx.Queue()
     src_cmds = [ctx.Queue() for _ in range(RANKS)]
     wk_cmds = [ctx.Queue() for _ in range(WORKERS)]
-    procs = [ctx.Process(target=_source, args=(k, d, transport, src_cmds[k], out), daemon=True) for k in range(RANKS)]
-    procs += [ctx.Process(target=_worker, args=(w, d, transport, wk_cmds[w], out), daemon=True) for w in range(WORKERS)]
+    where = [None] * (RANKS + WORKERS) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(RANKS + WORKERS)]
+    procs = [ctx.Process(target=_source, args=(k, d, transport, src_cmds[k], out, where[k]), daemon=True) for k in range(RANKS)]
+    procs += [ctx.Process(target=_worker, args=(w, d, transport, wk_cmds[w], out, where[RANKS + w]), daemon=True) for w in range(WORKERS)]
     for p in procs:
         p.start()
-    result: dict[str, Any] = {"transport": transport, "matrices": COUNT, "d": d, "nbytes": COUNT * d * d * 2, "fractions": {}}
+    result: dict[str, Any] = {"transport": transport, "matrices": COUNT, "d": d, "nbytes": COUNT * d * d * 2, "fractions": {},
+                              "hosts": repr(hosts) if hosts is not None else None}
+    where_name = f"{transport}{' hosts' if hosts is not None else ''}"
     try:
         ready = _take(out, "ready", RANKS + WORKERS)
         shares = [ready[100 + w] for w in range(WORKERS)]
@@ -170,7 +183,7 @@ def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], tran
                 "received_vs_share": worst_received, "full_received_vs_share": med([max(r["received_vs_share"]) for r in records["full"]]),
                 "delta_sent": [r["delta_nbytes"] for r in records["delta"]], "rounds": repeats,
             }
-            log(f"sharded {transport} {fraction:>5.1%} changed: full {full * 1e3:7.1f} ms, delta {delta * 1e3:7.1f} ms ({delta / full:.2f}x), "
+            log(f"sharded {where_name} {fraction:>5.1%} changed: full {full * 1e3:7.1f} ms, delta {delta * 1e3:7.1f} ms ({delta / full:.2f}x), "
                 f"each worker received {worst_received:.3f}x its share (delta sent: {records['delta'][-1]['delta_nbytes']})")
     finally:
         for q in src_cmds + wk_cmds:

@@ -29,7 +29,9 @@ Parts (``--parts``, default all that the machine allows):
   workers (row and column slices), 1, 10 and 50% changed; a full sharded
   sync (plain kept plans) against a sharded delta sync, interleaved, each
   worker's received bytes against its share. Target from the issue: with
-  1% changed each worker receives at most 5% of its share.
+  1% changed each worker receives at most 5% of its share. With
+  ``--sharded-hosts`` (root), also on network-namespace hosts at 1 Gbit/s
+  over tcp: a 1% step in at most 0.15x the full sharded sync.
 
 Run: ``.venv/bin/python benchmarks/bench_delta.py`` (``--size-mib`` the
 object's bf16 size, ``--quick`` for a small machine). Writes
@@ -52,6 +54,7 @@ from _common import MIB, environment, log, med, results_dir, rotated, write_resu
 FRACTIONS = (0.001, 0.01, 0.1, 0.5)
 SHARDED_FRACTIONS = (0.01, 0.1, 0.5)
 TARGET_SHARDED_RECEIVED_VS_SHARE = 0.05  # at 1% changed
+TARGET_SHARDED_HOSTS_DELTA_VS_FULL = 0.15  # at 1% changed, 1 Gbit/s links
 TARGET_SHM_DELTA_VS_FULL = 1.1
 
 
@@ -197,6 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="*", default=["rl", "shm", "hosts", "sharded"], choices=["rl", "shm", "hosts", "sharded"])
     ap.add_argument("--sharded-size-mib", type=int, default=128, help="the sharded part's bf16 model (over 2 ranks)")
+    ap.add_argument("--sharded-hosts", action="store_true", help="sharded: also on network-namespace hosts (root; --hosts-size-mib)")
     ap.add_argument("--hosts-size-mib", type=int, default=512, help="the hosts part's bf16 object (the issue's: 512)")
     ap.add_argument("--size-mib", type=int, default=256, help="the shm object's bf16 size")
     ap.add_argument("--repeats", type=int, default=7)
@@ -242,6 +246,17 @@ def main() -> None:
             if got is not None:
                 log(f"sharded {transport}: at 1% changed each worker received {got:.3f}x its share "
                     f"(target at most {TARGET_SHARDED_RECEIVED_VS_SHARE}x)")
+        if a.sharded_hosts:
+            from _harness import namespace_hosts
+            from _sharded_delta import RANKS, WORKERS
+
+            with namespace_hosts()[0].Hosts(RANKS + WORKERS, rate="1gbit") as hosts:
+                part = doc["sharded"]["hosts"] = sharded_part(a.hosts_size_mib, a.repeats, SHARDED_FRACTIONS, "tcp", hosts)
+            for fraction, r in part["fractions"].items():
+                ratios[f"sharded_hosts_{fraction}_delta_vs_full"] = r["delta_vs_full"]
+                ratios[f"sharded_hosts_{fraction}_received_vs_share"] = r["received_vs_share"]
+            got = part["fractions"]["0.01"]["delta_vs_full"]
+            log(f"sharded hosts: a 1% step takes {got:.3f}x the full sharded sync (target at most {TARGET_SHARDED_HOSTS_DELTA_VS_FULL}x)")
     path = write_result(results_dir() / "bench_delta.json", doc, ratios)
     log(f"wrote {path}")
 
