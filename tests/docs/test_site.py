@@ -49,3 +49,11 @@ def test_the_reference_renders_the_docstrings(site: Path) -> None:
         assert f'id="tensorferry.' in api and re.search(rf'id="[\w.]*\b{name}"', api), f"{name} is not in the API reference"
     # A docstring's own words made it through (Sender.put's Args).
     assert "readers" in api and "lease_seconds" in api
+
+
+def test_the_monitoring_guide_shows_the_files_it_includes(site: Path) -> None:
+    """The scrape config and the recording rules are included from
+    monitoring/ (the files the monitor tests check), not copied."""
+    html = (site / "guides" / "monitoring" / "index.html").read_text()
+    assert "tensorferry-pools" in html and "rule_files" in html
+    assert "instance_pool:tensorferry_pool_used:ratio" in html and "--8&lt;--" not in html
