@@ -38,10 +38,11 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from _common import GIB, MIB, environment, log, med, rotated
-from _harness import finish, out_path, table
+from _harness import finish, out_path, table, verified_target
 
 # Qwen2.5-0.5B's shape (494 M parameters, embeddings tied); the quick run's is ~25 M.
 FULL_CONFIG = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -308,7 +309,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a ~25 M-parameter model, 2 rounds after the first")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the first (median)")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -343,6 +344,11 @@ def main() -> None:
            "nbytes": num_params * 2, "blocks": blocks}
     ratios = _ratios(doc)
     doc["ratios_detail"] = ratios
+    for name, b in blocks.items():
+        verified_target(doc, f"{name}: every worker's weights bit-exact after timing", b["problems"])
+    fraction = ratios["delta_wire_bytes_per_worker_vs_full"]
+    doc["targets"].append({"target": "a 1% delta round: bytes each worker reads / the whole round", "required": "<= 0.05",
+                           "measured": fraction, "unit": "x", "met": fraction <= 0.05, "note": "tcp, delta=True"})
     path = finish(doc, ratios, out_path(args, "bench_vllm" + ("_quick" if args.quick else "")), num_params * 2, [_print])
     log(f"wrote {path}")
     if not all(b["verified"] for b in blocks.values()):
