@@ -293,3 +293,48 @@ def test_relaying_replicas_read_their_delta_slices_and_whole_shares_through_rela
         for r in receivers:
             r.close()
         ranks.close()
+
+
+@pytest.mark.parametrize("where", ["index", "record"])
+def test_a_corrupted_sharded_delta_is_refused_and_the_next_get_reads_the_whole_share(where):
+    """Every index entry a worker reads and every record is checked: an
+    index entry past the records, or a record's chunk index out of range,
+    written over rank 0's delta block, is a ProtocolError; that rank's
+    version is dropped, so the next get reads the worker's whole share of
+    it, and the targets end bit-exact."""
+    from tensorferry.errors import ProtocolError
+    from tensorferry.memory._pool import Block
+
+    g = torch.Generator().manual_seed(4)
+    sources = _sources(6)
+    ranks = _Ranks("tcp", sources)
+    target = _target("column", 0)
+    try:
+        with tf.Receiver("tcp", timeout=30.0) as r:
+            tickets = ranks.put(1)
+            sp = r.plan(tickets, into=target)
+            r.get(tickets, into=sp)
+            ranks.released(tickets)
+            _change(sources, g, 0.01)
+            tickets = ranks.put(1)
+            (offset, nbytes), = tickets[0].delta.blocks
+            block = ranks.senders[0].pool.view(Block(offset, nbytes))
+            if where == "index":
+                block[nbytes - 8 :] = 0x7F  # the last chunk's record end: far past the records
+            else:
+                block[:4] = 0xFF  # the first record's chunk: 2**32 - 1, out of range
+            with pytest.raises(ProtocolError):
+                r.get(tickets, into=sp)
+            for s, t in zip(ranks.senders, tickets):
+                s.discard(t)
+            _change(sources, g, 0.01)
+            tickets = ranks.put(1)
+            before = r.bytes_received
+            r.get(tickets, into=sp)
+            got = r.bytes_received - before
+            assert _exact(target, _global(sources))
+            # rank 0's part whole (its version was dropped), rank 1's by delta
+            assert _share(target) * 0.3 < got < _share(target), (got, _share(target))
+            ranks.released(tickets)
+    finally:
+        ranks.close()
