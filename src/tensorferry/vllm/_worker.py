@@ -228,8 +228,9 @@ def _supports_layerwise(model: torch.nn.Module) -> bool:
     """Whether vLLM recorded ``model``'s layer metadata for reloading (its loader does, for every model it builds)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    info = LAYERWISE_INFO.get(model)
-    return info is not None and info.restore_metadata is not None and any(m in LAYERWISE_INFO for m in model.children())
+    # record_metadata_for_reloading enters every module; vLLM's own lookups
+    # (get_layerwise_info) enter only the module they are asked about.
+    return model in LAYERWISE_INFO and any(child in LAYERWISE_INFO for child in model.children())
 
 
 def _mtp_check_off() -> Any:
