@@ -338,3 +338,38 @@ def test_a_corrupted_sharded_delta_is_refused_and_the_next_get_reads_the_whole_s
             ranks.released(tickets)
     finally:
         ranks.close()
+
+
+def test_a_worker_that_maps_the_ranks_memory_reads_a_dense_delta_whole():
+    """Ranks serving shm and tcp send deltas up to the across-hosts limit
+    (a 10% step's is sent); a worker over shm (it maps the ranks' pools)
+    reads its whole share instead, as a whole object's get does past the
+    same-host limit, and a worker over tcp reads the delta; both exact."""
+    g = torch.Generator().manual_seed(8)
+    sources = _sources(2)
+    senders = [tf.Sender("shm", extra_transports=("tcp",), capacity_nbytes=32 * MiB) for _ in sources]
+    plans = [s.plan(src, dtype=torch.bfloat16, delta=True) for s, src in zip(senders, sources)]
+    targets = {"shm": _target("column", 0), "tcp": _target("column", 0)}
+    try:
+        with tf.Receiver("shm", timeout=30.0) as r_shm, tf.Receiver("tcp", timeout=30.0) as r_tcp:
+            receivers = {"shm": r_shm, "tcp": r_tcp}
+            splans: dict = {}
+            for step in range(2):
+                if step:
+                    _change(sources, g, 0.1)
+                puts = [s.put(p, readers=2) for s, p in zip(senders, plans)]
+                got = {}
+                for name, r in receivers.items():
+                    tickets = [s.ticket_for(t, name) for s, t in zip(senders, puts)]
+                    splans[name] = splans.get(name) or r.plan(tickets, into=targets[name])
+                    before = r.bytes_received
+                    r.get(tickets, into=splans[name])
+                    got[name] = r.bytes_received - before
+                    assert _exact(targets[name], _global(sources)), (step, name)
+                for s, t in zip(senders, puts):
+                    s.wait_released(t, timeout=20)
+            assert all(t.delta.base and t.delta.nbytes > 0.01 * t.total_nbytes for t in puts)
+            assert got["shm"] == _share(targets["shm"]) and got["tcp"] < _share(targets["tcp"]), got
+    finally:
+        for s in senders:
+            s.close()

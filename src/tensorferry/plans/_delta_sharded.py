@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ProtocolError, TicketError
 from ..wire import Layout, packing
-from ._delta import apply_records, chunk_table
+from ._delta import SAME_HOST_MAX_FRACTION, apply_records, chunk_table
 from ._delta_receive import give_back
 
 if TYPE_CHECKING:
@@ -73,7 +73,11 @@ class SourceDelta:
         delta's slot given back unread). A failed read leaves no version."""
         holds, self.version = self.version, 0
         d = ticket.delta
-        if d is not None and d.base and d.base == holds and not ticket.streamed and len(ticket.blocks) == 1:
+        # As a whole object's get decides it (plans/_delta_receive.py): a
+        # channel that maps the sender's memory copies the whole share
+        # faster than it applies a delta past the same-host limit.
+        dense = d is not None and ch.maps_sender_memory and d.nbytes > SAME_HOST_MAX_FRACTION * ticket.total_nbytes
+        if d is not None and d.base and d.base == holds and not dense and not ticket.streamed and len(ticket.blocks) == 1:
             self.last_nbytes = self._receive(ch, ticket, deadline)
         else:
             whole()
