@@ -41,8 +41,7 @@ NOT_RUN = {
 }
 
 TIMEOUT_S = 240
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-       "TENSORFERRY_DOCS_SNIPPET": "1"}
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
 def _reason(p: Program) -> str:
