@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..errors import ConfigurationError
+
 __all__ = ["DeviceStager", "CHUNK_NBYTES"]
 
 # Bytes a chunk copies before its load: large enough that a copy's launch
@@ -59,11 +61,13 @@ class DeviceStager:
             load_weights(pending[0])
 
     def _flush(self, chunk: list, pending: tuple | None, compute: torch.cuda.Stream, load_weights: Callable) -> tuple:
-        assert self._stream is not None
-        with torch.cuda.stream(self._stream):
+        stream = self._stream
+        if stream is None:  # load() makes it before the first chunk; a stager used after close() has none
+            raise ConfigurationError("the CUDA stager has no copy stream: it was closed; make a new engine (init_transfer_engine)")
+        with torch.cuda.stream(stream):
             on_device = [(name, t.to(self.device, non_blocking=True)) for name, t in chunk]
             done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(stream)
         self._held.extend(t for _, t in on_device)
         if pending is not None:
             compute.wait_event(pending[1])

@@ -156,7 +156,8 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
         tickets = self._exchange.gather(payload) if self._exchange is not None else [payload]
         error: BaseException | None = None
         if self.is_sender:
-            assert tickets is not None
+            if tickets is None:  # rank 0 drives the client, and gather() returns every rank's ticket there
+                raise ConfigurationError(f"trainer rank {self.rank} drives vLLM's client but holds no tickets: only rank 0 of the trainer group may")
             try:
                 self._drive([base64.b64encode(t).decode("ascii") for t in tickets])
             except Exception as exc:  # noqa: BLE001 - other ranks must hear of it before it is raised

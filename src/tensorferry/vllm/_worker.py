@@ -200,7 +200,8 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         return kept
 
     def _get(self, kept: _Kept, tickets: list[Any]) -> None:
-        assert self._info is not None
+        if self._info is None:
+            raise ConfigurationError("receive_weights before init_transfer_engine: vLLM calls init_transfer_engine first; call it with the trainer's init info")
         source = tickets[0] if len(tickets) == 1 else tickets
         self._receiver.get(source, into=kept.plan, timeout=self._info.timeout_seconds)
 
