@@ -254,12 +254,12 @@ def test_any_sequence_of_steps_skips_joins_and_replans_ends_bit_exact(steps, tra
         ranks.close()
 
 
-def test_relaying_replicas_read_their_delta_slices_and_whole_shares_through_relays():
+def test_relaying_replicas_pass_delta_records_and_whole_shares_on():
     """Ranks put with ``fanout=1`` to three relaying replicas of one column
     worker: the first sync (whole shares) goes through the relays; after a
-    1% step each replica reads its delta slices (at most 5% of its share,
-    from the ranks) and all end bit-exact; a replica that skipped a step
-    reads its whole share through the same machinery."""
+    1% step each replica reads its delta records (at most 5% of its share),
+    of which the replicas pass on to each other, and all end bit-exact; a
+    replica that skipped a step reads its whole share."""
     g = torch.Generator().manual_seed(5)
     sources = _sources(9)
     ranks = _Ranks("tcp", sources)
@@ -281,12 +281,15 @@ def test_relaying_replicas_read_their_delta_slices_and_whole_shares_through_rela
                 assert _exact(targets[i], _global(sources)), (step, i)
             ranks.released(tickets)
             share = _share(targets[0])
+            relayed = [sum(r.stats()[k] for k in ("relay_memory_read_nbytes", "relay_stream_nbytes", "relay_nixl_read_nbytes"))
+                       for r in receivers]
             if step == 0:
-                relayed = [sum(r.stats()[k] for k in ("relay_memory_read_nbytes", "relay_stream_nbytes", "relay_nixl_read_nbytes"))
-                           for r in receivers]
                 assert sum(relayed) >= share, relayed  # two replicas' shares, at least one of them from a relay
             if step == 1:
                 assert all(0 < n <= 0.05 * share for n in got.values()), got
+                # the delta records: one replica's from the ranks, the next's from it
+                assert 0 < sum(relayed) - sum(before_step) <= 0.05 * share, (relayed, before_step)
+            before_step = relayed
             if step == 2:
                 assert got[2] == share and all(0 < got[i] <= 0.05 * share for i in (0, 1)), got
     finally:

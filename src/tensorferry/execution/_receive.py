@@ -176,7 +176,15 @@ class Fetcher:
         if not ch.reads_ranges:
             raise ConfigurationError(f"the {ch.transport} transport cannot read byte ranges; a sharded get needs shm, tcp or nixl")
         if delta is not None:
-            delta.read(ch, ticket, deadline, lambda: self._read_ranges(ch, ticket, ranges, digest, deadline, group))
+
+            def stream(sub: Ticket, blocks: list, source: str, pos: np.ndarray, n: np.ndarray, named: bytes) -> torch.Tensor:
+                def from_sender(buf: memoryview, start: int, progress: Any) -> None:
+                    ch.receive_ranges(sub.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+
+                return self._receive_stream(ch, sub, int(n.sum()), named, source, from_sender, deadline, group)
+
+            delta.read(ch, ticket, deadline, lambda: self._read_ranges(ch, ticket, ranges, digest, deadline, group),
+                       relay=self._relay_address if self._book is not None else "", stream=stream)
         else:
             self._read_ranges(ch, ticket, ranges, digest, deadline, group)
 

@@ -23,6 +23,7 @@ the whole records of the chunks they touch.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -38,7 +39,11 @@ if TYPE_CHECKING:
     from ..transports import Channel
     from ..wire import Ticket
 
-__all__ = ["SourceDelta"]
+__all__ = ["SourceDelta", "Stream"]
+
+# A receiver's broadcast of byte ranges as one stream: (delta ticket,
+# blocks, source, positions, nbytes, name) -> the ranges back to back.
+Stream = Callable[["Ticket", list, str, np.ndarray, np.ndarray, bytes], torch.Tensor]
 
 _ENTRY = 8  # an index entry: int64
 
@@ -64,13 +69,23 @@ class SourceDelta:
         self.runs = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in runs)
         self.ranges_nbytes = int(self.runs[2].sum())
         self.first, self.last = _groups(self.table, *self.runs)
+        # What names this worker's records to relays: workers of the same
+        # slices (replicas) have the same groups, so the same records.
+        self.groups_digest = hashlib.blake2b(self.first.astype("<i8").tobytes() + self.last.astype("<i8").tobytes(), digest_size=16).digest()
         self.version = 0
         self.last_nbytes = 0
 
-    def read(self, ch: "Channel", ticket: "Ticket", deadline: float, whole: Callable[[], None]) -> None:
+    def read(self, ch: "Channel", ticket: "Ticket", deadline: float, whole: Callable[[], None], *, relay: str = "",
+             stream: Stream | None = None) -> None:
         """This source's part of a get: its delta where the targets hold the
         delta's base, else ``whole()`` (the ranges of the whole object, the
-        delta's slot given back unread). A failed read leaves no version."""
+        delta's slot given back unread). A failed read leaves no version.
+
+        Over a channel that relays, with ``stream`` (the receiver's way of
+        receiving a broadcast's ranges as one stream, passed on to its
+        children if it relays at ``relay``): workers of the same slices
+        take the records from each other as the sender names them; each
+        reads the few index entries from the sender."""
         holds, self.version = self.version, 0
         d = ticket.delta
         # As a whole object's get decides it (plans/_delta_receive.py): a
@@ -78,13 +93,14 @@ class SourceDelta:
         # faster than it applies a delta past the same-host limit.
         dense = d is not None and ch.maps_sender_memory and d.nbytes > SAME_HOST_MAX_FRACTION * ticket.total_nbytes
         if d is not None and d.base and d.base == holds and not dense and not ticket.streamed and len(ticket.blocks) == 1:
-            self.last_nbytes = self._receive(ch, ticket, deadline)
+            self.last_nbytes = self._receive(ch, ticket, deadline, relay if stream is not None and ch.relays else "",
+                                             stream if ch.relays else None)
         else:
             whole()
             self.last_nbytes = self.ranges_nbytes
         self.version = d.version if d is not None else 0
 
-    def _receive(self, ch: "Channel", ticket: "Ticket", deadline: float) -> int:
+    def _receive(self, ch: "Channel", ticket: "Ticket", deadline: float, relay: str, stream: Stream | None) -> int:
         d = ticket.delta
         moved = 0
         if d.ticket_id and not self.first.size:
@@ -92,21 +108,28 @@ class SourceDelta:
             give_back(ch, sub.id, 0, sub.digest, deadline)
         elif d.ticket_id:
             sub = ticket.delta_ticket()
-            located = ch.acquire(sub.id, 0, timeout=_left(deadline), digest=sub.digest)
+            named = hashlib.blake2b(sub.digest + self.groups_digest, digest_size=16).digest() if stream is not None else b""
+            located = ch.acquire(sub.id, 0, timeout=_left(deadline), digest=sub.digest, relay=relay, ranges=named)
+            # From relays as the sender names them, or passed on to this
+            # worker's children (as a whole object's get decides it).
+            relayed = stream is not None and (bool(located.source) or bool(relay))
             try:
                 blocks = [tuple(b) for b in located.blocks]
                 if blocks != [tuple(b) for b in sub.blocks]:
                     raise TicketError(f"sender locates the delta of ticket {ticket.id} at {blocks}, the ticket says {sub.blocks}")
-                moved = self._apply(ch, sub.id, blocks, d.nbytes, ticket.id, deadline)
+                via = (lambda pos, n: stream(sub, blocks, located.source, pos, n, named)) if relayed else None
+                moved = self._apply(ch, sub.id, blocks, d.nbytes, ticket.id, deadline, via)
             finally:
                 ch.release(sub.id, 0, timeout=max(deadline - time.monotonic(), 5.0))
         for piece in range(ticket.num_pieces):
             give_back(ch, ticket.id, piece, ticket.digest, deadline)
         return moved
 
-    def _apply(self, ch: "Channel", sub_id: int, blocks: list, nbytes: int, ticket_id: int, deadline: float) -> int:
-        """Read the groups' index entries, then their records; apply them.
-        Returns the bytes read."""
+    def _apply(self, ch: "Channel", sub_id: int, blocks: list, nbytes: int, ticket_id: int, deadline: float,
+               via: Callable[[np.ndarray, np.ndarray], torch.Tensor] | None = None) -> int:
+        """Read the groups' index entries, then their records (``via(pos,
+        nbytes)``: as one stream from relays, else straight from the
+        sender); apply them. Returns the bytes read."""
         if not self.table.index_nbytes:
             # A source of whole tensors (no boxes): its delta has no index;
             # every record is read, the words outside the runs skipped.
@@ -138,8 +161,11 @@ class SourceDelta:
                                 "the targets hold no version now: the next get reads the whole object")
         take = end > begin
         sizes = (end - begin)[take]
-        buf = torch.empty(int(sizes.sum()), dtype=torch.uint8)
-        if sizes.size:
+        total = int(sizes.sum())
+        if sizes.size and via is not None:
+            self._apply_records(via(begin[take], sizes)[:total], ticket_id)
+        elif sizes.size:
+            buf = torch.empty(total, dtype=torch.uint8)
             dst = buf.data_ptr() + np.cumsum(sizes) - sizes
             with ch.registered(buf):
                 ch.read_ranges(sub_id, 0, blocks, begin[take], dst.astype(np.int64), sizes, deadline=deadline)
