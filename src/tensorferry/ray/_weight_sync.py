@@ -50,8 +50,8 @@ class WeightSync:
             ``fanout``, the relays pass the delta on. With a list of
             trainers, each keeps its own, and a worker reads of each
             trainer's delta only the records of the chunks its slices
-            touch (``docs/sharded.md``); with ``fanout`` too, a worker
-            reads its delta slices from the trainer, not from a relay.
+            touch (``docs/sharded.md``); with ``fanout`` too, workers of
+            the same slices pass those records on to each other.
 
     Both sides keep plans (``Sender.plan``, ``Receiver.plan``) made on the
     first sync: later syncs move bytes with no work per tensor. A plan is
