@@ -18,7 +18,9 @@ and each worker's received bytes against its share.
 With ``hosts`` (network namespaces, ``tests/_hosts.py``; root) every rank
 and worker is on a host of its own, each link at the hosts' rate, over
 tcp: the issue's target there is a 1% step in at most 0.15x the full
-sharded sync.
+sharded sync. With ``replicas`` R > 1, R replicas of the two workers, and
+both syncs relayed: ranks ``put(plan, fanout=1)``, workers are relaying
+receivers (whole shares and delta records pass from replica to replica).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _slice(k: int, w: int, d: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return ((w * half, 0), (half, d)) if k % 2 == 0 else ((0, w * half), (d, half))
 
 
-def _source(rank: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
+def _source(rank: int, d: int, transport: str, cmds: Any, out: Any, where: Any, readers: int, fanout: int | None) -> None:
     try:
         here = enter_host(where)
         import torch
@@ -68,7 +70,7 @@ def _source(rank: int, d: int, transport: str, cmds: Any, out: Any, where: Any) 
                         flat[idx] = (flat[idx].float() + 1.0).to(torch.bfloat16)
                     out.put(("changed", rank, None))
                 elif cmd[0] == "put":
-                    live = s.put(plans[cmd[1]], readers=WORKERS)
+                    live = s.put(plans[cmd[1]], readers=readers, fanout=fanout)
                     d_ = live.delta
                     out.put(("ticket", rank, (live.to_bytes(), d_.nbytes if d_ is not None and d_.base else None)))
                 else:  # "release": the workers are done
@@ -78,9 +80,10 @@ def _source(rank: int, d: int, transport: str, cmds: Any, out: Any, where: Any) 
         out.put(("error", rank, traceback.format_exc()))
 
 
-def _worker(w: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> None:
+def _worker(w: int, d: int, transport: str, cmds: Any, out: Any, where: Any, relay: bool) -> None:
     try:
-        enter_host(where)
+        here = enter_host(where)
+        me, w = w, w % WORKERS  # its number, and its rank in its replica
         import torch
 
         import tensorferry as tf
@@ -90,13 +93,14 @@ def _worker(w: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> 
                    for name in NAMES}
         share = sum(b.tensor.numel() * 2 for b in targets["full"].values())
         plans: dict[str, Any] = {}
-        with tf.Receiver(transport, timeout=120.0, token=TOKEN) as r:
-            out.put(("ready", 100 + w, share))
+        kw = {"relay": True, "host": here} if relay else {}
+        with tf.Receiver(transport, timeout=120.0, token=TOKEN, **kw) as r:
+            out.put(("ready", 100 + me, share))
             while (cmd := cmds.get()) is not None:
                 if cmd[0] == "check":
                     same = all(torch.equal(targets["full"][k].tensor.view(torch.int16), targets["delta"][k].tensor.view(torch.int16))
                                for k in targets["full"])
-                    out.put(("checked", 100 + w, same))
+                    out.put(("checked", 100 + me, same))
                     continue
                 _, name, tickets = cmd
                 tickets = [tf.Ticket.from_bytes(t) for t in tickets]
@@ -105,9 +109,9 @@ def _worker(w: int, d: int, transport: str, cmds: Any, out: Any, where: Any) -> 
                 before = r.bytes_received
                 t0 = time.perf_counter()
                 r.get(tickets, into=plans[name])
-                out.put(("got", 100 + w, (time.perf_counter() - t0, r.bytes_received - before)))
+                out.put(("got", 100 + me, (time.perf_counter() - t0, r.bytes_received - before)))
     except BaseException:
-        out.put(("error", 100 + w, traceback.format_exc()))
+        out.put(("error", 100 + me, traceback.format_exc()))
 
 
 def _take(q: Any, kind: str, n: int) -> dict[int, Any]:
@@ -121,27 +125,31 @@ def _take(q: Any, kind: str, n: int) -> dict[int, Any]:
     return got
 
 
-def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], transport: str, hosts: Any = None) -> dict:
+def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], transport: str, hosts: Any = None, replicas: int = 1) -> dict:
     """The part over ``transport`` (shm or tcp): ``size_mib`` of bf16 over
-    the ranks; on ``hosts`` (a ``Hosts`` of RANKS + WORKERS) if given."""
+    the ranks; on ``hosts`` (a ``Hosts`` of RANKS + WORKERS * replicas) if
+    given; ``replicas`` over 1: relayed (tcp)."""
     import math
 
     d = int(math.sqrt(size_mib * MIB / 2 / COUNT)) // 4 * 4
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     src_cmds = [ctx.Queue() for _ in range(RANKS)]
-    wk_cmds = [ctx.Queue() for _ in range(WORKERS)]
-    where = [None] * (RANKS + WORKERS) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(RANKS + WORKERS)]
-    procs = [ctx.Process(target=_source, args=(k, d, transport, src_cmds[k], out, where[k]), daemon=True) for k in range(RANKS)]
-    procs += [ctx.Process(target=_worker, args=(w, d, transport, wk_cmds[w], out, where[RANKS + w]), daemon=True) for w in range(WORKERS)]
+    workers = WORKERS * replicas
+    wk_cmds = [ctx.Queue() for _ in range(workers)]
+    where = [None] * (RANKS + workers) if hosts is None else [(hosts.namespace(i), hosts.address(i)) for i in range(RANKS + workers)]
+    fanout = 1 if replicas > 1 else None
+    procs = [ctx.Process(target=_source, args=(k, d, transport, src_cmds[k], out, where[k], workers, fanout), daemon=True) for k in range(RANKS)]
+    procs += [ctx.Process(target=_worker, args=(w, d, transport, wk_cmds[w], out, where[RANKS + w], replicas > 1), daemon=True)
+              for w in range(workers)]
     for p in procs:
         p.start()
     result: dict[str, Any] = {"transport": transport, "matrices": COUNT, "d": d, "nbytes": COUNT * d * d * 2, "fractions": {},
-                              "hosts": repr(hosts) if hosts is not None else None}
-    where_name = f"{transport}{' hosts' if hosts is not None else ''}"
+                              "hosts": repr(hosts) if hosts is not None else None, "replicas": replicas}
+    where_name = f"{transport}{' hosts' if hosts is not None else ''}{f' x{replicas} relayed' if replicas > 1 else ''}"
     try:
-        ready = _take(out, "ready", RANKS + WORKERS)
-        shares = [ready[100 + w] for w in range(WORKERS)]
+        ready = _take(out, "ready", RANKS + workers)
+        shares = [ready[100 + w] for w in range(workers)]
 
         def sync(name: str) -> dict:
             t0 = time.perf_counter()
@@ -151,12 +159,12 @@ def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], tran
             tickets = [got[k][0] for k in range(RANKS)]
             for q in wk_cmds:
                 q.put(("get", name, tickets))
-            done = _take(out, "got", WORKERS)
+            done = _take(out, "got", workers)
             seconds = time.perf_counter() - t0
             for q in src_cmds:
                 q.put(("release",))
             _take(out, "released", RANKS)
-            received = [done[100 + w][1] / shares[w] for w in range(WORKERS)]
+            received = [done[100 + w][1] / shares[w] for w in range(workers)]
             delta = [got[k][1] for k in range(RANKS)]
             return {"seconds": seconds, "received_vs_share": received, "delta_nbytes": delta}
 
@@ -172,7 +180,7 @@ def sharded_part(size_mib: int, repeats: int, fractions: tuple[float, ...], tran
                         records[NAMES[i]].append(rec)
             for q in wk_cmds:
                 q.put(("check",))
-            checked = _take(out, "checked", WORKERS)
+            checked = _take(out, "checked", workers)
             assert all(checked.values()), f"a worker's delta targets differ from its full sync's: {checked}"
             full = med([r["seconds"] for r in records["full"]])
             delta = med([r["seconds"] for r in records["delta"]])

@@ -31,7 +31,9 @@ Parts (``--parts``, default all that the machine allows):
   worker's received bytes against its share. Target from the issue: with
   1% changed each worker receives at most 5% of its share. With
   ``--sharded-hosts`` (root), also on network-namespace hosts at 1 Gbit/s
-  over tcp: a 1% step in at most 0.15x the full sharded sync.
+  over tcp: a 1% step in at most 0.15x the full sharded sync; with
+  ``--sharded-replicas R``, also R replicas of the workers, both syncs
+  relayed (``fanout=1``, relaying workers).
 
 Run: ``.venv/bin/python benchmarks/bench_delta.py`` (``--size-mib`` the
 object's bf16 size, ``--quick`` for a small machine). Writes
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="*", default=["rl", "shm", "hosts", "sharded"], choices=["rl", "shm", "hosts", "sharded"])
     ap.add_argument("--sharded-size-mib", type=int, default=128, help="the sharded part's bf16 model (over 2 ranks)")
     ap.add_argument("--sharded-hosts", action="store_true", help="sharded: also on network-namespace hosts (root; --hosts-size-mib)")
+    ap.add_argument("--sharded-replicas", type=int, default=1, help="sharded hosts: also with this many replicas of the workers, relayed")
     ap.add_argument("--hosts-size-mib", type=int, default=512, help="the hosts part's bf16 object (the issue's: 512)")
     ap.add_argument("--size-mib", type=int, default=256, help="the shm object's bf16 size")
     ap.add_argument("--repeats", type=int, default=7)
@@ -250,13 +253,15 @@ def main() -> None:
             from _harness import namespace_hosts
             from _sharded_delta import RANKS, WORKERS
 
-            with namespace_hosts()[0].Hosts(RANKS + WORKERS, rate="1gbit") as hosts:
-                part = doc["sharded"]["hosts"] = sharded_part(a.hosts_size_mib, a.repeats, SHARDED_FRACTIONS, "tcp", hosts)
-            for fraction, r in part["fractions"].items():
-                ratios[f"sharded_hosts_{fraction}_delta_vs_full"] = r["delta_vs_full"]
-                ratios[f"sharded_hosts_{fraction}_received_vs_share"] = r["received_vs_share"]
-            got = part["fractions"]["0.01"]["delta_vs_full"]
-            log(f"sharded hosts: a 1% step takes {got:.3f}x the full sharded sync (target at most {TARGET_SHARDED_HOSTS_DELTA_VS_FULL}x)")
+            for replicas in sorted({1, a.sharded_replicas}):
+                key = "hosts" if replicas == 1 else f"hosts_x{replicas}_relayed"
+                with namespace_hosts()[0].Hosts(RANKS + WORKERS * replicas, rate="1gbit") as hosts:
+                    part = doc["sharded"][key] = sharded_part(a.hosts_size_mib, a.repeats, SHARDED_FRACTIONS, "tcp", hosts, replicas)
+                for fraction, r in part["fractions"].items():
+                    ratios[f"sharded_{key}_{fraction}_delta_vs_full"] = r["delta_vs_full"]
+                    ratios[f"sharded_{key}_{fraction}_received_vs_share"] = r["received_vs_share"]
+                got = part["fractions"]["0.01"]["delta_vs_full"]
+                log(f"sharded {key}: a 1% step takes {got:.3f}x the full sharded sync (target at most {TARGET_SHARDED_HOSTS_DELTA_VS_FULL}x)")
     path = write_result(results_dir() / "bench_delta.json", doc, ratios)
     log(f"wrote {path}")
 
