@@ -319,8 +319,16 @@ def test_a_get_over_tls_is_private_and_correct(certs):
             into = {k: torch.empty_like(v) for k, v in many.items()}
             r.get(via(sender.put(many), proxy), into=into)
             assert_same(into, many)
+            few = {f"t{i}": torch.randn(4096) for i in range(100)}  # into= up to 256 runs: received into the buffers
+            into = {k: torch.empty_like(v) for k, v in few.items()}
+            r.get(via(sender.put(few), proxy), into=into)
+            assert_same(into, few)
             big = [torch.randn(3 * MiB // 4) for _ in range(4)]  # 12 MiB through a 16 MiB pool: pieces
             assert_same(r.get(via(sender.put(big), proxy)), big)
+            plan = sender.plan(few)  # snapshot=False: sent from the tensors themselves, a buffer each
+            ticket = sender.put(plan, snapshot=False)
+            assert_same(r.get(via(ticket, proxy)), few)
+            sender.wait_released(ticket, timeout=10.0)
         captured = proxy.captured()
     assert len(captured) > 16 * MiB
     assert b"\x5a" * 64 not in captured  # no tensor byte in clear
