@@ -282,6 +282,20 @@ def fsdp_watch_main(rank: int, port: int, out: Any) -> None:
                 model(torch.randn(4, 6)).square().mean().backward()
                 opt.step()
             report["after"] = same(r.get(s.put(plan, readers=1)), shards(model))
+            # A torch whose FSDP2 groups cannot be read: the slots that hold
+            # a DTensor now are checked (FSDP2's unsharded ones are plain).
+            from tensorferry.plans import _watch
+
+            _watch._fsdp_groups = lambda module: []
+            plan = s.plan(model)
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6)).square().mean()
+            mid = same(r.get(s.put(plan, readers=1)), shards(model))
+            loss.backward()
+            opt.step()
+            report["unread"] = (mid, same(r.get(s.put(plan, readers=1)), shards(model)))
+            model[2].bias = fresh(model[2].bias)
+            report["unread_setattr"] = refused(s, plan)
         out.put(("report", rank, report))
         dist.destroy_process_group()
     except BaseException:

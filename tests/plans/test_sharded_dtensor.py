@@ -170,6 +170,9 @@ def test_fsdp2_module_plan_notices_replaced_parameters_not_forward_backward():
         for how in ("assign", "setattr", "swapped"):
             assert "no longer the tensor the plan was made with" in report[how] and "nothing was sent" in report[how], (rank, how, report[how])
         assert report["replanned"] and report["after"], (rank, report)
+        # FSDP2's groups unreadable (another torch): still no false alarm, still refused
+        assert report["unread"] == (True, True), (rank, report["unread"])
+        assert "no longer the tensor the plan was made with" in report["unread_setattr"], (rank, report["unread_setattr"])
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -224,12 +224,16 @@ class _Shards:
     so a put between a forward and a backward is no false alarm. The
     planned leaves stay where they were meanwhile (FSDP2 gathers into
     memory of its own), so the address check holds in every state. A
-    slot in no group (tensor parallelism alone) is always checked."""
+    slot in no group (tensor parallelism alone) is always checked, but in
+    a module FSDP2 sharded whose groups cannot be read (another torch):
+    there a slot is checked while it holds a DTensor (FSDP2 registers
+    plain unsharded parameters)."""
 
-    def __init__(self, groups: list[Any], member: np.ndarray, dtensors: np.ndarray) -> None:
+    def __init__(self, groups: list[Any], member: np.ndarray, dtensors: np.ndarray, unread: bool = False) -> None:
         self.groups = groups
         self.member = member  # per slot: its group's index, or -1
         self.dtensors = dtensors  # slots that hold a DTensor whose local tensor is a leaf
+        self.unread = unread  # an FSDP2 module whose groups could not be read
         self._live: dict[tuple[bool, ...], tuple[np.ndarray, list, list, list]] = {}
 
     @classmethod
@@ -255,7 +259,8 @@ class _Shards:
                     groups.append(group)
         dtensors = np.fromiter((i for i, (x, t) in enumerate(zip(slotted, leaves)) if x is not t and is_shard(x) and type(x) is not Box),
                                dtype=np.int64)
-        return cls(groups, member, dtensors)
+        unread = not groups and any(hasattr(m, "_get_fsdp_state") for m in module.modules())
+        return cls(groups, member, dtensors, unread)
 
     def first_replaced(self, watch: "Watch") -> int:
         """The first slot, of those whose group is sharded now, that holds
@@ -271,9 +276,15 @@ class _Shards:
             live = self._live[state] = (idx, [dicts[i] for i in idx.tolist()], [names[i] for i in idx.tolist()],
                                         [watch.slotted[i] for i in idx.tolist()])
         idx, dicts, names, objects = live
+        shards = self.dtensors[np.append(np.asarray(state, dtype=bool), True)[self.member[self.dtensors]]] if self.dtensors.size else self.dtensors
+        if self.unread:
+            # Only the slots that hold a DTensor now (the others: unsharded).
+            holding = np.fromiter((is_shard(d.get(k)) for d, k in zip(dicts, names)), dtype=bool, count=len(dicts))
+            idx, shards = idx[holding], shards[np.isin(shards, idx[holding])]
+            keep = np.flatnonzero(holding).tolist()
+            dicts, names, objects = [dicts[j] for j in keep], [names[j] for j in keep], [objects[j] for j in keep]
         i = first_replaced(dicts, names, objects)
         first = int(idx[i]) if i >= 0 else -1
-        shards = self.dtensors[np.append(np.asarray(state, dtype=bool), True)[self.member[self.dtensors]]] if self.dtensors.size else self.dtensors
         if shards.size:
             with torch.no_grad():  # to_local() is then the local tensor itself, not a view made for autograd
                 now = data_ptrs([watch.slotted[j].to_local() for j in shards.tolist()])
