@@ -311,3 +311,69 @@ def test_range_lists(examples):
         assert all(len(v) <= len(memory) for v in out)
 
     run(examples, ranges_st, check)
+
+
+# -- the same range lists and frames at a live, authenticated tcp sender -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def live_sender():
+    from tensorferry import Sender
+
+    with Sender("tcp", capacity_nbytes=8 << 20, token=TOKEN) as sender:
+        ticket = sender.put({"a": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3, 5)}, readers=None)
+        yield sender, ticket
+        sender.discard(ticket)
+
+
+after_auth_st = st.tuples(
+    st.one_of(ranges_st.map(lambda case: case[1]), st.just(b"")),
+    st.integers(0, 1 << 62),
+    st.one_of(st.just(b""), frames_st),
+)
+
+
+@pytest.mark.parametrize("examples", RUNS)
+def test_an_authenticated_peer_fuzzing_fetches_and_frames(live_sender, examples):
+    """After the handshake and an Acquire: a Fetch with any range list and
+    start, then any bytes. The sender answers (a Failure, or exactly the
+    bytes announced) or closes that connection, and keeps serving others."""
+    from tensorferry import Receiver
+    from tensorferry.transports import open_control
+
+    sender, ticket = live_sender
+
+    def check(case) -> None:
+        ranges, start, tail = case
+        sock, _, session = open_control(sender.address, token=TOKEN)
+        with sock:
+            P.send_msg(sock, session.sign(P.Acquire(ticket_id=ticket.id, digest=ticket.digest)))
+            assert isinstance(P.recv_msg(sock), P.Located)
+            P.send_msg(sock, P.Fetch(ticket_id=ticket.id, ranges=ranges, start=start))
+            try:
+                reply = P.recv_msg(sock, deadline=time.monotonic() + 10.0)
+            except TensorferryError:
+                return  # closed on us: allowed
+            if isinstance(reply, tuple):
+                _, nbytes = reply
+                if ranges:
+                    assert nbytes == int(np.frombuffer(ranges, dtype="<i8").reshape(-1, 2)[:, 1].sum())
+                else:
+                    assert nbytes == max(0, ticket.total_nbytes - start)
+                left = nbytes
+                while left:
+                    chunk = sock.recv(min(left, 1 << 20))
+                    assert chunk
+                    left -= len(chunk)
+            else:
+                assert isinstance(reply, P.Failure)
+            if tail:
+                try:
+                    sock.sendall(tail)
+                except OSError:
+                    pass
+
+    run(examples, after_auth_st, check)
+    with Receiver("tcp", token=TOKEN, timeout=20.0) as r:
+        got = r.get(ticket)
+        assert torch.equal(got["a"], torch.arange(50_000, dtype=torch.float32))
