@@ -92,7 +92,9 @@ class SourceDelta:
         # channel that maps the sender's memory copies the whole share
         # faster than it applies a delta past the same-host limit.
         dense = d is not None and ch.maps_sender_memory and d.nbytes > SAME_HOST_MAX_FRACTION * ticket.total_nbytes
-        if d is not None and d.base and d.base == holds and not dense and not ticket.streamed and len(ticket.blocks) == 1:
+        # (A put streamed for want of pool room offers no delta; a
+        # snapshot=False put's pieces are the tensors, its delta a block.)
+        if d is not None and d.base and d.base == holds and not dense:
             self.last_nbytes = self._receive(ch, ticket, deadline, relay if stream is not None and ch.relays else "",
                                              stream if ch.relays else None)
         else:
