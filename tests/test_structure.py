@@ -16,7 +16,7 @@ PACKAGE = Path(tensorferry.__file__).resolve().parent
 # What a user imports by name or runs; everything else lives in a layer's folder.
 ROOT_MODULES_MAX = 8
 MODULE_LINES_MAX = 500
-LAYERS = ("wire", "memory", "tensors", "copy", "plans", "execution", "transports", "ray", "monitor", "cli")
+LAYERS = ("wire", "memory", "tensors", "copy", "plans", "execution", "transports", "ray", "vllm", "monitor", "cli")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -51,7 +51,8 @@ from .transports import (
     SameHostReads,
     channel_class,
     is_loopback,
-    resolve_token, tls_context,
+    resolve_token,
+    tls_context,
 )
 from .wire import Ticket, TransportName, packing
 
@@ -343,31 +344,14 @@ class Receiver:
             raise ConfigurationError("this Receiver is closed; make a new one (and new plans: a plan belongs to its receiver)")
 
     def stats(self) -> dict[str, int]:
-        """This receiver's counters and its receive cache's figures.
+        """This receiver's counters and its receive cache's figures, by key.
 
-        ``gets`` (completed gets); ``bytes_received`` (bytes completed gets
-        read from senders and relays: a get that read a delta counts the
-        delta's bytes, a sharded get its own slices); ``delivered_nbytes``
-        (tensor bytes of the objects completed gets returned: a delta get
-        counts its whole object);
-        ``cache_capacity_nbytes`` (the cap, 0: off), ``cache_cached_nbytes``
-        and ``cache_cached_buffers`` (idle memory kept, already faulted in),
-        ``cache_live_nbytes`` (the cache's memory held by results alive now),
-        ``cache_hits`` (gets that reused memory), ``cache_misses`` (gets that
-        mapped new memory the cache will keep), ``cache_bypassed`` (new memory
-        it will not keep: under 1 MiB, over the cap, or the cache off),
-        ``cache_taken_nbytes``, ``cache_trimmed_nbytes`` (unmapped after
-        sitting idle, or at close) and ``cache_evicted_nbytes`` (unmapped to
-        stay within the cap). ``relay_memory_read_nbytes`` and
-        ``relay_stream_nbytes``: bytes this receiver copied out of same-host
-        relays' memory and took from relays as tcp streams;
-        ``relay_file_read_nbytes``: of the memory reads, those out of a
-        mapping of the relay's memfd (where process_vm_readv was refused);
-        ``relay_nixl_read_nbytes``: bytes it READ out of nixl relays. A
-        relaying receiver adds ``relay_bytes_sent`` (passed on to its
-        children, any way), ``relay_bytes_lent`` (of which same-host children
-        copied out of its memory), ``relay_bytes_exposed`` (of which nixl
-        children READ) and ``relay_held_nbytes`` (tickets kept for them).
+        ``gets``, ``bytes_received`` (what completed gets read from senders
+        and relays: a delta get counts the delta, a sharded get its own
+        slices), ``delivered_nbytes`` (tensor bytes of the objects they
+        returned), ``cache_*`` (the receive cache), ``relay_*`` (reads of
+        relays, and what a relaying receiver passed on). Every key, its unit
+        and what it counts: ``docs/reference/stats.md``.
         """
         cache = self._cache.stats()
         reads = self._same_host_reads

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..copy import PARALLEL_MIN_NBYTES, copy_threads, native_nan_bits, run_parts
-from ..errors import ConfigurationError, PoolExhaustedError
+from ..errors import ConfigurationError, PoolExhaustedError, ProtocolError
 from ..memory import Block
 from ..wire import Layout
 
@@ -448,7 +448,8 @@ def apply_records(records: "torch.Tensor", runs: tuple[np.ndarray, np.ndarray, n
     GIL. Returns the words seen.
 
     Raises:
-        ValueError: a malformed record (from the network: checked record by record).
+        ValueError: a malformed record (from the network: checked record by record, in C).
+        ProtocolError: records shorter than the index they end with.
     """
     return _apply(records, records.numel(), runs, table, partial=True)
 
@@ -456,6 +457,6 @@ def apply_records(records: "torch.Tensor", runs: tuple[np.ndarray, np.ndarray, n
 def _apply(delta: "torch.Tensor", nbytes: int, runs: tuple[np.ndarray, np.ndarray, np.ndarray], table: ChunkTable, *, partial: bool) -> int:
     pos, addr, length = runs
     if nbytes < 0:  # the records, without the index a delta of shards ends with
-        raise ValueError(f"{delta.numel()} bytes, shorter than its index of {table.index_nbytes} bytes")
+        raise ProtocolError(f"{delta.numel()} bytes, shorter than its index of {table.index_nbytes} bytes")
     return native.apply(delta.data_ptr(), nbytes, pos.ctypes.data, addr.ctypes.data, length.ctypes.data, pos.size,
                         table.offsets.ctypes.data, table.words.ctypes.data, table.word_nbytes.ctypes.data, table.count, partial)

@@ -98,7 +98,7 @@ def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Call
                         ch.read_into(sub.id, 0, blocks, [src], deadline=deadline)
                 try:
                     apply_delta(src, runs, table)
-                except ValueError as exc:
+                except (ValueError, ProtocolError) as exc:
                     raise ProtocolError(f"the delta of ticket {ticket.id} is malformed: {exc}") from exc
         finally:
             ch.release(sub.id, 0, timeout=max(deadline - time.monotonic(), 5.0))

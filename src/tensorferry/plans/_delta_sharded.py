@@ -177,7 +177,7 @@ class SourceDelta:
     def _apply_records(self, buf: torch.Tensor, ticket_id: int) -> None:
         try:
             apply_records(buf, self.runs, self.table)
-        except ValueError as exc:
+        except (ValueError, ProtocolError) as exc:
             raise ProtocolError(f"the delta of ticket {ticket_id} is malformed: {exc}; the targets hold no version now: "
                                 "the next get reads the whole object") from exc
 
