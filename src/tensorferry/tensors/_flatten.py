@@ -19,7 +19,7 @@ import torch
 from ..errors import UnsupportedTensorError
 from ..shards import Box, is_shard, local_box
 from ..wire import NO_ALIASES, Layout, TreeOp
-from ._meta import NOT_SENDABLE, read_columns
+from ._meta import NOT_SENDABLE, all_plain, read_columns
 from ._types import _CODE_BY_TORCH, _PLAIN_TENSOR_TYPES, _get_dtype, _get_shape, _path, listed
 
 try:
@@ -151,7 +151,7 @@ def flatten(obj: Any, boxes: list | None = None) -> tuple[list[torch.Tensor], li
             counts.append(len(x))
             # Fast path: a flat sequence of plain tensors (model parameters).
             # Its leaves are checked in bulk by inspect_leaves.
-            if x and set(map(type, x)) <= _PLAIN_TENSOR_TYPES:
+            if x and all_plain(x):
                 leaves.extend(x)
                 ops.append(TreeOp.LEAVES)
                 counts.append(len(x))
@@ -266,7 +266,7 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     n = len(leaves)
     # Plain tensors: every column in one C++ pass (a tenth of the Python
     # passes below, which stay for the rest and for what it cannot read).
-    cols = read_columns(leaves) if n and set(map(type, leaves)) <= _PLAIN_TENSOR_TYPES else None
+    cols = read_columns(leaves) if n and all_plain(leaves) else None
     if cols is not None and not (cols.codes == NOT_SENDABLE).any():
         lay = Layout(cols.codes, cols.ndims.astype(np.uint8), cols.sizes, np.asarray(ops, dtype=np.uint8),
                      np.asarray(counts, dtype=np.int64), tuple(keys), _find_aliases(leaves, cols.ptrs))

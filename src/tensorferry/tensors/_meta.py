@@ -25,14 +25,14 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedTensorError
-from ._types import _CODE_BY_TORCH, _TORCH_BY_CODE
+from ._types import _CODE_BY_TORCH, _PLAIN_TENSOR_TYPES, _TORCH_BY_CODE
 
 try:
     from . import _ptrs as _native
 except ImportError:  # installed without a C++ compiler: Python passes
     _native = None
 
-__all__ = ["TensorColumns", "read_columns", "Recorded", "native", "NOT_SENDABLE"]
+__all__ = ["TensorColumns", "read_columns", "Recorded", "native", "NOT_SENDABLE", "all_plain"]
 
 # The code of a dtype that has none on the wire (complex32, quantized, ...).
 NOT_SENDABLE = 255
@@ -88,29 +88,61 @@ def _bind() -> bool:
 
 native = _bind()
 
-# torch's operator entry points for the negative and conjugate bits (C++
-# symbols libtorch exports: at::_ops::is_neg::call, at::_ops::is_conj::call).
-_BITS_SYMBOLS = ("_ZN2at4_ops6is_neg4callERKNS_6TensorE", "_ZN2at4_ops7is_conj4callERKNS_6TensorE")
+# C++ functions libtorch exports that read the negative and conjugate bits,
+# the first pair found: the kernels (at::native::is_neg, is_conj: a bit of
+# the key set, ~1 ns), else the operator entry points (at::_ops::is_neg::call,
+# is_conj::call: through the dispatcher, ~20 ns a tensor and call). The
+# kernels are what the dispatcher reaches for a plain tensor (is_neg and
+# is_conj are CompositeImplicitAutograd; the Negative and Conjugate keys
+# fall through for them).
+_BITS_SYMBOLS = (("_ZN2at6native6is_negERKNS_6TensorE", "_ZN2at6native7is_conjERKNS_6TensorE"),
+                 ("_ZN2at4_ops6is_neg4callERKNS_6TensorE", "_ZN2at4_ops7is_conj4callERKNS_6TensorE"))
 
 
 def _bind_bits() -> bool:
     if not native:
         return False
-    try:
-        neg, conj = _addresses(_BITS_SYMBOLS)
-        if not _native.bind_bits(neg, conj):
-            return False
-        # Told right on both kinds of view, or not used.
-        x = torch.zeros(2, dtype=torch.complex64)
-        probe = [x, x.conj(), x.conj().imag, torch.zeros(2)]
-        raw = np.empty(4, np.uint8)
-        if _native.columns(probe, np.empty(4, np.int64), np.empty(4, np.int32), np.empty(4, np.int64), raw, np.empty(4, np.int32))[0] < 0 \
-                and raw.tolist() == [1, 0, 0, 1]:
-            return True
-    except (OSError, AttributeError, ValueError, TypeError):
-        pass
+    for symbols in _BITS_SYMBOLS:
+        try:
+            neg, conj = _addresses(symbols)
+            if not _native.bind_bits(neg, conj):
+                continue
+            # Told right on both kinds of view, or not used.
+            x = torch.zeros(2, dtype=torch.complex64)
+            probe = [x, x.conj(), x.conj().imag, torch.zeros(2), torch._neg_view(torch.zeros(2)), torch.nn.Parameter(x).conj()]
+            raw = np.empty(len(probe), np.uint8)
+            k = len(probe)
+            if _native.columns(probe, np.empty(k, np.int64), np.empty(k, np.int32), np.empty(k, np.int64), raw, np.empty(k, np.int32))[0] < 0 \
+                    and raw.tolist() == [1, 0, 0, 1, 0, 0]:
+                return True
+        except (OSError, AttributeError, ValueError, TypeError):
+            pass
     _native.bind_bits(0, 0)
     return False
+
+
+def _bind_plain() -> bool:
+    """Tell the extension the exact types a fast walk takes as plain
+    tensors (:func:`all_plain`, and no subtype walk a tensor in columns)."""
+    if not native or not hasattr(_native, "bind_plain"):
+        return False
+    try:
+        _native.bind_plain(tuple(_PLAIN_TENSOR_TYPES))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+_PLAIN = _bind_plain()
+
+
+def all_plain(items: Sequence[object]) -> bool:
+    """Whether every item's exact type is a plain tensor type (torch.Tensor,
+    nn.Parameter): one C loop over a list where built (100k: ~0.1 ms,
+    against 1 ms for ``set(map(type, items))``)."""
+    if _PLAIN and type(items) is list:
+        return _native.first_not_plain(items) < 0
+    return set(map(type, items)) <= _PLAIN_TENSOR_TYPES
 
 
 _BITS = _bind_bits()
