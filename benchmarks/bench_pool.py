@@ -393,6 +393,48 @@ def measure_layout_only(count: int) -> dict[str, Any]:
             "num_tensors": count, "padding_nbytes": padded}
 
 
+# -- focused: pack against one plain copy ---------------------------------------
+
+
+PACK_COPY_COUNTS = (10_000, 100_000)
+
+
+def measure_pack_vs_copy(storage: torch.Tensor, pool: tensorferry.MemoryPool, copy_dst: torch.Tensor,
+                         rounds: int) -> list[Case]:
+    """``--only pack-copy``: a fresh pack of 10k and of 100k views of the
+    256 MiB storage against one plain copy (``copy_``) and memcpy of the
+    same bytes, interleaved call by call, ``rounds`` of each; no Ray, no
+    memory children. Checked after timing: the unpacked views are the
+    sources, byte for byte."""
+    src = storage.view(torch.uint8)
+    dst = copy_dst[: src.numel()]
+    dst_np, src_np = dst.numpy(), src.numpy()
+    cases = []
+    for n in PACK_COPY_COUNTS:
+        views = make_views(storage, n)
+        case = Case(f"views_{n}", f"{n:,} views of 256 MiB", views, src, num_views=n)
+        timed(dst.copy_, src)
+        timed(np.copyto, dst_np, src_np)
+        timed(pool.pack, views)[1].release()
+        samples: dict[str, list[float]] = {"copy": [], "memcpy": [], "tf_pack": []}
+        for _ in range(rounds):
+            samples["copy"].append(timed(dst.copy_, src)[0])
+            samples["memcpy"].append(timed(np.copyto, dst_np, src_np)[0])
+            t, p = timed(pool.pack, views)
+            samples["tf_pack"].append(t)
+            p.release()
+        case.results.update({k: summary(v) for k, v in samples.items()})
+        p = pool.pack(views)
+        out = pool.unpack(p)
+        case.results["ok"] = len(out) == n and all(torch.equal(byte_view(o), byte_view(t)) for o, t in zip(out, views))
+        case.results["tf_copy_runs"] = p.copy_runs
+        case.results["num_tensors"] = n
+        del out
+        p.release()
+        cases.append(case)
+    return cases
+
+
 # -- memory --------------------------------------------------------------------
 
 
@@ -498,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1; see the module doc)")
     ap.add_argument("--memory-child", nargs=2, metavar=("IMPL", "CASE"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for bench_pool.json and .png")
+    ap.add_argument("--only", choices=("pack-copy",), help="pack-copy: only a pack of 10k and 100k views against one "
+                    "plain copy (no Ray, no memory children; writes bench_pool_pack_copy.json)")
+    ap.add_argument("--rounds", type=int, default=9, help="--only pack-copy: timed calls of each (median; at least 5)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -511,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
               "other processes share this machine, expect noise", file=sys.stderr)
 
     storage = make_storage()
+    if args.only == "pack-copy":
+        return main_pack_copy(args, env, load_start, storage, max(5, args.rounds))
     cases = build_cases(storage)
     pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
     ray_mgr = ray_pool.MemoryPoolManager(POOL_NBYTES, torch.device("cpu"))
@@ -562,6 +609,35 @@ def main(argv: list[str] | None = None) -> int:
           f"({doc['wall_seconds']:.0f} s)")
     if not doc["all_checks_ok"]:
         print("FAILED: a result check did not pass (see 'checks' in the JSON)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_pack_copy(args: argparse.Namespace, env: dict[str, Any], load_start: tuple[float, ...],
+                   storage: torch.Tensor, rounds: int) -> int:
+    """``--only pack-copy``: measure, print and write the pack-against-copy ratios."""
+    from _pool_report import pack_copy_targets, print_pack_copy
+
+    t_start = time.perf_counter()
+    pool = tensorferry.MemoryPool(POOL_NBYTES, prefault=True)
+    cases = measure_pack_vs_copy(storage, pool, touched_bytes(STORAGE_NBYTES), rounds)
+    env["loadavg_1min_start_end"] = [round(load_start[0], 2), round(os.getloadavg()[0], 2)]
+    targets = pack_copy_targets({c.key: c for c in cases})
+    print_pack_copy(cases, targets, env)
+    doc = {
+        "environment": env,
+        "settings": {"storage_nbytes": STORAGE_NBYTES, "view_counts": PACK_COPY_COUNTS, "rounds": rounds,
+                     "only": "pack-copy", "pretouched": "tensorferry pool prefault=True (MAP_POPULATE); copy dst filled"},
+        "cases": {c.key: {"label": c.label, "num_views": c.num_views, **c.results} for c in cases},
+        "targets": targets,
+        "all_checks_ok": all(c.results["ok"] for c in cases),
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = write_result(args.out / "bench_pool_pack_copy.json", doc, {f"pool:{t['key']}": t["measured"] for t in targets})
+    print(f"wrote {path} ({doc['wall_seconds']:.0f} s)")
+    if not doc["all_checks_ok"]:
+        print("FAILED: an unpacked view differs from its source", file=sys.stderr)
         return 1
     return 0
 
