@@ -187,9 +187,12 @@ def read_columns(tensors: Sequence[torch.Tensor]) -> TensorColumns | None:
     bad, sizes, strides = _native.columns(tensors, ptrs, dtypes, ndims, contiguous, devices)
     if bad >= 0:
         return None
-    known = (dtypes >= 0) & (dtypes < _CODE_BY_NUMBER.size)
-    codes = np.full(n, NOT_SENDABLE, dtype=np.uint8)
-    codes[known] = _CODE_BY_NUMBER[dtypes[known]]
+    if n and 0 <= int(dtypes.min()) and int(dtypes.max()) < _CODE_BY_NUMBER.size:
+        codes = _CODE_BY_NUMBER[dtypes]  # one gather; the masked one below costs 4x at 100k
+    else:
+        known = (dtypes >= 0) & (dtypes < _CODE_BY_NUMBER.size)
+        codes = np.full(n, NOT_SENDABLE, dtype=np.uint8)
+        codes[known] = _CODE_BY_NUMBER[dtypes[known]]
     return TensorColumns(ptrs, codes, ndims, np.frombuffer(sizes, np.int64), np.frombuffer(strides, np.int64),
                          contiguous.view(bool), devices == _CPU, dtypes, _BITS)
 
