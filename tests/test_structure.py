@@ -169,3 +169,15 @@ def test_every_public_name_is_importable_from_its_package():
         module = importlib.import_module(package)
         for name in module.__all__:
             assert getattr(module, name) is not None, f"{package}.{name}"
+
+
+def test_no_benchmark_file_is_over_600_lines():
+    """The benchmarks are a suite: what they repeat lives in their harness
+    (benchmarks/_harness.py, _common.py), and no file grows past 600 lines."""
+    benchmarks = PACKAGE.parents[1] / "benchmarks"
+    if not benchmarks.is_dir():  # an installed package, not a checkout
+        import pytest
+
+        pytest.skip(f"no benchmarks/ beside {PACKAGE.parent}: not a checkout")
+    long = {p.name: n for p in benchmarks.glob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
