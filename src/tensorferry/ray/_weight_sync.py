@@ -123,10 +123,16 @@ class WeightSync:
 
         self._wait_prepared()
         t0 = time.monotonic()
-        version = self._versions([t.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout,
-                                                         self.delta)
-                                  for t in self.trainers])
-        refs = [w.__ray_call__.remote(_actor_update, version, self._targets, self.timeout) for w in self.workers]
+        published = [t.__ray_call__.remote(_actor_publish, self._state_dict, self.timeout, self.capacity_nbytes, self.dtype, self.fanout, self.delta)
+                     for t in self.trainers]
+        version = self._versions(published)  # raises what a publish raised, before any worker is called
+        # One trainer: the workers get the trainer's own object, by ref. A
+        # version's tickets carry the whole layout (two tickets of 275 KB
+        # for the benchmark's 100k tensors); passed by value, the driver
+        # would pickle it again for every worker and Ray would put each copy
+        # in its object store (arguments over 100 KB go there).
+        arg = version if self._sharded else published[0]
+        refs = [w.__ray_call__.remote(_actor_update, arg, self._targets, self.timeout) for w in self.workers]
         worker_seconds = ray.get(refs)
         seconds = time.monotonic() - t0
         first = version[0] if self._sharded else version
