@@ -82,7 +82,7 @@ TARGET_BYTES_VS_SHARE = 1.0
 TARGET_SHARDED_VS_UNSHARDED = 1.3
 TARGET_GATHER_VS_SHARDED = 3.0
 TARGET_SHARDED_VS_LINK = 1.3
-TOKEN = "bench-sharded"  # servers off loopback need one
+TOKEN = "bench-sharded-token"  # servers off loopback need one (16 bytes at least)
 _CLONE_NEWNET = 0x40000000
 
 
