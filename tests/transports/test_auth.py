@@ -447,15 +447,41 @@ def test_a_sender_of_version_1_is_reported_with_both_versions():
     t.join(5.0)
 
 
-OLD_TREE = Path(os.environ.get("TENSORFERRY_OLD_TREE", "/work/tf-old"))
+@pytest.fixture(scope="module")
+def version_1_tree(tmp_path_factory) -> Path:
+    """The package as it was just before protocol version 2: from this
+    checkout's own git history (the parent of the commit that bumped the
+    version), or ``TENSORFERRY_OLD_TREE`` where a tree is given."""
+    import io
+    import tarfile
+
+    given = os.environ.get("TENSORFERRY_OLD_TREE")
+    if given:
+        return Path(given)
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, timeout=60)
+
+    bumps = git("log", "--format=%H", "-S", "VERSION = 2", "--", ":/src/tensorferry/wire/protocol.py")
+    if bumps.returncode != 0 or not bumps.stdout.split():
+        pytest.skip(f"no git history of the version bump here ({bumps.stderr.decode().strip() or 'not found'}): "
+                    "a shallow clone, or not a checkout; set TENSORFERRY_OLD_TREE to a version 1 tree")
+    top = git("rev-parse", "--show-toplevel").stdout.decode().strip()
+    archive = subprocess.run(["git", "archive", bumps.stdout.split()[-1].decode() + "^", "src"], cwd=top, capture_output=True, timeout=60)
+    if archive.returncode != 0:
+        pytest.skip(f"git archive of the version 1 tree failed: {archive.stderr.decode().strip()}")
+    out = tmp_path_factory.mktemp("protocol-v1")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(out, filter="data")
+    return out
 
 
-@pytest.mark.skipif(not (OLD_TREE / "src" / "tensorferry" / "_protocol.py").exists(), reason="no tree of protocol version 1 here")
-def test_a_real_version_1_tree_both_ways():
-    env = {**os.environ, "PYTHONPATH": str(OLD_TREE / "src")}
+def test_a_real_version_1_tree_both_ways(version_1_tree):
+    env = {**os.environ, "PYTHONPATH": str(version_1_tree / "src")}
     old_sender = subprocess.Popen(
         [sys.executable, "-c", "import sys, tensorferry as tf; s = tf.Sender('tcp', capacity_nbytes=1 << 20); print(s.address, flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=OLD_TREE,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=version_1_tree,
     )
     try:
         address = old_sender.stdout.readline().strip()
@@ -465,8 +491,9 @@ def test_a_real_version_1_tree_both_ways():
         old_sender.stdin.close()
         old_sender.wait(30)
     with Sender("tcp", capacity_nbytes=MiB) as sender:
-        code = ("import socket; from tensorferry import _protocol as P; host, port = %r.rsplit(':', 1); "
+        code = ("import socket\ntry:\n    from tensorferry.wire import protocol as P\nexcept ImportError:\n    from tensorferry import _protocol as P\n"
+                "host, port = %r.rsplit(':', 1); "
                 "s = socket.create_connection((host, int(port))); P.send_msg(s, P.Hello(transport='tcp')); P.recv_msg(s)") % sender.address
-        old_receiver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=OLD_TREE, timeout=60)
+        old_receiver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=version_1_tree, timeout=60)
     assert old_receiver.returncode != 0
     assert "peer speaks protocol version 2, we speak 1" in old_receiver.stderr
