@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 
-import numpy as np
 import pytest
 import torch
 from _transfer_helpers import require
@@ -86,8 +85,8 @@ def test_advertise_host_must_be_an_address_peers_can_use(advertise):
 # -- a range read of many small ranges, straight into the targets ----------------------
 
 
-def test_recv_runs_fills_many_small_runs_in_order_from_a_dripping_sender():
-    """``_recv_runs`` over a real socket pair: runs of random sizes (empty
+def test_scatter_receive_fills_many_small_runs_in_order_from_a_dripping_sender():
+    """``recv_scatter_into`` over a real socket pair: runs of random sizes (empty
     ones included, at the start, in the middle and at the end), the bytes
     sent in chunks that end anywhere inside a run; every run gets its bytes."""
     import random
@@ -95,7 +94,7 @@ def test_recv_runs_fills_many_small_runs_in_order_from_a_dripping_sender():
     import threading
     import time
 
-    from tensorferry.transports._tcp import _recv_runs
+    from tensorferry.wire.protocol import recv_scatter_into
 
     rng = random.Random(5)
     sizes = [0, 0] + [rng.choice((0, 1, 7, 64, 8192, 20_000)) for _ in range(3000)] + [0]
@@ -113,7 +112,7 @@ def test_recv_runs_fills_many_small_runs_in_order_from_a_dripping_sender():
 
         t = threading.Thread(target=drip)
         t.start()
-        _recv_runs(b, views, np.cumsum(np.array(sizes, dtype=np.int64)), deadline=time.monotonic() + 60)
+        recv_scatter_into(b, views, deadline=time.monotonic() + 60)
         t.join()
     finally:
         a.close()
@@ -121,12 +120,12 @@ def test_recv_runs_fills_many_small_runs_in_order_from_a_dripping_sender():
     assert b"".join(bytes(x) for x in bufs) == payload
 
 
-def test_recv_runs_says_how_far_it_got_when_the_sender_hangs_up():
+def test_scatter_receive_says_how_far_it_got_when_the_sender_hangs_up():
     import socket
     import time
 
     from tensorferry.errors import PeerGoneError
-    from tensorferry.transports._tcp import _recv_runs
+    from tensorferry.wire.protocol import recv_scatter_into
 
     bufs = [bytearray(10) for _ in range(500)]
     a, b = socket.socketpair()
@@ -134,8 +133,7 @@ def test_recv_runs_says_how_far_it_got_when_the_sender_hangs_up():
         a.sendall(b"x" * 1234)
         a.close()
         with pytest.raises(PeerGoneError, match="after 1,234 of 5,000 bytes"):
-            _recv_runs(b, [memoryview(x) for x in bufs], np.cumsum(np.full(500, 10, dtype=np.int64)),
-                       deadline=time.monotonic() + 10)
+            recv_scatter_into(b, [memoryview(x) for x in bufs], deadline=time.monotonic() + 10)
     finally:
         b.close()
 

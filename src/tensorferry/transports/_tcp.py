@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..copy import CopyPlan
-from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError, TransferTimeoutError
+from ..errors import ConfigurationError, PeerGoneError, ProtocolError, TransferError
 from ..wire import packing
 from ..wire import protocol as P
 from ._base import Connection, ControlServer
@@ -254,10 +254,9 @@ def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
 
 # 16 bytes a range: 64k ranges make a 1 MiB Fetch, far inside a frame.
 _RANGES_PER_FETCH = 1 << 16
-# Beyond this many ranges averaging under this size, a range read hands
-# recvmsg_into only as many ranges as a call fills (handing IOV_MAX each call
-# cost more than copying the bytes once more), and with TLS, one recv a
-# buffer, goes through a scratch buffer (the same bounds as a one-shot get's scatter).
+# Beyond this many ranges averaging under this size, a range read over TLS
+# (one recv a buffer) goes through a scratch buffer (the same bounds as a
+# one-shot get's scatter).
 _SCATTER_MAX_RANGES = 256
 _SCATTER_MIN_MEAN_NBYTES = 256 << 10
 _STAGE_NBYTES = 16 << 20
@@ -283,39 +282,6 @@ def _scratch() -> Iterator[torch.Tensor]:
         with _scratch_lock:
             if len(_scratch_free) < _SCRATCH_KEPT:
                 _scratch_free.append(buf)
-
-
-def _recv_runs(sock: socket.socket, views: list[memoryview], ends: np.ndarray, *, deadline: float) -> None:
-    """Fill ``views`` (``ends``: their cumulative sizes) in order from a
-    plain socket with ``recvmsg_into``, straight into their memory.
-
-    For many small runs (a column slice's rows): each call is handed only
-    about twice as many runs as the last one filled, not ``IOV_MAX``: a
-    call returns what loopback has buffered, and every run handed over
-    costs a buffer request whether it is filled or not.
-    """
-    total, got, n = int(ends[-1]) if ends.size else 0, 0, len(views)
-    i, want, head = int(np.searchsorted(ends, 0, side="right")), 64, None
-    while i < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes")
-        sock.settimeout(left)
-        batch = views[i : i + want]
-        if head is not None:
-            batch[0] = head
-        try:
-            k = sock.recvmsg_into(batch)[0]
-        except TimeoutError as exc:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes") from exc
-        except OSError as exc:
-            raise PeerGoneError(f"the sender's connection broke after {got:,} of {total:,} bytes ({exc})") from exc
-        if k == 0:
-            raise PeerGoneError(f"the sender closed the connection after {got:,} of {total:,} bytes")
-        got += k
-        i = int(np.searchsorted(ends, got, side="right"))
-        head = views[i][len(views[i]) - (int(ends[i]) - got) :] if i < n and int(ends[i]) - got < len(views[i]) else None
-        want = max(16, min(P.IOV_MAX, int(np.searchsorted(ends, got + 2 * k, side="right")) - i + 1))
 
 
 class TcpChannel(Channel):
@@ -368,9 +334,10 @@ class TcpChannel(Channel):
     def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
         """Fetches of only these ranges (at most ``_RANGES_PER_FETCH`` a
         frame), received straight into their local memory; many small ones
-        (a row-parallel slice of a row-sharded tensor: a run per row) a few
-        calls' worth at a time (:func:`_recv_runs`), or with TLS through a
-        scratch buffer, copied out by address."""
+        (a row-parallel slice of a row-sharded tensor: a run per row) too,
+        a few calls' worth of runs at a time (see
+        :func:`~tensorferry.wire.protocol.recv_scatter_into`), or with TLS
+        through a scratch buffer, copied out by address."""
         for lo in range(0, pos.size, _RANGES_PER_FETCH):
             part = slice(lo, lo + _RANGES_PER_FETCH)
             self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([pos[part], nbytes[part]], axis=1))
@@ -383,11 +350,7 @@ class TcpChannel(Channel):
             # a tenth of a ctypes buffer each; only the slices are ever written).
             lo = int(a.min())
             span = memoryview((ctypes.c_char * (int((a + n).max()) - lo)).from_address(lo)).cast("B")
-            views = [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())]
-            if many_small:
-                _recv_runs(self.sock, views, np.cumsum(n), deadline=deadline)
-            else:
-                P.recv_scatter_into(self.sock, views, deadline=deadline)
+            P.recv_scatter_into(self.sock, [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())], deadline=deadline)
 
     def receive_ranges(self, ticket_id, piece, blocks, pos, nbytes, buf, start, progress, *, deadline, chunk_nbytes):
         """Fetches of the ranges from ``start`` on (at most
