@@ -61,6 +61,8 @@ def test_columns_are_what_torch_says_of_every_kind_of_tensor(mode):
     want = raw if cols.raw_bits else [t.is_contiguous() for t in ts]
     assert cols.contiguous.tolist() == want
     assert cols.cpu.all()
+    if mode == "c++":  # the C++ pass reads the element counts with the sizes; the Python one leaves them to the Layout
+        assert cols.numels.tolist() == [t.numel() for t in ts]
     rec = tm.Recorded(ts)
     assert rec.numels().tolist() == [t.numel() for t in ts]
     assert [rec.shape_of(i) for i in range(len(ts))] == [(tuple(t.shape), t.stride()) for t in ts]
@@ -117,3 +119,36 @@ def test_many_tensors_are_checked_to_the_last(mode):
     assert rec.first_changed(ts) == 4999
     assert rec.first_changed(ts[:10]) == 10  # fewer tensors than recorded
     assert np.array_equal(rec.ptrs, np.array([t.data_ptr() for t in ts], dtype=np.int64))
+
+
+def test_a_local_layout_is_the_layout_built_from_the_same_columns(mode):
+    # A pack's Layout.of_local takes the element counts the pass read
+    # instead of recomputing them; all it derives from them must be what
+    # the checked constructor derives (0-d, empty and tied tensors too).
+    from tensorferry.tensors._flatten import flatten, inspect_leaves
+    from tensorferry.wire._layout import Layout
+
+    ts = _kinds()
+    obj = {"kinds": ts, "tied": ts[0], "again": ts[7]}
+    leaves, ops, counts, keys, _ = flatten(obj)
+    local = inspect_leaves(obj, leaves, ops, counts, keys).layout
+    assert local.aliases.tolist() == [[len(ts), 0], [len(ts) + 1, 7]]
+    checked = Layout(local.dtype_codes, local.ndims, local.dims, local.tree_ops, local.tree_counts, local.keys, local.aliases)
+    for name in ("numels", "nbytes", "alignments"):
+        assert getattr(local, name).tolist() == getattr(checked, name).tolist(), name
+    assert local.numels.tolist() == [t.numel() for t in leaves]
+    assert local.nbytes[-2:].tolist() == [0, 0]
+    assert local.same_as(checked) and Layout.from_bytes(local.to_bytes()).same_as(checked)
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: readable, but not one the fast passes take as plain."""
+
+
+def test_plain_only_leaves_subclasses_to_the_caller(mode):
+    ts = [torch.ones(3), torch.nn.Parameter(torch.ones(2)), torch.ones(4).as_subclass(_Marked)]
+    assert tm.read_columns(ts, plain_only=True) is None
+    cols = tm.read_columns(ts)
+    assert cols is not None and cols.ptrs.tolist() == [t.data_ptr() for t in ts]
+    plain = tm.read_columns(ts[:2], plain_only=True)
+    assert plain is not None and plain.sizes.tolist() == [3, 2]

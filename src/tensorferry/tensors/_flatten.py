@@ -266,10 +266,10 @@ def inspect_leaves(obj: Any, leaves: Sequence[torch.Tensor], ops: list[int], cou
     n = len(leaves)
     # Plain tensors: every column in one C++ pass (a tenth of the Python
     # passes below, which stay for the rest and for what it cannot read).
-    cols = read_columns(leaves) if n and all_plain(leaves) else None
+    cols = read_columns(leaves, plain_only=True) if n else None
     if cols is not None and not (cols.codes == NOT_SENDABLE).any():
-        lay = Layout(cols.codes, cols.ndims.astype(np.uint8), cols.sizes, np.asarray(ops, dtype=np.uint8),
-                     np.asarray(counts, dtype=np.int64), tuple(keys), _find_aliases(leaves, cols.ptrs))
+        lay = Layout.of_local(cols.codes, cols.ndims.astype(np.uint8), cols.sizes, np.asarray(ops, dtype=np.uint8),
+                              np.asarray(counts, dtype=np.int64), tuple(keys), _find_aliases(leaves, cols.ptrs), numels=cols.numels)
         if not any(_leaf_problem(leaves[i]) for i in np.flatnonzero(cols.ptrs == 0).tolist()):
             return _leaf_info(leaves, lay, cols.ptrs, cols.contiguous.copy(), bool(cols.cpu.all()), bits=not cols.raw_bits)
     dtypes = list(map(_get_dtype, leaves))

@@ -55,6 +55,7 @@ class TensorColumns(NamedTuple):
     cpu: np.ndarray  # bool
     numbers: np.ndarray | None = None  # int32 dtype as the shim gives it (C++ readings only)
     raw_bits: bool = False  # contiguous says whether the bytes are the values
+    numels: np.ndarray | None = None  # int64 elements of each tensor (C++ readings only)
 
     def dtype(self, i: int) -> torch.dtype | None:
         """Tensor ``i``'s dtype (None: one tensorferry does not send)."""
@@ -173,18 +174,21 @@ for _number, _dt in _DTYPE_BY_NUMBER.items():
     _CODE_BY_NUMBER[_number] = _CODE_BY_TORCH[_dt]
 
 
-def read_columns(tensors: Sequence[torch.Tensor]) -> TensorColumns | None:
+def read_columns(tensors: Sequence[torch.Tensor], *, plain_only: bool = False) -> TensorColumns | None:
     """Every tensor's columns, in one C++ pass where built (about 50 ns a
     tensor), else in Python passes. None where a tensor has no such reading
-    (not a tensor, no storage, sizes the shim cannot give): the caller's
-    slow path says why."""
+    (not a tensor, no storage, sizes the shim cannot give; with
+    ``plain_only``, a tensor subclass other than ``nn.Parameter``): the
+    caller's slow path says why."""
     tensors = tensors if type(tensors) is list else list(tensors)
     n = len(tensors)
+    if plain_only and not (native and _PLAIN) and not all_plain(tensors):
+        return None  # the C++ pass tells plain tensors only where bind_plain bound them
     if not native:
         return _python_columns(tensors)
     ptrs, dtypes, ndims = np.empty(n, np.int64), np.empty(n, np.int32), np.empty(n, np.int64)
-    contiguous, devices = np.empty(n, np.uint8), np.empty(n, np.int32)
-    bad, sizes, strides = _native.columns(tensors, ptrs, dtypes, ndims, contiguous, devices)
+    contiguous, devices, numels = np.empty(n, np.uint8), np.empty(n, np.int32), np.empty(n, np.int64)
+    bad, sizes, strides = _native.columns(tensors, ptrs, dtypes, ndims, contiguous, devices, numels, plain_only and _PLAIN)
     if bad >= 0:
         return None
     if n and 0 <= int(dtypes.min()) and int(dtypes.max()) < _CODE_BY_NUMBER.size:
@@ -194,7 +198,7 @@ def read_columns(tensors: Sequence[torch.Tensor]) -> TensorColumns | None:
         codes = np.full(n, NOT_SENDABLE, dtype=np.uint8)
         codes[known] = _CODE_BY_NUMBER[dtypes[known]]
     return TensorColumns(ptrs, codes, ndims, np.frombuffer(sizes, np.int64), np.frombuffer(strides, np.int64),
-                         contiguous.view(bool), devices == _CPU, dtypes, _BITS)
+                         contiguous.view(bool), devices == _CPU, dtypes, _BITS, numels)
 
 
 def _python_columns(tensors: list) -> TensorColumns | None:
