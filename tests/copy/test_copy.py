@@ -60,6 +60,33 @@ def test_many_small_runs_at_odd_addresses_land_exactly(monkeypatch, copies, thre
     assert np.array_equal(dst.numpy(), want)
 
 
+def test_streamed_runs_of_every_length_near_a_four_page_chunk_land_exactly(copies):
+    # A streamed run goes four pages at a time, then line by line, then byte
+    # by byte: lengths on and beside each of those edges, at destination
+    # offsets across a cache line, with guard bytes around every run.
+    chunk = 4 * 4096
+    sizes = [1024, 1087, chunk - 1, chunk, chunk + 1, chunk + 64, 2 * chunk - 63, 3 * chunk + 4095, 8 * chunk + 17]
+    heads = [0, 1, 15, 16, 33, 63]
+    lengths = np.array([n for n in sizes for _ in heads], dtype=np.int64)
+    total = int(lengths.sum())
+    assert total < _memmove._STREAM_MIN_NBYTES  # below it, memmove_runs would not stream: repeat the runs until over
+    reps = _memmove._STREAM_MIN_NBYTES // total + 1
+    lengths = np.tile(lengths, reps)
+    head_of = np.tile(np.array([h for _ in sizes for h in heads], dtype=np.int64), reps)
+    src = torch.from_numpy(np.random.default_rng(5).integers(0, 256, size=int(lengths.sum()), dtype=np.uint8))
+    offs = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    slot = ((lengths + 64 + 128 + 63) // 64) * 64  # a line-aligned slot a run, room for its head and guards
+    dst_of = np.concatenate([[0], np.cumsum(slot)[:-1]]) + 64 + head_of
+    dst = torch.full((int(slot.sum()) + 256,), 0xAB, dtype=torch.uint8)
+    base = (dst.data_ptr() + 63) // 64 * 64 - dst.data_ptr()  # line-aligned slots in the buffer
+    _copy.memmove_runs(dst_of + base + dst.data_ptr(), offs + src.data_ptr(), lengths)
+    want = np.full(dst.numel(), 0xAB, dtype=np.uint8)
+    s = src.numpy()
+    for o, do, n in zip(offs.tolist(), (dst_of + base).tolist(), lengths.tolist()):
+        want[do : do + n] = s[o : o + n]
+    assert np.array_equal(dst.numpy(), want)
+
+
 def test_overlapping_runs_copy_as_memmove_in_order(copies):
     # A run whose source and destination overlap (moved within one buffer,
     # a streaming-size batch) and two runs writing the same bytes: memmove

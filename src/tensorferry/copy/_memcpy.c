@@ -40,30 +40,52 @@
 #define STREAM_MIN_RUN 1024
 
 #if TF_STREAMING
-/* memcpy of n bytes (no overlap), the aligned body by 16-byte streaming stores. */
+/* One 64-byte line, loaded and stored by streaming (non-temporal) stores. */
+static inline void stream_line(char *d, const char *s)
+{
+    __m128i a0 = _mm_loadu_si128((const __m128i *)s);
+    __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 32));
+    __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a0);
+    _mm_stream_si128((__m128i *)(d + 16), a1);
+    _mm_stream_si128((__m128i *)(d + 32), a2);
+    _mm_stream_si128((__m128i *)(d + 48), a3);
+}
+
+#define STREAM_PAGE 4096
+#define STREAM_PAGES 4
+
+/* memcpy of n bytes (no overlap), the line-aligned body by streaming
+ * stores. Runs of four pages and more go four pages at a time, a line of
+ * each in turn, with the loads prefetched a few lines ahead: four streams
+ * of reads and writes keep more of the memory system busy than one. On
+ * this machine's 256 MiB copy: 25 ms against 30 ms line after line, the
+ * speed of glibc's own large-copy loop (which it takes only above its
+ * non-temporal threshold, three quarters of the last-level cache: here
+ * over 200 MiB, so runs of 64 MiB went through the cache at 42 ms). */
 static void stream_copy(char *d, const char *s, size_t n)
 {
-    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63;
     if (head > n)
         head = n;
     memcpy(d, s, head);
     d += head;
     s += head;
     n -= head;
-    size_t blocks = n / 64;
-    for (size_t b = 0; b < blocks; b++) {
-        __m128i a0 = _mm_loadu_si128((const __m128i *)s);
-        __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 16));
-        __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 32));
-        __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 48));
-        _mm_stream_si128((__m128i *)d, a0);
-        _mm_stream_si128((__m128i *)(d + 16), a1);
-        _mm_stream_si128((__m128i *)(d + 32), a2);
-        _mm_stream_si128((__m128i *)(d + 48), a3);
-        d += 64;
-        s += 64;
-    }
-    memcpy(d, s, n - blocks * 64);
+    const size_t chunk = STREAM_PAGE * STREAM_PAGES;
+    size_t chunks = n / chunk;
+    for (size_t c = 0; c < chunks; c++, d += chunk, s += chunk)
+        for (size_t line = 0; line < STREAM_PAGE; line += 64)
+            for (size_t p = 0; p < STREAM_PAGES; p++) {
+                _mm_prefetch(s + p * STREAM_PAGE + line + 256, _MM_HINT_T0);
+                stream_line(d + p * STREAM_PAGE + line, s + p * STREAM_PAGE + line);
+            }
+    n -= chunks * chunk;
+    size_t lines = n / 64;
+    for (size_t b = 0; b < lines; b++, d += 64, s += 64)
+        stream_line(d, s);
+    memcpy(d, s, n - lines * 64);
 }
 #endif
 
