@@ -152,3 +152,34 @@ def test_plain_only_leaves_subclasses_to_the_caller(mode):
     assert cols is not None and cols.ptrs.tolist() == [t.data_ptr() for t in ts]
     plain = tm.read_columns(ts[:2], plain_only=True)
     assert plain is not None and plain.sizes.tolist() == [3, 2]
+
+
+def test_mark_written_bumps_each_counter_once_and_skips_inference_tensors():
+    # The C++ loop over torch's own bump (where bound), and torch's binding
+    # for what it stops at: a view shares its base's counter; a tensor made
+    # under inference_mode has none and is skipped anywhere in the list,
+    # the tensors after it still marked.
+    base = torch.zeros(8)
+    view = base[2:5]
+    own = torch.ones(3)
+    param = torch.nn.Parameter(torch.ones(2))
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    before = {name: t._version for name, t in (("base", base), ("own", own), ("param", param))}
+    tm.mark_written([base, own, frozen, param])
+    assert base._version == view._version == before["base"] + 1
+    assert own._version == before["own"] + 1 and param._version == before["param"] + 1
+    tm.mark_written([view, view])  # a view bumps its base's counter, once a time it is listed
+    assert base._version == before["base"] + 3
+    assert tm._BUMP == tm.native, "torch's bump_version was not bound: marking goes through torch's binding"
+
+
+def test_a_tensor_marked_written_fails_the_backward_that_saved_it():
+    # What the marking is for: a get writes weights by address; a backward
+    # that saved them before must refuse rather than use the new values.
+    w = torch.ones(3, requires_grad=True)
+    x = w.detach().clone()
+    y = (w * x).sum()
+    tm.mark_written([x])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import ConfigurationError, LayoutMismatchError, UnsupportedTensorError
 from ..shards import Box
-from ..tensors import dtype_code, flatten, gc_paused, listed, unflatten
+from ..tensors import dtype_code, flatten, gc_paused, listed, mark_written, unflatten
 from ..wire import Boxes, Layout, box_runs, cover, packing, region
 from ._delta_sharded import SourceDelta
 from ._watch import Watch
@@ -319,7 +319,7 @@ class ShardedPlan:
                         raise first
             finally:
                 if self._versioned:
-                    torch.autograd.graph.increment_version(self._versioned)
+                    mark_written(self._versioned)
             self.last_nbytes = sum(int(s.nbytes.sum()) if d is None else d.last_nbytes for s, d in zip(self._sources, self._deltas))
         return self.result
 

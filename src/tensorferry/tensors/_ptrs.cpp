@@ -121,6 +121,7 @@ static struct {
     bool (*is_neg)(const void *); /* at::native::is_neg(const at::Tensor&) (or at::_ops::is_neg::call), or NULL */
     bool (*is_conj)(const void *);
     PyTypeObject *plain[4]; /* exact types taken as tensors without a subtype walk (bind_plain) */
+    void (*bump_version)(const void *); /* torch::autograd::impl::bump_version(const at::Tensor&), or NULL */
 } shim;
 
 static inline bool is_plain(PyTypeObject *type)
@@ -329,6 +330,51 @@ static bool fits(Py_buffer *b, Py_ssize_t n, Py_ssize_t itemsize, const char *wh
     return true;
 }
 
+/* bind_bump(address): torch::autograd::impl::bump_version(const
+ * at::Tensor&), which libtorch exports (what torch.autograd.graph.
+ * increment_version calls a tensor, after ~190 ns of its own argument
+ * conversion); 0 unbinds it. */
+static PyObject *bind_bump(PyObject *self, PyObject *args)
+{
+    unsigned long long address;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "K", &address))
+        return NULL;
+    shim.bump_version = (void (*)(const void *))(uintptr_t)address;
+    Py_RETURN_NONE;
+}
+
+/* bump_versions(tensors) -> -1, or the first i not bumped: bumps each
+ * tensor's autograd version counter (views share their base's). A tensor
+ * without a counter (made under inference_mode) makes torch throw; the
+ * loop stops there and the caller hands the rest to torch, which says or
+ * skips. The GIL is held throughout. */
+static PyObject *bump_versions(PyObject *self, PyObject *args)
+{
+    PyObject *tensors;
+    (void)self;
+    if (!bound() || !PyArg_ParseTuple(args, "O!", &PyList_Type, &tensors))
+        return NULL;
+    if (shim.bump_version == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bump_versions: bind_bump() was not given torch's bump_version");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(tensors), i = 0;
+    for (; i < n; i++) {
+        void *slot = NULL;
+        prefetch_ahead(tensors, i, n);
+        void *h = handle_of(PyList_GET_ITEM(tensors, i), &slot);
+        if (h == NULL)
+            break;
+        try {
+            shim.bump_version(h);
+        } catch (...) {
+            break;
+        }
+    }
+    return PyLong_FromSsize_t(i < n ? i : (Py_ssize_t)-1);
+}
+
 /* columns(tensors, ptrs, dtypes, ndims, raw, devices[, numels[, plain_only]]) -> (i, sizes, strides).
  * Fills, per tensor, its data pointer (int64), dtype (the shim's int32
  * ScalarType), ndim (int64), whether its bytes are its values (uint8:
@@ -459,6 +505,8 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(addresses, tensor_type, cdata_getter, sample, sample_impl): the shim functions columns and differs call; whether tensors are read in place."},
     {"bind_bits", bind_bits, METH_VARARGS, "bind_bits(is_neg, is_conj): torch's operator entry points columns calls."},
     {"bind_plain", bind_plain, METH_VARARGS, "bind_plain(types): the exact tensor types the loops take without a subtype walk."},
+    {"bind_bump", bind_bump, METH_VARARGS, "bind_bump(address): torch's bump_version, which bump_versions calls (0 unbinds)."},
+    {"bump_versions", bump_versions, METH_VARARGS, "bump_versions(tensors): -1, or the first tensor whose version counter was not bumped."},
     {"first_not_plain", first_not_plain, METH_VARARGS, "first_not_plain(items): -1, or the first item whose exact type bind_plain was not given."},
     {"columns", columns, METH_VARARGS,
      "columns(tensors, ptrs, dtypes, ndims, raw, devices[, numels[, plain_only]]) -> (i, sizes, strides): each tensor's reading into the columns."},
