@@ -30,14 +30,27 @@ def med(case: Any, key: str) -> float:
     return case.results[key]["median_s"]
 
 
+def fastest_copy(case: Any) -> tuple[float, str]:
+    """The faster of the two plain copies of the same bytes (torch's
+    ``copy_`` or libc's memcpy by ``np.copyto``), and its name: the pack
+    targets are judged against it, the stricter peer."""
+    return min((med(case, "copy"), "copy_"), (med(case, "memcpy"), "memcpy"))
+
+
+def _vs_copy(case: Any) -> tuple[float, str]:
+    best, name = fastest_copy(case)
+    return med(case, "tf_pack") / best, (f"vs {name}, the faster plain copy; vs copy_ {med(case, 'tf_pack') / med(case, 'copy'):.2f}x, "
+                                         f"vs memcpy {med(case, 'tf_pack') / med(case, 'memcpy'):.2f}x")
+
+
 def compute_targets(cases: dict[str, Any], layout_only: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
     c10k, c100k = cases["views_10000"], cases["views_100000"]
 
     measured = {
         "pack_10k_vs_ray": med(c10k, "ray_alloc") / med(c10k, "tf_pack"),
-        "pack_10k_vs_copy": med(c10k, "tf_pack") / med(c10k, "copy"),
+        "pack_10k_vs_copy": _vs_copy(c10k)[0],
         "pack_100k_vs_ray": med(c100k, "ray_alloc") / med(c100k, "tf_pack"),
-        "pack_100k_vs_copy": med(c100k, "tf_pack") / med(c100k, "copy"),
+        "pack_100k_vs_copy": _vs_copy(c100k)[0],
         "layout_100k_vs_ray": med(c100k, "ray_layout") / med(c100k, "tf_layout"),
         "rss_256mib_1": memory["views_1"]["tensorferry"]["cold"]["peak_growth_pct"],
         "rss_256mib_100k": memory["views_100000"]["tensorferry"]["cold"]["peak_growth_pct"],
@@ -45,8 +58,8 @@ def compute_targets(cases: dict[str, Any], layout_only: dict[str, Any], memory: 
     warm_100k = memory["views_100000"]["tensorferry"]["warm"]["peak_growth_pct"]
     ray_100k = memory["views_100000"]["ray"]["cold"]["peak_growth_pct"]
     extra = {
-        "pack_10k_vs_copy": f"vs memcpy (np.copyto): {med(c10k, 'tf_pack') / med(c10k, 'memcpy'):.2f}x",
-        "pack_100k_vs_copy": f"vs memcpy (np.copyto): {med(c100k, 'tf_pack') / med(c100k, 'memcpy'):.2f}x",
+        "pack_10k_vs_copy": _vs_copy(c10k)[1],
+        "pack_100k_vs_copy": _vs_copy(c100k)[1],
         "rss_256mib_100k": f"second pack {warm_100k:.2f} %; Ray's first {ray_100k:.2f} %",
         "layout_100k_vs_ray": (
             "mixed dtypes (with padding): "
@@ -68,9 +81,8 @@ def pack_copy_targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
     for key, desc, need, reads in TARGETS:
         if key.endswith("_vs_copy"):
             c = cases["views_10000" if key.startswith("pack_10k") else "views_100000"]
-            value = med(c, "tf_pack") / med(c, "copy")
-            out.append({"key": key, "target": desc, "required": reads, "measured": value, "met": bool(value <= need),
-                        "note": f"vs memcpy (np.copyto): {med(c, 'tf_pack') / med(c, 'memcpy'):.2f}x"})
+            value, note = _vs_copy(c)
+            out.append({"key": key, "target": desc, "required": reads, "measured": value, "met": bool(value <= need), "note": note})
     return out
 
 
