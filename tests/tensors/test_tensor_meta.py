@@ -183,3 +183,18 @@ def test_a_tensor_marked_written_fails_the_backward_that_saved_it():
     tm.mark_written([x])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_the_loops_prefetch_through_the_storage_and_version_counter_words():
+    # Found once on sample tensors; checked here on others: the storage
+    # word is each tensor's StorageImpl, the version word is shared by a
+    # view and its base and by no unrelated tensor. (Prefetches cannot
+    # fault, so a wrong word would only slow the loops; this says it is right.)
+    storage_at, version_at = tm._PREFETCH
+    assert tm.native and storage_at >= 0 and version_at >= 0, tm._PREFETCH
+    a, b = torch.arange(10, dtype=torch.int32), torch.randn(3, 3)
+    va = a[4:]
+    words = {name: tm._impl_words(t) for name, t in (("a", a), ("b", b), ("va", va))}
+    assert words["a"][storage_at // 8] == a.untyped_storage()._cdata
+    assert words["b"][storage_at // 8] == b.untyped_storage()._cdata
+    assert words["a"][version_at // 8] == words["va"][version_at // 8] != words["b"][version_at // 8]

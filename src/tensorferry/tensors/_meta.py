@@ -136,6 +136,39 @@ def _bind_plain() -> bool:
 
 _PLAIN = _bind_plain()
 
+def _impl_words(t: torch.Tensor) -> list[int]:
+    """The first 24 pointer-size words of ``t``'s TensorImpl (every
+    TensorImpl is larger), read in place."""
+    return [ctypes.c_uint64.from_address(t._cdata + 8 * k).value for k in range(24)]
+
+
+def _bind_prefetch() -> tuple[int, int]:
+    """Where a TensorImpl keeps its StorageImpl pointer (the word that is
+    each sample's ``untyped_storage()._cdata``) and its version counter
+    (the one other nonzero word a view shares with its base and no
+    unrelated tensor has), found on sample tensors and handed to the
+    loops, which prefetch through them; -1 where not exactly one word
+    fits. Prefetches never fault, so a wrong word costs speed only."""
+    if not native or not hasattr(_native, "bind_prefetch"):
+        return -1, -1
+    try:
+        bases = [torch.zeros(16), torch.ones(8, dtype=torch.float64), torch.empty(4, 4)]
+        views = [b.view(-1)[1:] for b in bases]
+        words = [_impl_words(t) for t in bases + views]
+        storages = [b.untyped_storage()._cdata for b in bases]
+        n = len(bases)
+        storage = [k for k in range(24) if all(words[j][k] == storages[j] for j in range(n))]
+        version = [k for k in range(24) if k not in storage and all(
+            words[j][k] != 0 and words[j][k] == words[n + j][k] and words[j][k] != words[(j + 1) % n][k] for j in range(n))]
+        at = (8 * storage[0] if len(storage) == 1 else -1, 8 * version[0] if len(version) == 1 else -1)
+        _native.bind_prefetch(*at)
+        return at
+    except (AttributeError, ValueError, TypeError, RuntimeError):
+        return -1, -1
+
+
+_PREFETCH = _bind_prefetch()
+
 _BUMP_SYMBOL = "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE"
 
 

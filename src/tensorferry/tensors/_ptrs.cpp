@@ -122,6 +122,11 @@ static struct {
     bool (*is_conj)(const void *);
     PyTypeObject *plain[4]; /* exact types taken as tensors without a subtype walk (bind_plain) */
     void (*bump_version)(const void *); /* torch::autograd::impl::bump_version(const at::Tensor&), or NULL */
+    /* Byte offsets in a TensorImpl of its StorageImpl pointer and its
+     * version counter's pointer, found by bind_prefetch's caller on sample
+     * tensors; -1: unknown. Used for prefetches only, which never fault:
+     * a wrong offset costs speed, never correctness. */
+    Py_ssize_t storage_at, version_at;
 } shim;
 
 static inline bool is_plain(PyTypeObject *type)
@@ -292,24 +297,65 @@ static int read_one(PyObject *obj, Reading *r, bool flags)
     return 0;
 }
 
-/* Each tensor's TensorImpl (and its storage's) is a cache miss of its own
- * after a step touched GiBs: in-place reads start the loads of the tensors
- * a few ahead, so their misses overlap (4x faster for 10k tensors here). */
-static inline void prefetch_ahead(PyObject *tensors, Py_ssize_t i, Py_ssize_t n)
+/* The TensorImpl of list item i, read in place; NULL: not a tensor. */
+static inline char *impl_of(PyObject *tensors, Py_ssize_t i)
+{
+    PyObject *obj = PyList_GET_ITEM(tensors, i);
+    if (!is_plain(Py_TYPE(obj)) && !PyObject_TypeCheck(obj, shim.tensor_type))
+        return NULL;
+    return *(char **)((char *)obj + sizeof(PyObject));
+}
+
+/* Each tensor's TensorImpl, and the object behind it a loop reads next
+ * (its StorageImpl for the data pointer, or its version counter), is a
+ * cache miss of its own after a step touched GiBs: in-place reads start
+ * the loads of the tensors a few ahead, so their misses overlap (4x
+ * faster for 10k tensors here): the Python object 16 ahead, the
+ * TensorImpl 8 ahead, and, through the TensorImpl by then in cache, the
+ * object behind it 4 ahead. behind: shim.storage_at, shim.version_at,
+ * or -1 for none. */
+static inline void prefetch_ahead(PyObject *tensors, Py_ssize_t i, Py_ssize_t n, Py_ssize_t behind)
 {
     if (!shim.in_place)
         return;
     if (i + 16 < n)
         __builtin_prefetch((char *)PyList_GET_ITEM(tensors, i + 16) + sizeof(PyObject));
     if (i + 8 < n) {
-        PyObject *ahead = PyList_GET_ITEM(tensors, i + 8);
-        if (is_plain(Py_TYPE(ahead)) || PyObject_TypeCheck(ahead, shim.tensor_type)) {
-            char *impl = *(char **)((char *)ahead + sizeof(PyObject));
+        char *impl = impl_of(tensors, i + 8);
+        if (impl != NULL) {
             __builtin_prefetch(impl);
             __builtin_prefetch(impl + 64);
             __builtin_prefetch(impl + 128);
         }
     }
+    if (behind >= 0 && i + 4 < n) {
+        char *impl = impl_of(tensors, i + 4);
+        if (impl != NULL) {
+            char *next = *(char **)(impl + behind);
+            __builtin_prefetch(next);
+            __builtin_prefetch(next + 64);
+        }
+    }
+}
+
+/* bind_prefetch(storage_at, version_at): byte offsets in a TensorImpl of
+ * its StorageImpl and version counter pointers (-1: unknown), each below
+ * 192 (within any TensorImpl). */
+static PyObject *bind_prefetch(PyObject *self, PyObject *args)
+{
+    Py_ssize_t storage_at, version_at;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nn", &storage_at, &version_at))
+        return NULL;
+    if (storage_at < -1 || storage_at > 184 || version_at < -1 || version_at > 184 || (storage_at > 0 && storage_at % 8) ||
+        (version_at > 0 && version_at % 8)) {
+        PyErr_Format(PyExc_ValueError, "bind_prefetch: offsets must be -1 or multiples of 8 below 192, got %zd and %zd",
+                     storage_at, version_at);
+        return NULL;
+    }
+    shim.storage_at = storage_at;
+    shim.version_at = version_at;
+    Py_RETURN_NONE;
 }
 
 static bool bound(void)
@@ -362,7 +408,7 @@ static PyObject *bump_versions(PyObject *self, PyObject *args)
     Py_ssize_t n = PyList_GET_SIZE(tensors), i = 0;
     for (; i < n; i++) {
         void *slot = NULL;
-        prefetch_ahead(tensors, i, n);
+        prefetch_ahead(tensors, i, n, shim.version_at);
         void *h = handle_of(PyList_GET_ITEM(tensors, i), &slot);
         if (h == NULL)
             break;
@@ -418,7 +464,7 @@ static PyObject *columns(PyObject *self, PyObject *args)
         bool ok = strides != NULL;
         for (; ok && i < n; i++) {
             Reading r;
-            prefetch_ahead(tensors, i, n);
+            prefetch_ahead(tensors, i, n, shim.storage_at);
             PyObject *obj = PyList_GET_ITEM(tensors, i);
             if ((plain_only && !is_plain(Py_TYPE(obj))) || read_one(obj, &r, true))
                 break;
@@ -482,7 +528,7 @@ static PyObject *differs(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++) {
             Reading r;
             int64_t k = ndims[i];
-            prefetch_ahead(tensors, i, n);
+            prefetch_ahead(tensors, i, n, shim.storage_at);
             if (read_one(PyList_GET_ITEM(tensors, i), &r, false) || r.ptr != ptrs[i] || r.dtype != dtypes[i] ||
                 r.ndim != k || k > total - at || memcmp(r.sizes, sizes + at, k * 8) || memcmp(r.strides, strides + at, k * 8)) {
                 found = i;
@@ -505,6 +551,7 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(addresses, tensor_type, cdata_getter, sample, sample_impl): the shim functions columns and differs call; whether tensors are read in place."},
     {"bind_bits", bind_bits, METH_VARARGS, "bind_bits(is_neg, is_conj): torch's operator entry points columns calls."},
     {"bind_plain", bind_plain, METH_VARARGS, "bind_plain(types): the exact tensor types the loops take without a subtype walk."},
+    {"bind_prefetch", bind_prefetch, METH_VARARGS, "bind_prefetch(storage_at, version_at): where a TensorImpl points to what the loops prefetch."},
     {"bind_bump", bind_bump, METH_VARARGS, "bind_bump(address): torch's bump_version, which bump_versions calls (0 unbinds)."},
     {"bump_versions", bump_versions, METH_VARARGS, "bump_versions(tensors): -1, or the first tensor whose version counter was not bumped."},
     {"first_not_plain", first_not_plain, METH_VARARGS, "first_not_plain(items): -1, or the first item whose exact type bind_plain was not given."},
@@ -523,5 +570,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__ptrs(void)
 {
+    shim.storage_at = shim.version_at = -1;
     return PyModule_Create(&module);
 }
