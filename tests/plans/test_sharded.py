@@ -328,18 +328,27 @@ def test_layout_refuses_a_box_past_its_global_tensor():
 
 def test_tcp_serves_only_well_formed_ranges_of_the_piece():
     """The sender's side of a ranged Fetch: ranges cut across the piece's
-    buffers; overlapping ones (a tied tensor read twice) are served, ones
-    out of order, empty or past the piece are refused (bytes from the network)."""
+    buffers, as addresses in its memory, joined where they continue each
+    other there; overlapping ones (a tied tensor read twice) are served,
+    ones out of order, empty or past the piece are refused (bytes from the
+    network)."""
+    import ctypes
+
     from tensorferry.transports._tcp import _ranges_of
 
-    buffers = [memoryview(bytes(range(0, 10))), memoryview(bytes(range(10, 30)))]
+    memory = bytes(range(0, 40))
+    buffers = [memoryview(memory)[0:10], memoryview(bytes(range(10, 30)))]
 
     def ask(*pairs):
         out = _ranges_of(buffers, np.array(pairs, dtype="<i8").tobytes())
-        return None if out is None else [bytes(b) for b in out]
+        return None if out is None else [ctypes.string_at(a, n) for a, n in zip(out[0].tolist(), out[1].tolist())]
 
     assert ask((2, 3), (8, 4), (29, 1)) == [bytes([2, 3, 4]), bytes([8, 9]), bytes([10, 11]), bytes([29])]
     assert ask((2, 3), (2, 3)) == [bytes([2, 3, 4])] * 2
+    # Adjacent in the piece and in memory: one run; apart in memory: two.
+    assert ask((0, 2), (2, 3), (5, 5)) == [bytes(range(0, 10))]
+    assert ask((12, 2), (14, 2)) == [bytes(range(12, 16))]
+    assert ask((9, 1), (10, 1)) == [bytes([9]), bytes([10])]
     for bad in [((5, 1), (2, 1)), ((0, 0),), ((25, 6),), ((-1, 2),)]:
         assert ask(*bad) is None, bad
     assert _ranges_of(buffers, b"\x00" * 15) is None

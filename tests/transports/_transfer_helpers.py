@@ -29,6 +29,16 @@ DTYPES = [getattr(torch, name) for name in WIRE_DTYPES if isinstance(getattr(tor
 COMPLEX_HALF_WARNING = "ignore:ComplexHalf support is experimental"
 
 
+def drip(sock, payload: bytes, rng: random.Random) -> None:
+    """Send ``payload`` in chunks of random sizes (1 byte to 300 kB), so a
+    receiver's calls end anywhere inside its runs."""
+    pos = 0
+    while pos < len(payload):
+        k = rng.choice((1, 100, 4096, 65536, 300_000))
+        sock.sendall(payload[pos : pos + k])
+        pos += k
+
+
 def require(transport: str) -> None:
     """Skip a nixl test only when the nixl package itself is absent.
 

@@ -336,6 +336,31 @@ def test_a_get_over_tls_is_private_and_correct(certs):
     assert TOKEN not in captured
 
 
+def test_sharded_reads_over_tls_arrive_exact(certs):
+    """A sharded get's range reads over TLS (no sendmsg/recvmsg on an
+    SSLSocket: a run at a time): a column slice of row-sharded sources (a
+    run per row at each sender, the rows adjacent here) and a row slice of
+    column-sharded ones (a run per row here: many small, through the
+    scratch buffer)."""
+    from tensorferry import Box
+
+    w = torch.randn(2048, 64, generator=torch.Generator().manual_seed(8))
+    with Sender("tcp", capacity_nbytes=16 * MiB, token=TOKEN, tls=server_context(certs)) as s0, \
+            Sender("tcp", capacity_nbytes=16 * MiB, token=TOKEN, tls=server_context(certs)) as s1, \
+            Receiver("tcp", token=TOKEN, tls=client_context(certs), timeout=30.0) as r:
+        for shard, target in [
+            (lambda k: (slice(1024 * k, 1024 * (k + 1)), slice(0, 64)), Box(torch.zeros(2048, 24), (0, 20), (2048, 64))),
+            (lambda k: (slice(0, 2048), slice(32 * k, 32 * (k + 1))), Box(torch.zeros(1000, 64), (700, 0), (2048, 64))),
+        ]:
+            tickets = []
+            for k, s in enumerate((s0, s1)):
+                rows, cols = shard(k)
+                tickets.append(s.put({"w": Box(w[rows, cols].clone(), (rows.start, cols.start), (2048, 64))}))
+            r.get(tickets, into={"w": target})
+            (o0, o1), (n0, n1) = target.offsets, target.tensor.shape
+            assert torch.equal(target.tensor, w[o0 : o0 + n0, o1 : o1 + n1])
+
+
 def test_mutual_tls(certs):
     obj = state_dict(7)
     with Sender("tcp", capacity_nbytes=16 * MiB, token=TOKEN, tls=server_context(certs, require_client=True)) as sender:

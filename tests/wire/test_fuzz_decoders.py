@@ -307,8 +307,10 @@ def test_range_lists(examples):
             return
         pairs = np.frombuffer(ranges, dtype="<i8").reshape(-1, 2)
         assert all((pairs[:, 0] >= 0) & (pairs[:, 1] > 0)) and int(pairs[:, 0].max() + 0) <= len(memory)
-        assert sum(len(v) for v in out) == int(pairs[:, 1].sum())
-        assert all(len(v) <= len(memory) for v in out)
+        address, nbytes = out
+        base = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+        assert int(nbytes.sum()) == int(pairs[:, 1].sum())
+        assert ((address >= base) & (address + nbytes <= base + len(memory)) & (nbytes > 0)).all()
 
     run(examples, ranges_st, check)
 

@@ -4,7 +4,9 @@ The sender's background thread serves the control protocol; a Fetch of an
 acquired piece is answered with a DATA header and the raw block bytes, sent
 with scatter-gather ``sendmsg`` straight from pool memory. The receiver reads
 them with ``recv_into`` straight into its destination memory: no
-intermediate ``bytes``. A shared-secret token authenticates both sides
+intermediate ``bytes``. A Fetch of ranges (a sharded get's reads: a run
+per row of a column slice) moves them by address on both ends, ``IOV_MAX``
+runs a system call, no Python object a run. A shared-secret token authenticates both sides
 without crossing the link (:mod:`._auth`); it is required when the sender
 binds to anything but loopback. With ``tls=`` the connection is TLS
 (:mod:`._tls`): its bytes go one buffer at a time, encrypted.
@@ -13,7 +15,6 @@ binds to anything but loopback. With ``tls=`` the connection is TLS
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import socket
 import ssl
@@ -206,24 +207,30 @@ class TcpServer(TcpControlServer):
             return True
         buffers = held.buffers()
         if msg.ranges:
-            buffers = _ranges_of(buffers, msg.ranges)
-            if buffers is None:
+            runs = _ranges_of(buffers, msg.ranges)
+            if runs is None:
                 P.send_msg(conn.sock, P.Failure(kind="ranges", message="the ranges asked for are malformed or lie outside the piece"))
                 return True
-        elif msg.start:
-            buffers = skip_bytes(buffers, msg.start)
-        total = sum(b.nbytes for b in buffers)
-        P.send_data_header(conn.sock, total)
-        # The frame timeout stays on: a receiver that stops reading for that
-        # long (hung, stopped) must not pin the piece's blocks forever.
-        P.send_all_views(conn.sock, buffers)
+            total = int(runs[1].sum())
+            P.send_data_header(conn.sock, total)
+            # The frame timeout stays on (below too): a receiver that stops
+            # reading for that long must not pin the piece's blocks forever.
+            P.send_runs(conn.sock, *runs)
+        else:
+            if msg.start:
+                buffers = skip_bytes(buffers, msg.start)
+            total = sum(b.nbytes for b in buffers)
+            P.send_data_header(conn.sock, total)
+            P.send_all_views(conn.sock, buffers)
         self.ledger.count_sent(total)
         return True
 
 
-def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | None:
+def _ranges_of(buffers: list[memoryview], ranges: bytes) -> tuple[np.ndarray, np.ndarray] | None:
     """The parts of ``buffers`` (a piece, back to back) that ``ranges``
-    (a Fetch's int64 pairs) name; None if they are malformed."""
+    (a Fetch's int64 pairs) name, as (address, nbytes) in this process's
+    memory, joined where one continues the last there (a sender's side:
+    no Python object a range); None if they are malformed."""
     if len(ranges) % 16:
         return None
     pairs = np.frombuffer(ranges, dtype="<i8").reshape(-1, 2)
@@ -237,9 +244,12 @@ def _ranges_of(buffers: list[memoryview], ranges: bytes) -> list[memoryview] | N
         return None
     # The buffers as blocks at their stream positions: each range cut at their seams.
     starts = np.cumsum(sizes) - sizes
+    bases = np.fromiter((np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers), dtype=np.int64, count=len(buffers))
     off, _, ln = block_ranges(list(zip(starts.tolist(), sizes.tolist())), pos, pos, n)
     which = np.searchsorted(starts, off, side="right") - 1
-    return [buffers[b][o - s : o - s + k] for b, o, s, k in zip(which.tolist(), off.tolist(), starts[which].tolist(), ln.tolist())]
+    address = bases[which] + off - starts[which]
+    merged = packing.merge_runs(address, address, ln)
+    return merged.dst, merged.nbytes
 
 
 def skip_bytes(buffers: list[memoryview], start: int) -> list[memoryview]:
@@ -333,24 +343,24 @@ class TcpChannel(Channel):
 
     def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
         """Fetches of only these ranges (at most ``_RANGES_PER_FETCH`` a
-        frame), received straight into their local memory; many small ones
-        (a row-parallel slice of a row-sharded tensor: a run per row) too,
-        a few calls' worth of runs at a time (see
-        :func:`~tensorferry.wire.protocol.recv_scatter_into`), or with TLS
+        frame), received straight into their local memory, ``IOV_MAX`` runs
+        a system call and no Python object a run (see
+        :func:`~tensorferry.wire.protocol.recv_runs`); with TLS, many small
+        ones (a row-parallel slice of a row-sharded tensor: a run per row)
         through a scratch buffer, copied out by address."""
         for lo in range(0, pos.size, _RANGES_PER_FETCH):
             part = slice(lo, lo + _RANGES_PER_FETCH)
             self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([pos[part], nbytes[part]], axis=1))
             a, n = address[part], nbytes[part]
-            many_small = n.size > _SCATTER_MAX_RANGES and int(n.mean()) < _SCATTER_MIN_MEAN_NBYTES
-            if many_small and P.is_tls(self.sock):
+            # The reply's runs come back to back: one that continues the
+            # last in memory here is received with it (a column slice of
+            # row-sharded sources: a target row a run, the rows adjacent).
+            merged = packing.merge_runs(a, np.cumsum(n) - n, n)
+            a, n = merged.dst, merged.nbytes
+            if P.is_tls(self.sock) and n.size > _SCATTER_MAX_RANGES and int(n.mean()) < _SCATTER_MIN_MEAN_NBYTES:
                 self._receive_staged(a, n, deadline)
-                continue
-            # Slices of one buffer over the span of the targets (a slice costs
-            # a tenth of a ctypes buffer each; only the slices are ever written).
-            lo = int(a.min())
-            span = memoryview((ctypes.c_char * (int((a + n).max()) - lo)).from_address(lo)).cast("B")
-            P.recv_scatter_into(self.sock, [span[x : x + k] for x, k in zip((a - lo).tolist(), n.tolist())], deadline=deadline)
+            else:
+                P.recv_runs(self.sock, a, n, deadline=deadline)
 
     def receive_ranges(self, ticket_id, piece, blocks, pos, nbytes, buf, start, progress, *, deadline, chunk_nbytes):
         """Fetches of the ranges from ``start`` on (at most

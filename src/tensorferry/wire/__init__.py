@@ -4,8 +4,9 @@ Owns the packing arithmetic (:mod:`.packing`: align-up, packed offsets,
 grouping by block, the one range merger), the boxes of global tensors
 (``_boxes``: a sharded layout's optional section, element runs between two
 boxes), the layout and its bounded encoding (``_layout``), the control
-messages and their framing (:mod:`.protocol`; ``IOV_MAX`` is defined there,
-once) and the ticket (``_ticket``).
+messages and their framing (:mod:`.protocol`, which also gives the
+vectored socket I/O of ``_iovec``, where ``IOV_MAX`` is defined, once) and
+the ticket (``_ticket``).
 
 May import: numpy, msgspec, the standard library and
 :mod:`tensorferry.errors`. Never torch, never a higher layer: both the

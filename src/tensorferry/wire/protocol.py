@@ -16,7 +16,6 @@ from __future__ import annotations
 import array
 import collections
 import socket
-import ssl
 import struct
 import time
 from typing import Annotated, Any, Sequence
@@ -24,12 +23,13 @@ from typing import Annotated, Any, Sequence
 import msgspec
 
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
+from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs
 
 __all__ = [
     "MAGIC", "VERSION", "MAX_FRAME_NBYTES", "MsgType", "Hello", "Challenge", "Proof", "Claim", "Welcome",
     "Acquire", "Located", "Fetch", "Pull", "Lend", "Exposed", "Arrived", "Sources", "SourceRuns", "Release",
     "Released", "Failure", "send_msg", "send_data_header", "recv_msg", "encode", "is_tls", "recv_exact_into",
-    "recv_scatter_into", "send_all_views",
+    "recv_scatter_into", "send_all_views", "IOV_MAX", "recv_runs", "send_runs",
 ]
 
 MAGIC = b"TFCP"
@@ -302,11 +302,6 @@ def send_data_header(sock: socket.socket, nbytes: int) -> None:
         raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
 
 
-def is_tls(sock: socket.socket) -> bool:
-    """A TLS socket: no sendmsg/recvmsg (nor descriptors, nor MSG_PEEK)."""
-    return isinstance(sock, ssl.SSLSocket)
-
-
 def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, deadline: float | None = None) -> bytes:
     # Memory follows the bytes that arrived, a chunk at a time: a header
     # claiming 16 MiB followed by nothing costs a chunk, not 16 MiB.
@@ -409,11 +404,6 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -
         if k == 0:
             raise PeerGoneError(f"the sender closed the connection after {got:,} of {n:,} bytes")
         got += k
-
-
-# Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
-# preadv, pwritev or process_vm_readv takes. The one definition.
-IOV_MAX = 1024
 
 
 def _advance(pending: collections.deque, nbytes: int) -> None:
