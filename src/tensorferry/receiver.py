@@ -375,6 +375,9 @@ class Receiver:
         if self._book is not None:
             self._book.close()
         self._channels.close()
+        fetcher = getattr(self, "_fetcher", None)  # absent if the constructor failed before it
+        if fetcher is not None:
+            fetcher.close()
         self._releaser.stop()
         self._context.close()
         cache = getattr(self, "_cache", None)  # absent if the constructor failed before it

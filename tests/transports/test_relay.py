@@ -597,3 +597,82 @@ def test_a_broadcast_that_does_not_fit_one_block_says_so_and_holds_nothing():
             sender.put(torch.ones(MiB // 2), readers=2, fanout=1)
         assert sender.stats()["live_tickets"] == 0 and pool_empty(sender.pool)
         assert sender.put(torch.ones(MiB // 2), readers=1).streamed  # without fanout it streams in pieces
+
+
+def _pull_stream(server, stream, links):
+    """One pull of the whole of ticket 7 from ``server`` as a tcp stream
+    (same-host reads off), through ``links``."""
+    from tensorferry.transports._relay import SameHostReads, pull
+
+    buf = memoryview(bytearray(stream.numel()))
+    reached: list[int] = []
+    pull(server.address, token=b"", ticket_id=7, digest=b"d" * 16, buf=buf, start=0, progress=reached.append,
+         stall_seconds=5.0, deadline=time.monotonic() + 30, reads=SameHostReads(enabled=False), links=links)
+    assert bytes(buf) == stream.numpy().tobytes() and reached[-1] == stream.numel()
+
+
+def _server_conns(server) -> int:
+    with server._lock:
+        return len(server._conns)
+
+
+def test_a_child_keeps_its_connection_to_a_relay_for_the_next_pull(lending):
+    from tensorferry.transports._relay import RelayLinks
+
+    server, stream, held = lending
+    held.progress(stream.numel())
+    links = RelayLinks()
+    try:
+        for _ in range(3):
+            _pull_stream(server, stream, links)
+        # Three pulls, one connection (one handshake): the relay's server holds one.
+        assert _server_conns(server) == 1
+        assert server.bytes_sent == 3 * stream.numel()
+        # The relay lets the kept connection go: the next pull sees it closed
+        # before it asks, and makes a new one (the relay is not given up).
+        with server._lock:
+            (conn,) = server._conns
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        assert wait_until(lambda: _server_conns(server) == 0, 5.0)
+        _pull_stream(server, stream, links)
+        assert _server_conns(server) == 1
+    finally:
+        links.close()
+    # Closed links close what they kept: the relay's server sees it go.
+    assert wait_until(lambda: _server_conns(server) == 0, 5.0)
+
+
+def test_a_kept_connection_the_relay_closed_while_the_pull_asked_is_replaced(lending, monkeypatch):
+    from tensorferry.transports._relay import RelayLinks, _links
+
+    server, stream, held = lending
+    held.progress(stream.numel())
+    links = RelayLinks()
+    try:
+        _pull_stream(server, stream, links)
+        with server._lock:
+            (conn,) = server._conns
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        assert wait_until(lambda: _server_conns(server) == 0, 5.0)
+        # As if the relay closed it just after the child's check: the Pull
+        # goes out on a dead connection, and a new one takes its place.
+        monkeypatch.setattr(_links, "_still_open", lambda sock: True)
+        _pull_stream(server, stream, links)
+        assert server.bytes_sent == 2 * stream.numel()
+    finally:
+        links.close()
+
+
+def test_a_receiver_pulls_each_round_over_the_connection_it_kept(receivers):
+    want = obj(5)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        first, second = receivers(2, relay=True, relay_reads="tcp")
+        for _ in range(3):
+            ticket = sender.put(want, readers=2, fanout=1)
+            assert_same(first.get(ticket), want)
+            assert_same(second.get(ticket), want)  # from the first, a relay
+            sender.wait_released(ticket, timeout=10.0)
+        assert second.stats()["relay_stream_nbytes"] == 3 * ticket.total_nbytes
+        assert _server_conns(first._relay_server) == 1  # the second's one connection, kept
+        second.close()
+        assert wait_until(lambda: _server_conns(first._relay_server) == 0, 5.0)

@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..memory import ReceiveCache
 from ..plans import RecvPlan, SourceDelta, reads_delta, receive_delta, settle, version_of
-from ..transports import Channel, ReceiveContext, RelayBook, Releaser, SameHostReads, pull
+from ..transports import Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, pull
 from ..wire import Ticket, packing
 
 __all__ = ["Route", "Fetcher", "route"]
@@ -117,6 +117,11 @@ class Fetcher:
         self._context, self._cache, self._releaser = context, cache, releaser
         self._token, self._stall_seconds, self._reads = token, stall_seconds, reads
         self._book, self._relay_address = book, relay_address
+        self._links = RelayLinks()  # connections to relays, kept between pulls
+
+    def close(self) -> None:
+        """Close the connections to relays it keeps."""
+        self._links.close()
 
     # -- one get -------------------------------------------------------------------
 
@@ -440,7 +445,7 @@ class Fetcher:
                     from_sender(got[0])
                 else:
                     pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
-                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint)
+                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links)
             except (PeerGoneError, TransferTimeoutError, ProtocolError):
                 if not source or time.monotonic() > deadline:
                     raise

@@ -34,15 +34,17 @@ the child as a broken or silent connection; the child then asks the sender
 for another source and resumes from the bytes it has.
 
 Modules: ``_book`` (what a relay holds: :class:`RelayBook`), ``_server``
-(:class:`RelayServer`), ``_same_host`` (:class:`SameHostReads` and the copy
+(:class:`RelayServer`), ``_links`` (a child's kept connections to relays:
+:class:`RelayLinks`), ``_same_host`` (:class:`SameHostReads` and the copy
 out of a same-host relay's memory), ``_pull`` (the child's side: :func:`pull`).
 """
 
 from __future__ import annotations
 
 from ._book import CHUNK_NBYTES, RelayBook
+from ._links import RelayLinks
 from ._pull import pull
 from ._same_host import LEND_READ_NBYTES, SameHostReads, host_identity
 from ._server import RelayServer
 
-__all__ = ["CHUNK_NBYTES", "LEND_READ_NBYTES", "RelayBook", "RelayServer", "SameHostReads", "host_identity", "pull"]
+__all__ = ["CHUNK_NBYTES", "LEND_READ_NBYTES", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads", "host_identity", "pull"]

@@ -27,6 +27,7 @@ from ...wire import protocol as P
 from .._auth import client_handshake
 from .._tcp import connect
 from ._book import CHUNK_NBYTES
+from ._links import RelayLinks
 from ._same_host import LEND_READ_NBYTES, SameHostReads, _LentReader, _VmReadRefused, host_identity
 
 __all__ = ["pull"]
@@ -45,6 +46,7 @@ def pull(
     chunk_nbytes: int = CHUNK_NBYTES,
     reads: SameHostReads | None = None,
     nixl: Any = None,
+    links: RelayLinks | None = None,
 ) -> None:
     """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
     relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
@@ -69,7 +71,7 @@ def pull(
         progress(end)
 
     session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf, progress=advance,
-                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl)
+                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl, links=links)
     if reads is not None and reads.wanted(address):
         try:
             session(start, host_identity())
@@ -82,25 +84,16 @@ def pull(
 def _pull_session(
     address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
-    nixl: Any,
+    nixl: Any, links: RelayLinks | None,
 ) -> None:
     """One connection to the relay: a Pull from ``start`` (naming this
     ``host`` when not b"", asking for NIXL READs with ``nixl``), then the
     bytes as a stream or by reads of its memory, whichever it answers."""
     total = len(buf)
-    sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
+    pull_msg = P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None)
+    sock, reply = _open(address, pull_msg, token, stall_seconds, deadline, links)
+    kept = False
     try:
-        sock.settimeout(stall_seconds)
-        try:
-            client_handshake(sock, token=token, transport="tcp", address=f"relay {address}", deadline=time.monotonic() + stall_seconds)
-        except AuthenticationError:
-            raise
-        except TransferError as exc:
-            if isinstance(exc, TransferTimeoutError):
-                raise
-            raise PeerGoneError(f"relay at {address} refused us ({exc})") from exc
-        P.send_msg(sock, P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None))
-        reply = P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
         if isinstance(reply, P.Failure):
             raise PeerGoneError(f"relay at {address}: {reply.message}")
         if isinstance(reply, P.Lend) and host:
@@ -128,13 +121,55 @@ def _pull_session(
             if reads is not None:
                 reads.count(stream=k)
             progress(pos)
+        kept = links is not None  # the stream ended whole: the next Pull of this relay may take the connection
     except (OSError, socket.timeout) as exc:
         if isinstance(exc, TransferError):
             raise
         raise PeerGoneError(f"lost the relay at {address} ({exc})") from exc
     finally:
-        # Closing is what tells a lending relay it may let its memory go.
+        if kept and links is not None:
+            links.keep(address, sock)
+        else:
+            # Closing is what tells a lending relay it may let its memory go.
+            sock.close()
+
+
+def _open(address: str, msg: P.Pull, token: bytes, stall_seconds: float, deadline: float, links: RelayLinks | None) -> tuple[socket.socket, Any]:
+    """A connection to the relay at ``address`` that has sent ``msg``, and
+    the relay's reply. A kept connection (``links``) first: one the relay
+    closed meanwhile fails before any reply, and a new one (connect, the
+    token's handshake) is made then, so a relay is never given up for a
+    connection it let go."""
+    sock = links.take(address) if links is not None else None
+    if sock is not None:
+        try:
+            sock.settimeout(stall_seconds)
+            P.send_msg(sock, msg)
+            return sock, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
+        except TimeoutError:  # TransferTimeoutError too: a stalled relay, as on a new connection
+            sock.close()
+            raise
+        except (OSError, TransferError):
+            sock.close()  # let go by the relay: a new connection below
+        except BaseException:
+            sock.close()
+            raise
+    sock = connect(address, min(stall_seconds, max(deadline - time.monotonic(), 0.001)))
+    try:
+        sock.settimeout(stall_seconds)
+        try:
+            client_handshake(sock, token=token, transport="tcp", address=f"relay {address}", deadline=time.monotonic() + stall_seconds)
+        except AuthenticationError:
+            raise
+        except TransferError as exc:
+            if isinstance(exc, TransferTimeoutError):
+                raise
+            raise PeerGoneError(f"relay at {address} refused us ({exc})") from exc
+        P.send_msg(sock, msg)
+        return sock, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
+    except BaseException:
         sock.close()
+        raise
 
 
 def _read_lent(
