@@ -56,6 +56,8 @@ def pull(
     that copy (recorded in ``reads``, logged once per relay), a nixl child
     (``nixl``: its NixlEndpoint, with ``buf`` registered) READs the relay's
     exposed memory, and any other child takes the relay's tcp stream.
+    ``links``: the child's kept connections, one of which a Pull takes
+    first, and which keep a connection whose stream ended whole.
 
     Raises:
         PeerGoneError: the relay is gone, or does not hold the ticket.
@@ -91,9 +93,9 @@ def _pull_session(
     bytes as a stream or by reads of its memory, whichever it answers."""
     total = len(buf)
     pull_msg = P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None)
-    sock, reply = _open(address, pull_msg, token, stall_seconds, deadline, links)
-    kept = False
+    sock, kept = None, False
     try:
+        sock, reply = _open(address, pull_msg, token, stall_seconds, deadline, links)
         if isinstance(reply, P.Failure):
             raise PeerGoneError(f"relay at {address}: {reply.message}")
         if isinstance(reply, P.Lend) and host:
@@ -127,7 +129,9 @@ def _pull_session(
             raise
         raise PeerGoneError(f"lost the relay at {address} ({exc})") from exc
     finally:
-        if kept and links is not None:
+        if sock is None:
+            pass  # _open closed what it opened
+        elif kept and links is not None:
             links.keep(address, sock)
         else:
             # Closing is what tells a lending relay it may let its memory go.
