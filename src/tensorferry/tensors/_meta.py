@@ -191,8 +191,7 @@ def _bind_bump() -> bool:
                 return True
     except (OSError, AttributeError, ValueError, TypeError, RuntimeError):
         pass
-    if native and hasattr(_native, "bind_bump"):
-        _native.bind_bump(0)
+    _native.bind_bump(0)
     return False
 
 
