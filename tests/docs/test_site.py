@@ -45,7 +45,8 @@ def test_the_site_builds_strictly(site: Path) -> None:
 def test_the_reference_renders_the_docstrings(site: Path) -> None:
     api = (site / "reference" / "api" / "index.html").read_text()
     for name in ("Sender", "Receiver", "Ticket", "MemoryPool", "SendPlan", "RecvPlan", "ShardedPlan", "Box",
-                 "WeightSync", "serve_prometheus", "register_pool_source"):
+                 "WeightSync", "serve_prometheus", "register_pool_source", "TensorferryTrainerInitInfo",
+                 "TensorferryWeightTransferEngine"):
         assert f'id="tensorferry.' in api and re.search(rf'id="[\w.]*\b{name}"', api), f"{name} is not in the API reference"
     # A docstring's own words made it through (Sender.put's Args).
     assert "readers" in api and "lease_seconds" in api

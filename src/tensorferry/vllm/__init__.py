@@ -35,9 +35,8 @@ __all__ = [
     "LLMClient",
 ]
 
-# The name users select (WeightTransferConfig(backend=...)) and the key of
-# both of vLLM's factories.
 BACKEND = "tensorferry"
+"""The name users select (``WeightTransferConfig(backend=...)``) and the key of both of vLLM's factories."""
 
 _LAZY = {
     "TensorferryInitInfo": "tensorferry.vllm._infos",

@@ -148,6 +148,7 @@ class TensorferryUpdateInfo(WeightTransferUpdateInfo):
     """One round: a ticket of every trainer rank (``Ticket.to_bytes()``, base64), in rank order."""
 
     tickets: list[str] = field(default_factory=list)
+    """Each trainer rank's ticket (``Ticket.to_bytes()``, base64), rank 0 first."""
     round: int = 0
     """The trainer's round count (1 for the first), for messages and logs."""
 
