@@ -110,8 +110,9 @@ def test_a_receive_says_how_far_it_got_when_the_sender_hangs_up(tcp_pair):
     dst = np.zeros(5000, dtype=np.uint8)
     a.sendall(b"x" * 1234)
     a.close()
-    with pytest.raises(PeerGoneError, match="after 1,234 of 5,000 bytes"):
+    with pytest.raises(PeerGoneError, match="after 1,234 of 5,000 bytes") as failed:
         P.recv_runs(b, dst.ctypes.data + np.arange(0, 5000, 10), np.full(500, 10), deadline=time.monotonic() + 10)
+    assert "closed its Sender (see its log)" in str(failed.value)  # the fix
     assert dst[:1234].tobytes() == b"x" * 1234 and not dst[1234:].any()
 
 
@@ -120,8 +121,9 @@ def test_a_receive_stops_at_its_deadline_and_says_how_far_it_got(tcp_pair):
     dst = np.zeros(100, dtype=np.uint8)
     a.sendall(b"y" * 42)
     t0 = time.monotonic()
-    with pytest.raises(TransferTimeoutError, match="after receiving 42 of 100 bytes"):
+    with pytest.raises(TransferTimeoutError, match="after receiving 42 of 100 bytes") as failed:
         P.recv_runs(b, dst.ctypes.data + np.array([0, 50]), np.array([50, 50]), deadline=time.monotonic() + 0.5)
+    assert "raise get(timeout=) or Receiver(timeout=)" in str(failed.value)
     assert time.monotonic() - t0 < 5
 
 
@@ -129,9 +131,11 @@ def test_a_send_to_a_receiver_that_stops_reading_times_out_and_one_that_hung_up_
     a, b = tcp_pair
     src = np.zeros(64 << 20, dtype=np.uint8)  # far more than both sockets' buffers hold
     a.settimeout(0.5)
-    with pytest.raises(TransferTimeoutError, match="timed out sending"):
+    with pytest.raises(TransferTimeoutError, match=r"timed out sending .* of 67,108,864 bytes: it read nothing for 0.5 s") as failed:
         P.send_runs(a, src.ctypes.data + np.arange(0, src.size, 1 << 20), np.full(64, 1 << 20))
+    assert "check that its process runs" in str(failed.value)
     b.close()
-    with pytest.raises(PeerGoneError, match="closed the connection during a send"):
+    with pytest.raises(PeerGoneError, match=r"closed the connection during a send, after [\d,]+ of 1,048,576 bytes") as failed:
         for _ in range(100):  # the first sends may still land in the buffers
             P.send_runs(a, np.array([src.ctypes.data]), np.array([1 << 20]))
+    assert "its error or log says why" in str(failed.value)

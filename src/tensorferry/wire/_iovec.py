@@ -79,7 +79,7 @@ def send_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray) -> N
                 sock.sendall(_view(a, n))
                 done += n
         except (socket.timeout, TimeoutError) as exc:
-            raise _failure(False, done, total) from exc
+            raise _failure(False, done, total, wait_seconds=sock.gettimeout()) from exc
         except OSError as exc:
             raise _failure(False, done, total, exc) from exc
         return
@@ -123,18 +123,27 @@ def recv_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray, *, d
     _move(True, sock, address, nbytes, lambda: deadline)
 
 
-def _failure(receiving: bool, done: int, total: int, exc: OSError | None = None, *, hung_up: bool = False) -> Exception:
+def _failure(
+    receiving: bool, done: int, total: int, exc: OSError | None = None, *, hung_up: bool = False, wait_seconds: float | None = None,
+) -> Exception:
     """The error of a transfer stopped after ``done`` of ``total`` bytes:
-    timed out (no ``exc``), broken (``exc``) or hung up."""
+    timed out (no ``exc``; a send after ``wait_seconds``, the socket's
+    timeout, without room), broken (``exc``) or hung up; each says what
+    to check or change."""
     if receiving:
         if hung_up:
-            return PeerGoneError(f"the sender closed the connection after {done:,} of {total:,} bytes")
+            return PeerGoneError(f"the sender closed the connection after {done:,} of {total:,} bytes: its process exited or "
+                                 "closed its Sender (see its log), and its tickets went with it: get a new one once it is back")
         if exc is None:
-            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes")
-        return PeerGoneError(f"the sender's connection broke after {done:,} of {total:,} bytes ({exc})")
+            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes: raise get(timeout=) or "
+                                        "Receiver(timeout=), or check that the sender runs and the link between you moves bytes")
+        return PeerGoneError(f"the sender's connection broke after {done:,} of {total:,} bytes ({exc}): check that the sender's "
+                             "process runs (its log) and the network between you")
     if exc is None and not hung_up:
-        return TransferTimeoutError(f"timed out sending block bytes to the receiver, after {done:,} of {total:,} bytes")
-    return PeerGoneError(f"the receiver closed the connection during a send, after {done:,} of {total:,} bytes ({exc or 'nothing sent'})")
+        return TransferTimeoutError(f"timed out sending block bytes to the receiver, after {done:,} of {total:,} bytes: it read "
+                                    f"nothing for {wait_seconds} s; check that its process runs and the link between you")
+    return PeerGoneError(f"the receiver closed the connection during a send, after {done:,} of {total:,} bytes "
+                         f"({exc or 'nothing sent'}): its get ended or its process exited; its error or log says why")
 
 
 def _nonempty(address: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -179,7 +188,7 @@ def _move(receiving: bool, sock: socket.socket, address: np.ndarray, nbytes: np.
             until = deadline()
             left = None if until is None else until - time.monotonic()
             if (left is not None and left <= 0) or not poller.poll(None if left is None else max(1, int(left * 1000))):
-                raise _failure(receiving, done, total)
+                raise _failure(receiving, done, total, wait_seconds=sock.gettimeout())
             continue
         if k == 0:
             raise _failure(receiving, done, total, hung_up=True)
