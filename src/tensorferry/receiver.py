@@ -74,27 +74,27 @@ class Receiver:
             registered memory).
         token: the sender's shared secret, if any (proved, never sent; ``None``: ``TENSORFERRY_TOKEN`` if set).
         tls: a client ``ssl.SSLContext``: tcp and nixl's control over TLS.
-        timeout: default seconds for every wait of a get.
-        capacity_nbytes: size of the receive pool nixl makes.
+        timeout: default seconds for every wait of a get (60; ``get(timeout=)`` overrides it).
+        capacity_nbytes: size of the receive pool nixl makes, in bytes (default 256 MiB).
         cache_nbytes: the most bytes of collected results kept for the next
             gets (the receive cache: new memory costs a page fault a page,
             memory of a result collected earlier does not). ``None``:
             ``TENSORFERRY_RECEIVE_CACHE_BYTES`` if set, else 2 GiB (at most
             an eighth of the host's memory); 0 turns the cache off.
-        cache_idle_seconds: memory the cache kept and no get used for this
-            long goes back to the system (``float("inf")``: never).
-        relay: tcp or nixl: pass on broadcast tickets (``Sender.put(fanout=)``)
-            to the receivers the sender places below this one, while still
-            receiving them; listens on ``host``:``port`` (advertised as
-            ``advertise_host``, as for a Sender; a non-loopback address
-            needs the ``token``, which children present). tcp children on
-            other hosts take a stream; nixl children READ the ticket's
+        cache_idle_seconds: memory the cache kept and no get used for this many seconds
+            goes back to the system (default 60; ``float("inf")``: never).
+        relay: tcp or nixl: pass on broadcast tickets (``Sender.put(fanout=)``) to the receivers
+            the sender places below this one, while still receiving them; children present the
+            ``token``. tcp children on other hosts take a stream; nixl children READ the ticket's
             memory, which a relay registers with a NIXL agent of its own.
-        stall_seconds: a relay this receiver pulls from that sends no chunk
-            for this long is given up: the sender names another source and
-            the get resumes from the bytes it has.
-        relay_linger_seconds: a relay keeps a ticket's bytes this long after
-            it arrived (or after a child's last pull), for late children.
+        host: ``relay=True`` only: the address it listens on (default loopback; any other needs the ``token``).
+        port: ``relay=True`` only: its port (default 0: any free one; ``relay_address`` says which).
+        advertise_host: ``relay=True`` only: the address children are told to connect to (default
+            ``host``, or the host's primary address where ``host`` is a wildcard, as for a Sender).
+        stall_seconds: a relay this receiver pulls from that sends no chunk for this many seconds
+            (default 5) is given up: the sender names another source and the get resumes from the bytes it has.
+        relay_linger_seconds: a relay keeps a ticket's bytes this many seconds (default 60)
+            after it arrived (or after a child's last pull), for late children.
         relay_reads: how this receiver reads a relay on its own host (same
             boot, network and pid namespace): ``"memory"`` copies straight
             out of the relay's receive memory (process_vm_readv: one kernel

@@ -51,7 +51,8 @@ class Sender:
         transport: ``"shm"`` (same host), ``"tcp"`` (any host) or ``"nixl"``.
         pool: a pool to serve from; by default the sender makes one of
             ``capacity_nbytes``.
-        capacity_nbytes: size of the pool the sender makes.
+        capacity_nbytes: size of the pool the sender makes, in bytes
+            (default 256 MiB).
         host: tcp/nixl: the address to bind (loopback by default).
         port: tcp/nixl: the port to bind (0: any free port).
         advertise_host: tcp/nixl: the address tickets tell receivers to
@@ -194,7 +195,8 @@ class Sender:
                 contents are sent).
             readers: number of receivers that will get it; ``None`` for any
                 number, until :meth:`discard` (the lease does not apply).
-            lease_seconds: how long slots nobody acquired are kept.
+            lease_seconds: how many seconds slots nobody acquired are kept
+                (default: the sender's ``lease_seconds``).
             one_shot: raise instead of streaming when it does not fit.
             snapshot: plans only. ``True``: copy the tensors into the pool
                 and return once the caller may change them. ``False``: copy
@@ -300,6 +302,11 @@ class Sender:
 
     def wait_released(self, ticket: Ticket, timeout: float | None = None) -> None:
         """Wait until every reader released the ticket (or its lease expired).
+
+        Args:
+            ticket: a ticket this sender put.
+            timeout: the most seconds to wait (default None: as long as it
+                takes).
 
         Raises:
             TransferTimeoutError: not released within ``timeout`` seconds.
