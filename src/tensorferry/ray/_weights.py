@@ -166,6 +166,12 @@ def publish(state_dict: Any, *, timeout: float = 120.0, capacity_nbytes: int | N
     otherwise, or when a parameter was replaced, it plans again.
 
     Args:
+        state_dict: the weights: a module or a nesting of tensors.
+        timeout: the most seconds to wait for room in the pool for this
+            version, while readers of older versions hold it (default 120).
+        capacity_nbytes: the pool this process makes on its first publish,
+            in bytes (default: twice the weights' bytes plus 64 MiB, room
+            for two versions); later publishes keep that pool.
         dtype: send floating-point tensors as this dtype (e.g. bfloat16).
         fanout: workers on other nodes pull over tcp through each other
             (``Sender.put(fanout=)``): the trainer sends this many copies.
@@ -251,6 +257,12 @@ def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeou
     trainer rank, each publishing its shards) is a sharded get: ``targets``
     may hold DTensors and ``Box``es, and only their bytes are read, from
     the trainers that hold them (a ``ShardedPlan``).
+
+    Args:
+        version: what :func:`publish` returned, or a list of them, one of
+            every trainer rank.
+        targets: the module or tensors to update in place.
+        timeout: seconds for the get (default 120).
 
     Returns:
         Seconds the get took.
