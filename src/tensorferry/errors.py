@@ -1,9 +1,11 @@
 """The error hierarchy of tensorferry, and the checks of public arguments
 shared by the sender, the receiver and the receive cache (each returns the
-value in its working type or raises :class:`ConfigurationError` naming the
+value in its working type or raises
+[``ConfigurationError``][tensorferry.errors.ConfigurationError] naming the
 argument, the value, and what would work).
 
-Every error raised on purpose is a :class:`TensorferryError`. Each subclass
+Every error raised on purpose is a
+[``TensorferryError``][tensorferry.errors.TensorferryError]. Each subclass
 also inherits the builtin that fits, so ``except MemoryError`` or
 ``except ValueError`` keep working for callers who do not know tensorferry.
 Messages say what happened, give the numbers, and name the fix.

@@ -185,13 +185,13 @@ class Receiver:
         """Fetch the object of ``ticket``.
 
         Args:
-            ticket: a :class:`Ticket` or its bytes.
+            ticket: a [``Ticket``][tensorferry.wire.Ticket] or its bytes.
             timeout: seconds for the whole get (default: the receiver's).
             into: existing tensors to write into, nested as the sender put
                 them (dicts matched by key, in any order; lists and tuples
-                by position), or an ``nn.Module`` (its ``state_dict()``), or
-                a :class:`RecvPlan` of this receiver; returned as given
-                (a plan: its ``result``), updated in place.
+                by position), or an ``nn.Module`` (its ``state_dict()``), or a
+                [``RecvPlan``][tensorferry.plans.RecvPlan] of this receiver;
+                returned as given (a plan: its ``result``), updated in place.
             zero_copy: shm only: return views of the sender's pool; the
                 sender keeps the blocks until the views are collected.
 
@@ -249,9 +249,10 @@ class Receiver:
         """Check ``ticket``'s layout once and keep what every later get of
         that layout needs (receiver side; nothing is fetched).
 
-        ``get(t, into=plan)`` then moves the bytes of any ticket ``t`` of
-        the same layout straight into the planned destinations and returns
-        :attr:`RecvPlan.result`, the same objects every time.
+        ``get(t, into=plan)`` then moves the bytes of any ticket ``t`` of the
+        same layout straight into the planned destinations and returns
+        [``RecvPlan.result``][tensorferry.plans.RecvPlan.result], the same
+        objects every time.
 
         Args:
             ticket: a ticket of the layout to plan for (or its bytes); it

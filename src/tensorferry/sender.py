@@ -45,7 +45,7 @@ class Sender:
     """Pack objects into a pool and serve them to receivers.
 
     A context manager. Runs on the sending process; its server threads run
-    in the background until :meth:`close`.
+    in the background until [``close``][tensorferry.sender.Sender.close].
 
     Args:
         transport: ``"shm"`` (same host), ``"tcp"`` (any host) or ``"nixl"``.
@@ -73,7 +73,8 @@ class Sender:
             the pool, so one piece is read while the next is packed).
         prefault: touch the pool's pages now, not during the first puts.
         extra_transports: more transports to serve the same pool over (e.g.
-            ``("tcp",)`` beside shm); see :meth:`ticket_for`.
+            ``("tcp",)`` beside shm); see
+            [``ticket_for``][tensorferry.sender.Sender.ticket_for].
 
     Raises:
         ConfigurationError: an unknown transport, a non-loopback bind without
@@ -186,24 +187,27 @@ class Sender:
         Copies each view's bytes into the pool (only its own bytes). An object
         that does not fit in the free space is streamed in pieces, unless
         ``one_shot`` is set. The caller must not change the tensors of a
-        streamed object until :meth:`wait_released` returns. ``readers=1``
-        by default, for a plan too.
+        streamed object until
+        [``wait_released``][tensorferry.sender.Sender.wait_released] returns.
+        ``readers=1`` by default, for a plan too.
 
         Args:
             obj: a tensor or any nesting of lists, tuples and dicts of tensors;
-                or a :class:`SendPlan` of this sender (its tensors' current
-                contents are sent).
+                or a [``SendPlan``][tensorferry.plans.SendPlan] of this sender
+                (its tensors' current contents are sent).
             readers: number of receivers that will get it; ``None`` for any
-                number, until :meth:`discard` (the lease does not apply).
+                number, until [``discard``][tensorferry.sender.Sender.discard]
+                (the lease does not apply).
             lease_seconds: how many seconds slots nobody acquired are kept
                 (default: the sender's ``lease_seconds``).
             one_shot: raise instead of streaming when it does not fit.
             snapshot: plans only. ``True``: copy the tensors into the pool
                 and return once the caller may change them. ``False``: copy
                 nothing and serve the tensors' own memory (tcp); the caller
-                must not change them until :meth:`wait_released` returns.
-                tcp sends from them; shm readers copy them straight out of
-                this process (``process_vm_readv``: same user, and where
+                must not change them until
+                [``wait_released``][tensorferry.sender.Sender.wait_released]
+                returns. tcp sends from them; shm readers copy them straight
+                out of this process (``process_vm_readv``: same user, and where
                 Yama restricts ptrace, this process must allow it).
             fanout: tcp or nixl: a broadcast. The sender serves at most this many
                 receivers itself; the others pull from receivers made with

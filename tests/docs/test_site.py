@@ -58,3 +58,21 @@ def test_the_monitoring_guide_shows_the_files_it_includes(site: Path) -> None:
     html = (site / "guides" / "monitoring" / "index.html").read_text()
     assert "tensorferry-pools" in html and "rule_files" in html
     assert "instance_pool:tensorferry_pool_used:ratio" in html and "--8&lt;--" not in html
+
+
+# A reStructuredText role (:class:`Foo`, :meth:`Foo.bar`, ...) in a rendered
+# docstring shows literally: mkdocstrings reads markdown. Write a
+# cross-reference, [Foo][tensorferry.Foo], which the strict build checks, or
+# `Foo` where the name is not in the reference. "class:" without its first
+# colon too: a Returns line "A :class:`Foo`" reads as name "A", then text.
+_ROLE = re.compile(r"(?<![\w-]):?(?:py:)?(?:class|meth|func|mod|attr|data|exc|obj|const|ref):(?:<code>|`)")
+
+
+def test_no_restructuredtext_role_renders_literally(site: Path) -> None:
+    found = []
+    for page in sorted(site.rglob("*.html")):
+        html = page.read_text()
+        for m in _ROLE.finditer(html):
+            text = re.sub(r"<[^>]+>", "", html[m.start():m.end() + 80]).split("\n")[0]
+            found.append(f"{page.relative_to(site)}: {text}")
+    assert not found, f"{len(found)} roles rendered literally:\n" + "\n".join(found)

@@ -38,11 +38,13 @@ DEFAULT_CAPACITY_NBYTES = 256 << 20
 
 
 class Lease:
-    """Raw bytes of a pool, reserved until released (:meth:`MemoryPool.reserve`).
+    """Raw bytes of a pool, reserved until released
+    ([``MemoryPool.reserve``][tensorferry.memory.MemoryPool.reserve]).
 
     A context manager. ``release()`` is idempotent and safe from a
     finalizer (it never waits for the pool's lock on a thread that holds
-    it). Counted in :meth:`MemoryPool.stats` while alive.
+    it). Counted in [``MemoryPool.stats``][tensorferry.memory.MemoryPool.stats]
+    while alive.
     """
 
     __slots__ = ("pool", "offset", "nbytes", "_released", "__weakref__")
@@ -177,14 +179,15 @@ class MemoryPool:
         Runs on the sender. Copies each view's own bytes only, one copy per
         run of adjacent tensors. Atomic: on any error nothing stays allocated.
         The same packing as a fresh ``Sender.put`` that fits (its one-shot
-        plan places the object with :meth:`place`).
+        plan places the object with ``place``).
 
         Args:
             obj: a tensor, a numpy array, or any nesting of lists, tuples and
                 dicts of them (a ``state_dict``).
 
         Returns:
-            :class:`Packed`; call ``release()`` when no reader needs it.
+            [``Packed``][tensorferry.memory.Packed]; call ``release()`` when no
+                reader needs it.
 
         Raises:
             UnsupportedTensorError: a leaf cannot be packed (named, with a fix).

@@ -51,7 +51,7 @@ def unpack(blocks: Any, layout: Layout | None = None) -> Any:
         blocks: one 1-D uint8 tensor per block, in order, each starting at a
             16-byte aligned address; or what ``MemoryPool.pack`` returned
             (a ``Packed``, then without ``layout``: views of its pool).
-        layout: the sender's :class:`Layout`.
+        layout: the sender's [``Layout``][tensorferry.wire.Layout].
 
     Returns:
         The object, nested as it was packed.

@@ -2,17 +2,18 @@
 
 Cheap figures (RSS split into anon/file/shmem, swap, peak, CPU) come from
 counters the kernel keeps and are read every tick. Exact figures (USS, PSS)
-need a page-table walk that stalls the target; :class:`Agent` spends a
-bounded CPU budget on them and never walks a process whose walk would stall
-it too long. Every sample says where its USS came from and how old it is:
+need a page-table walk that stalls the target;
+[``Agent``][tensorferry.monitor.Agent] spends a bounded CPU budget on them
+and never walks a process whose walk would stall it too long. Every sample
+says where its USS came from and how old it is:
 "RSS - shared" is reported as ``anon_bytes``, never as USS.
 
 Imports neither torch nor the transfer stack; prometheus_client and rich
 load only when their parts are used.
 
-May import: :mod:`tensorferry.errors`, the standard library, psutil,
-prometheus_client and rich; never another layer of the package (the
-memory layer registers its pools here, not the reverse).
+May import: [``tensorferry.errors``][tensorferry.errors], the standard
+library, psutil, prometheus_client and rich; never another layer of the
+package (the memory layer registers its pools here, not the reverse).
 
 Example:
     >>> from tensorferry.monitor import Agent, Selection, sample

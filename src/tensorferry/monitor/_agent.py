@@ -234,7 +234,8 @@ class Agent:
         duration_seconds: float | None = None,
         on_snapshot: Callable[[Snapshot], None] | None = None,
     ) -> None:
-        """Tick until :meth:`stop` (or for ``duration_seconds``), in this thread.
+        """Tick until [``stop``][tensorferry.monitor.Agent.stop] (or for
+        ``duration_seconds``), in this thread.
 
         Args:
             duration_seconds: stop after this long (the first tick is at 0).
@@ -255,7 +256,8 @@ class Agent:
                 break
 
     def start(self) -> None:
-        """Tick in a background (daemon) thread until :meth:`stop`."""
+        """Tick in a background (daemon) thread until
+        [``stop``][tensorferry.monitor.Agent.stop]."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()

@@ -39,7 +39,7 @@ class CgroupMemory(NamedTuple):
     swap_bytes: int
     """Swap used by the cgroup (memory.swap.current, or ``swap`` in v1's memory.stat)."""
     watched: int = 0
-    """Processes of the selection in this cgroup (set by :meth:`CgroupReader.for_samples`)."""
+    """Processes of the selection in this cgroup (set by ``CgroupReader.for_samples``)."""
     watched_uss_bytes: int | None = None
     """Sum of their USS: what they alone hold of the cgroup's charge; None unless every
     one of them has exact figures (a partial sum would understate)."""

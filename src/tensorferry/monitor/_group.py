@@ -85,7 +85,10 @@ def _sum(name: str, members: list[ProcessMemory]) -> GroupMemory:
 def group_samples(
     samples: Iterable[ProcessMemory], *, max_groups: int = 50, names: NameSource = "cmdline", max_name_chars: int = 48
 ) -> list[GroupMemory]:
-    """Group samples by :func:`group_key`, largest RSS first.
+    """Group samples by name, largest RSS first.
+
+    A process's group is its name (``ray::Actor`` for ``ray::Actor.method``;
+    ``group_key``).
 
     Args:
         samples: one tick's samples.

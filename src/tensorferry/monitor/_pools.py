@@ -94,9 +94,10 @@ def register_pool_source(name: str, source: Callable[[], Mapping[str, int]], *, 
             within the process; the pid leaves the ``pool`` label); registering
             the same name again replaces the source.
         source: called at each scrape, in the scraping thread; returns a dict
-            with the keys in :data:`POOL_KEYS` (others are ignored). It should
-            be cheap and must not block (read counters, do not lock the pool
-            for long).
+            with the keys in ``POOL_KEYS``, the int fields of
+            [``PoolFigures``][tensorferry.monitor.PoolFigures] (others are
+            ignored). It should be cheap and must not block (read counters,
+            do not lock the pool for long).
         role: the ``role`` label (``sender``, ``receiver``, ``receive-cache``);
             by default the name's first ``:``-separated part.
 

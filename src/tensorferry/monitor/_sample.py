@@ -78,7 +78,8 @@ def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> 
     space at a time (the target's mmap/munmap wait for at most one slice;
     PSS only as root), else from ``smaps_rollup`` (one walk that blocks them
     for all of it: ~0.2 ms small, ~10 ms per GiB of 4 KiB pages). The source
-    is the same the :class:`Agent` uses; ``uss_source`` says which it was.
+    is the same the [``Agent``][tensorferry.monitor.Agent] uses;
+    ``uss_source`` says which it was.
 
     Args:
         pid: the process.
@@ -86,7 +87,8 @@ def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> 
         backend: where to read from; the platform's default when None.
 
     Returns:
-        A :class:`ProcessMemory`; ``uss_source`` says whether USS was read.
+        A [``ProcessMemory``][tensorferry.monitor.ProcessMemory];
+            ``uss_source`` says whether USS was read.
 
     Raises:
         NoSuchProcess: the process does not exist (or exited meanwhile).

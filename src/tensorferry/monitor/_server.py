@@ -86,7 +86,8 @@ def _app(registry: CollectorRegistry, agent: Agent | None) -> Callable[[dict[str
 
 
 class PrometheusServer:
-    """A running endpoint (``/metrics``, ``/healthz``); :meth:`close` stops it."""
+    """A running endpoint (``/metrics``, ``/healthz``);
+    [``close``][tensorferry.monitor.PrometheusServer.close] stops it."""
 
     def __init__(self, httpd: WSGIServer, thread: threading.Thread, registry: CollectorRegistry) -> None:
         self._httpd = httpd
@@ -132,9 +133,10 @@ def serve_prometheus(
         agent: the agent to expose (it must be ticking, e.g. ``agent.start()``).
         host: the address to bind; loopback by default, so nothing is exposed
             beyond the machine unless asked.
-        port: the port (:data:`DEFAULT_PORT`); 0 picks a free one (see the
+        port: the port (``DEFAULT_PORT``, 21464); 0 picks a free one (see the
             returned ``.port``).
-        labels: ``group`` or ``process`` (see :class:`MonitorCollector`).
+        labels: ``group`` or ``process`` (see
+            [``MonitorCollector``][tensorferry.monitor.MonitorCollector]).
 
     Returns:
         The running server.

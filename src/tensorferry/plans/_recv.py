@@ -55,13 +55,14 @@ Allocate = Callable[[list[int]], tuple[list[torch.Tensor], bool]]
 class RecvPlan:
     """A receiver's plan for one layout; receiver side.
 
-    ``Receiver.get(ticket, into=plan)`` writes every ticket of that layout
-    into the same destinations and returns :attr:`result`: the caller's
-    ``into=`` object, or the tensors the plan allocated. Not for concurrent
-    gets (they would write the same tensors): gets of one plan take turns.
+    ``Receiver.get(ticket, into=plan)`` writes every ticket of that layout into
+    the same destinations and returns
+    [``result``][tensorferry.plans.RecvPlan.result]: the caller's ``into=``
+    object, or the tensors the plan allocated. Not for concurrent gets (they
+    would write the same tensors): gets of one plan take turns.
 
     Made by ``Receiver.plan`` (kept) or, for any other get, by
-    :meth:`one_shot`.
+    ``one_shot``.
 
     Attributes:
         layout: the planned layout.

@@ -114,8 +114,9 @@ class ShardedPlan:
         owner: the receiver that made it (a get checks it).
         tickets: one ticket of every source rank, any order.
         into: the target: tensors nested as the sources put them, each a
-            DTensor (its local shard is written), a :class:`Box` or a plain
-            tensor (the whole global tensor); contiguous host memory.
+            DTensor (its local shard is written), a
+            [``Box``][tensorferry.shards.Box] or a plain tensor (the whole
+            global tensor); contiguous host memory.
         kept: replayed by later gets (``Receiver.plan``) or used once.
         spread: where several sources hold the same bytes (replicated
             placements), which one this receiver reads a part from turns

@@ -2,7 +2,7 @@
 
 Register it in every process of the job: in the driver before any actor
 class that uses it is defined, and in every worker through the job's
-``runtime_env``, so an actor can use it from its very first task::
+``runtime_env``, so an actor can use it from its very first task:
 
     import ray, tensorferry.ray
     ray.init(runtime_env=tensorferry.ray.runtime_env())
@@ -23,8 +23,8 @@ actor (``Actor.options(runtime_env=tensorferry.ray.runtime_env(...))``);
 Needs the ``ray`` extra (``ray==2.60.*``).
 
 An integration layer: may import the user API (``Sender``, ``Receiver``),
-plans, transports, memory, tensors, wire and :mod:`tensorferry.errors`;
-nothing in the core imports it.
+plans, transports, memory, tensors, wire and
+[``tensorferry.errors``][tensorferry.errors]; nothing in the core imports it.
 """
 
 from __future__ import annotations
@@ -73,10 +73,11 @@ def register(name: str = NAME) -> None:
     """Register tensorferry as Ray tensor transport ``name`` (idempotent).
 
     Call it in the driver before defining classes whose methods say
-    ``tensor_transport=name``; :func:`runtime_env` has Ray call it in every
-    worker. Registers for CPU, and CUDA where present. Calling it again, or
-    after Ray registered the transport on an actor itself, changes nothing
-    (Ray's own ``register_tensor_transport`` raises ``ValueError`` then).
+    ``tensor_transport=name``; [``runtime_env``][tensorferry.ray.runtime_env]
+    has Ray call it in every worker. Registers for CPU, and CUDA where present.
+    Calling it again, or after Ray registered the transport on an actor itself,
+    changes nothing (Ray's own ``register_tensor_transport`` raises
+    ``ValueError`` then).
     """
     _require_ray()
     import torch
@@ -160,16 +161,18 @@ _SETTINGS = tuple(inspect.signature(env_vars).parameters)
 def runtime_env(*, extra_env_vars: dict[str, str] | None = None, **settings: Any) -> dict[str, Any]:
     """A Ray ``runtime_env`` that registers tensorferry in every worker and carries its settings.
 
-    Ray runs :func:`register` in each new worker process before its first
-    task, so an actor can return or ``ray.put`` through tensorferry from its
-    very first task. Use it for the whole job (``ray.init(runtime_env=...)``)
-    or for one actor (``Actor.options(runtime_env=...)``). A job that has a
-    setup hook of its own should call :func:`register` from that hook and
-    pass :func:`env_vars` instead.
+    Ray runs [``register``][tensorferry.ray.register] in each new worker
+    process before its first task, so an actor can return or ``ray.put``
+    through tensorferry from its very first task. Use it for the whole job
+    (``ray.init(runtime_env=...)``) or for one actor
+    (``Actor.options(runtime_env=...)``). A job that has a setup hook of its
+    own should call [``register``][tensorferry.ray.register] from that hook and
+    pass [``env_vars``][tensorferry.ray.env_vars] instead.
 
     Args:
         extra_env_vars: more environment variables for the workers, kept as given.
-        **settings: the keyword arguments of :func:`env_vars`.
+        **settings: the keyword arguments of
+            [``env_vars``][tensorferry.ray.env_vars].
 
     Returns:
         ``{"worker_process_setup_hook": "tensorferry.ray.register", "env_vars": {...}}``.

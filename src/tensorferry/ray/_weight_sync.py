@@ -60,8 +60,8 @@ class WeightSync:
 
     Creating it sends the trainer a call that makes and prefaults its pool
     (1.3-1.4 s for two ~1 GiB versions on 2 busy cores) in the background; the
-    first :meth:`sync` waits for that call if it has not finished, and raises
-    what it raised.
+    first [``sync``][tensorferry.ray._weight_sync.WeightSync.sync] waits for
+    that call if it has not finished, and raises what it raised.
     """
 
     def __init__(

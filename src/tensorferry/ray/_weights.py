@@ -41,7 +41,8 @@ class WeightVersion(NamedTuple):
 
 
 class SyncReport(NamedTuple):
-    """What one :meth:`WeightSync.sync` did: every worker updated to a new version.
+    """What one [``WeightSync.sync``][tensorferry.ray._weight_sync.WeightSync.sync]
+    did: every worker updated to a new version.
 
     Attributes:
         version: the version now on every worker (1 for the first sync;
@@ -259,8 +260,8 @@ def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeou
     the trainers that hold them (a ``ShardedPlan``).
 
     Args:
-        version: what :func:`publish` returned, or a list of them, one of
-            every trainer rank.
+        version: what [``publish``][tensorferry.ray._weights.publish] returned,
+            or a list of them, one of every trainer rank.
         targets: the module or tensors to update in place.
         timeout: seconds for the get (default 120).
 

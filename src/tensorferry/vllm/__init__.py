@@ -2,15 +2,17 @@
 
 This integration layer owns the adapter between vLLM's pluggable weight
 transfer (``vllm.distributed.weight_transfer``, vLLM 0.33) and tensorferry's
-kept plans: the worker engine (:class:`TensorferryWeightTransferEngine`,
+kept plans: the worker engine
+([``TensorferryWeightTransferEngine``][tensorferry.vllm._worker.TensorferryWeightTransferEngine],
 receives with a kept ``RecvPlan`` or ``ShardedPlan`` and feeds vLLM's
 ``model.load_weights``), the trainer engine
-(:class:`TensorferryTrainerWeightTransferEngine`, puts a kept ``SendPlan``
-per trainer rank and drives vLLM's four-method client from rank 0), their
-JSON-safe init and update infos, :class:`LLMClient` (vLLM's weight-sync
-client over an offline ``LLM`` in the trainer's process), and
-:func:`register`, the
-``vllm.general_plugins`` entry point that names both in vLLM's factories.
+([``TensorferryTrainerWeightTransferEngine``][tensorferry.vllm._trainer.TensorferryTrainerWeightTransferEngine],
+puts a kept ``SendPlan`` per trainer rank and drives vLLM's four-method client
+from rank 0), their JSON-safe init and update infos,
+[``LLMClient``][tensorferry.vllm._client.LLMClient] (vLLM's weight-sync client
+over an offline ``LLM`` in the trainer's process), and
+[``register``][tensorferry.vllm.register], the ``vllm.general_plugins`` entry
+point that names both in vLLM's factories.
 
 What it may import: vLLM (only here, and only when one of these names is
 used: importing ``tensorferry`` never imports vLLM), torch, and tensorferry's
@@ -52,12 +54,12 @@ _LAZY = {
 def register() -> None:
     """Register ``"tensorferry"`` in vLLM's worker and trainer factories.
 
-    The ``vllm.general_plugins`` entry point: vLLM calls it in the engine
-    core and in every worker (and a trainer that imports
-    :class:`TensorferryTrainerInitInfo` gets it too). The classes are
-    registered by module path, so nothing of this package beyond this
-    function is imported until vLLM builds an engine. A second call
-    changes nothing.
+    The ``vllm.general_plugins`` entry point: vLLM calls it in the engine core
+    and in every worker (and a trainer that imports
+    [``TensorferryTrainerInitInfo``][tensorferry.vllm._infos.TensorferryTrainerInitInfo]
+    gets it too). The classes are registered by module path, so nothing of this
+    package beyond this function is imported until vLLM builds an engine. A
+    second call changes nothing.
 
     Raises:
         BackendUnavailableError: vLLM is not installed.

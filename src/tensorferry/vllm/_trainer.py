@@ -72,8 +72,10 @@ class RoundReport(NamedTuple):
 class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[TensorferryTrainerInitInfo]):
     """Puts each rank's weights with a kept plan; rank 0 hands the round's tickets to vLLM.
 
-    Made by :meth:`trainer_init` on every trainer rank; ``send_weights``
-    and ``shutdown`` are called on every rank too.
+    Made by
+    [``trainer_init``][tensorferry.vllm._trainer.TensorferryTrainerWeightTransferEngine.trainer_init]
+    on every trainer rank; ``send_weights`` and ``shutdown`` are called on
+    every rank too.
     """
 
     init_info_cls = TensorferryTrainerInitInfo

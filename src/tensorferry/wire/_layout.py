@@ -92,13 +92,14 @@ class Layout:
     """Per-tensor dtype and shape, plus the nesting, of one packed object.
 
     Sender and receiver derive every byte offset from this with
-    :func:`tensorferry.packing.packed_offsets`; nothing else is needed.
+    [``packing.packed_offsets``][tensorferry.wire.packing.packed_offsets];
+    nothing else is needed.
 
     Attributes:
         dtype_codes: uint8 wire code of each tensor's dtype (see ``DTYPES``).
         ndims: uint8 number of dimensions of each tensor.
         dims: int64 dimensions of all tensors, concatenated.
-        tree_ops: uint8 opcode of each nesting token (:class:`TreeOp`).
+        tree_ops: uint8 opcode of each nesting token (``TreeOp``).
         tree_counts: int64 count of each nesting token.
         keys: the dict keys, in the order the DICT tokens consume them.
         aliases: int64 ``(k, 2)`` pairs ``(tensor, earlier)``: ``tensor`` is
@@ -248,7 +249,8 @@ class Layout:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_nbytes: int = MAX_LAYOUT_NBYTES) -> "Layout":
-        """Decode and validate bytes made by :meth:`to_bytes`.
+        """Decode and validate bytes made by
+        [``to_bytes``][tensorferry.wire.Layout.to_bytes].
 
         Runs on the receiver, on bytes from the network: every count is
         bounded and the body size is checked before anything sized by the

@@ -63,7 +63,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
         address: where the sender listens (a Unix socket name, or host:port).
         pool_generation: the sender pool's generation; a receiver refuses a
             ticket from an earlier pool at a recycled address.
-        layout_bytes: the encoded :class:`Layout`.
+        layout_bytes: the encoded [``Layout``][tensorferry.wire.Layout].
         blocks: ``(offset, nbytes)`` in the sender's pool, one per block, when
             the object is resident (``num_pieces == 1``).
         total_nbytes: the object's packed size as one block (streamed objects

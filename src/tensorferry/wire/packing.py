@@ -3,14 +3,16 @@
 Sender and receiver call the same functions on the same metadata, so both
 compute the same byte layout without exchanging per-tensor offsets:
 
-* :func:`packed_offsets` places tensors one after another, each at a multiple
-  of its own alignment (its element size), with no trailing pad;
-* :func:`group_by_block` is the receiver's inverse: given only the byte count of
-  each received block, it finds which consecutive tensors each block holds;
-* :func:`merge_runs` merges copies adjacent on both sides (byte ranges
-  that touch: the same ranges as both sides), so one copy or one transfer
-  descriptor covers a whole run of tensors; :func:`window` cuts runs to a
-  byte range of one side (a piece of a stream).
+* [``packed_offsets``][tensorferry.wire.packing.packed_offsets] places tensors
+  one after another, each at a multiple of its own alignment (its element
+  size), with no trailing pad;
+* [``group_by_block``][tensorferry.wire.packing.group_by_block] is the
+  receiver's inverse: given only the byte count of each received block, it
+  finds which consecutive tensors each block holds;
+* [``merge_runs``][tensorferry.wire.packing.merge_runs] merges copies adjacent
+  on both sides (byte ranges that touch: the same ranges as both sides), so one
+  copy or one transfer descriptor covers a whole run of tensors; ``window``
+  cuts runs to a byte range of one side (a piece of a stream).
 
 Zero-size tensors take no space and never move the cursor: their offset is the
 cursor, unaligned, and they are not part of any block's bytes.
@@ -190,9 +192,10 @@ def group_by_block(nbytes, alignments, block_nbytes) -> BlockGroups:
     """Split tensors into consecutive groups, one per block, from byte counts.
 
     The receiver's inverse of the sender's packing: each block is packed with
-    :func:`packed_offsets` from offset 0, and a zero-size tensor stays with the
-    block before it (the sender places it where its cursor is). O(N) overall:
-    each block's search window doubles until the block is covered.
+    [``packed_offsets``][tensorferry.wire.packing.packed_offsets] from offset
+    0, and a zero-size tensor stays with the block before it (the sender places
+    it where its cursor is). O(N) overall: each block's search window doubles
+    until the block is covered.
 
     Args:
         nbytes: byte size of each tensor.
@@ -200,7 +203,7 @@ def group_by_block(nbytes, alignments, block_nbytes) -> BlockGroups:
         block_nbytes: byte count of each received block, in order.
 
     Returns:
-        :class:`BlockGroups` with the tensor bounds of each block and each
+        ``BlockGroups`` with the tensor bounds of each block and each
         tensor's offset inside its block.
 
     Raises:
@@ -285,7 +288,7 @@ def merge_runs(dst, src, nbytes, breaks=None) -> Runs:
         breaks: optional bool per range: start a new run here regardless.
 
     Returns:
-        :class:`Runs`, one entry per merged run.
+        ``Runs``, one entry per merged run.
     """
     d = _as_int64("dst", dst)
     s = _as_int64("src", src)
@@ -325,9 +328,10 @@ def window(runs: tuple[np.ndarray, np.ndarray, np.ndarray], lo: int, hi: int) ->
 def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:
     """How many leading tensors pack into ``capacity_nbytes`` from offset 0.
 
-    The sender's half of :func:`group_by_block`: zero-size tensors right
-    after the last tensor that fits are taken too, exactly as the receiver
-    assigns them. O(k) for a result of k tensors (doubling windows).
+    The sender's half of
+    [``group_by_block``][tensorferry.wire.packing.group_by_block]: zero-size
+    tensors right after the last tensor that fits are taken too, exactly as the
+    receiver assigns them. O(k) for a result of k tensors (doubling windows).
 
     Returns:
         ``(count, used_nbytes)``: the number of tensors and the end of the
