@@ -197,7 +197,7 @@ class Receiver:
 
         Returns:
             The object, nested as the sender put it (tensors that were the
-            same view twice come back as one tensor).
+                same view twice come back as one tensor).
 
         Raises:
             TicketError: a malformed or stale ticket.

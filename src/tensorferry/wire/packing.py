@@ -100,7 +100,7 @@ def packed_offsets(nbytes, alignments) -> tuple[np.ndarray, int]:
 
     Returns:
         ``(offsets, total_nbytes)``: int64 start of each tensor, and the end of
-        the last byte (no trailing pad).
+            the last byte (no trailing pad).
 
     Raises:
         ValueError: inputs of different lengths, negative sizes, or an
@@ -204,7 +204,7 @@ def group_by_block(nbytes, alignments, block_nbytes) -> BlockGroups:
 
     Returns:
         ``BlockGroups`` with the tensor bounds of each block and each
-        tensor's offset inside its block.
+            tensor's offset inside its block.
 
     Raises:
         LayoutMismatchError: the block sizes do not add up to a packing of
@@ -335,7 +335,7 @@ def fit_prefix(nbytes, alignments, capacity_nbytes: int) -> tuple[int, int]:
 
     Returns:
         ``(count, used_nbytes)``: the number of tensors and the end of the
-        last byte they occupy.
+            last byte they occupy.
     """
     n, a = _check_inputs(nbytes, alignments)
     count = n.size
