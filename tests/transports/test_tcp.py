@@ -125,8 +125,9 @@ def test_scatter_receive_says_how_far_it_got_when_the_sender_hangs_up():
     try:
         a.sendall(b"x" * 1234)
         a.close()
-        with pytest.raises(PeerGoneError, match="after 1,234 of 5,000 bytes"):
+        with pytest.raises(PeerGoneError, match="after 1,234 of 5,000 bytes") as failed:
             recv_scatter_into(b, [memoryview(x) for x in bufs], deadline=time.monotonic() + 10)
+        assert "closed its Sender (see its log)" in str(failed.value)  # the fix
     finally:
         b.close()
 

@@ -143,7 +143,7 @@ def test_file_descriptors_travel_with_a_frame(pair):
 def test_expect_refuses_another_type_but_passes_a_failure(pair):
     a, b = pair
     P.send_msg(a, P.Released(valid=True))
-    with pytest.raises(ProtocolError, match="sent Released, expected Located or Welcome"):
+    with pytest.raises(ProtocolError, match="sent Released, expected Located or Welcome; use the same tensorferry version"):
         P.recv_msg(b, expect=(P.Located, P.Welcome))
     failure = P.Failure(kind="unknown", message="no such ticket")
     P.send_msg(a, failure)
@@ -156,11 +156,13 @@ def test_expect_refuses_another_type_but_passes_a_failure(pair):
 @pytest.mark.parametrize(
     "data, message",
     [
-        (header(P.MsgType.HELLO, 0, magic=b"HTTP"), "bad magic"),
-        (header(P.MsgType.HELLO, 0, version=P.VERSION + 1), f"version {P.VERSION + 1}"),
-        (header(0, 0), "unknown message type 0"),
+        (header(P.MsgType.HELLO, 0, magic=b"HTTP"), "bad magic b'HTTP'.*: check that the receiver's address and port"),
+        # The first bytes of a TLS ClientHello: a receiver with tls= at a sender without.
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x00", "bad magic.*speaks TLS and this side does not: give both sides tls="),
+        (header(P.MsgType.HELLO, 0, version=P.VERSION + 1), f"version {P.VERSION + 1}.*use the same tensorferry version"),
+        (header(0, 0), "unknown message type 0; use the same tensorferry version"),
         (header(200, 0xFFFFFFFF), "unknown message type 200"),
-        (frame(P.MsgType.HELLO, b"\xff\xff\xff"), "malformed Hello"),
+        (frame(P.MsgType.HELLO, b"\xff\xff\xff"), "malformed Hello.*; use the same tensorferry version"),
         (frame(P.MsgType.ACQUIRE, msgspec.msgpack.encode({"piece": 0})), "malformed Acquire"),
         (frame(P.MsgType.ACQUIRE, msgspec.msgpack.encode(P.Acquire(ticket_id=1, digest=b"x" * 65))), "malformed Acquire"),
         (frame(P.MsgType.LOCATED, msgspec.msgpack.encode({"blocks": [[0, "sixteen"]]})), "malformed Located"),
@@ -179,7 +181,7 @@ def test_the_frame_length_is_bounded_before_the_payload_is_read(pair):
     a.sendall(header(P.MsgType.HELLO, P.MAX_FRAME_NBYTES + 1))
     # A ProtocolError, not a TransferTimeoutError at the deadline: the length
     # was refused before any payload byte was waited for.
-    with pytest.raises(ProtocolError, match="limit is 16,777,216"):
+    with pytest.raises(ProtocolError, match="limit is 16,777,216: check that the peer is tensorferry"):
         P.recv_msg(b, deadline=time.monotonic() + 5.0)
 
 
@@ -204,7 +206,7 @@ def test_located_blocks_are_bounded(pair):
         if ok:
             assert len(P.recv_msg(b, deadline=time.monotonic() + 20.0).blocks) == limit
         else:
-            with pytest.raises(ProtocolError, match="located 1,048,577 blocks"):
+            with pytest.raises(ProtocolError, match="located 1,048,577 blocks; the limit is 1,048,576, as a ticket's: use the same"):
                 P.recv_msg(b, deadline=time.monotonic() + 20.0)
         t.join(10.0)
 
@@ -217,8 +219,9 @@ def test_a_peer_that_closes_mid_frame_is_gone():
         x.sendall(data[:cut])
         x.close()
         got, of = (cut, head) if cut < head else (cut - head, len(data) - head)
-        with pytest.raises(PeerGoneError, match=f"after {got} of {of} bytes"):
+        with pytest.raises(PeerGoneError, match=f"after {got} of {of} bytes") as failed:
             P.recv_msg(y, deadline=time.monotonic() + 2.0)
+        assert "it closed its Sender or Receiver or this connection (its log says why)" in str(failed.value)  # the fix
         y.close()
 
 
@@ -241,8 +244,9 @@ def test_one_deadline_bounds_a_dripped_frame(pair):
     # Either the deadline passes between two bytes or a receive times out at
     # it: both mean the frame as a whole ran out of time (a deadline per
     # receive would let the drip complete the frame, and nothing would raise).
-    with pytest.raises(TransferTimeoutError, match=r"(after|sent) \d+ of 12 bytes"):
+    with pytest.raises(TransferTimeoutError, match=r"after \d+ of 12 bytes of a control frame") as failed:
         P.recv_msg(b, deadline=time.monotonic() + 0.3)
+    assert "raise get(timeout=) or Receiver(timeout=); check that the peer's process runs" in str(failed.value)
     stop.set()
     t.join(2.0)
 
@@ -280,5 +284,44 @@ def test_recv_exact_into_fills_the_view_or_says_how_far_it_got(pair):
     assert bytes(buf) == data
     a.sendall(b"abc")
     a.close()
-    with pytest.raises(PeerGoneError, match="after 3 of 10 bytes"):
+    with pytest.raises(PeerGoneError, match="after 3 of 10 bytes") as failed:
         P.recv_exact_into(b, memoryview(bytearray(10)), deadline=time.monotonic() + 2.0)
+    assert "closed its Sender (see its log)" in str(failed.value)
+
+
+def test_recv_exact_into_stops_at_its_deadline_and_says_how_far_it_got(pair):
+    a, b = pair
+    a.sendall(b"abc")
+    with pytest.raises(TransferTimeoutError, match="after receiving 3 of 10 bytes: raise get.timeout=. or Receiver.timeout=."):
+        P.recv_exact_into(b, memoryview(bytearray(10)), deadline=time.monotonic() + 0.3)
+
+
+# -- what a send says when the peer stops reading or hangs up ------------------------------------------------
+
+
+def test_a_control_frame_the_peer_does_not_take_times_out_with_its_size(pair):
+    a, b = pair
+    a.settimeout(0.3)
+    msg = P.Failure(kind="", message="x" * (4 << 20))  # more than the socket pair's buffers hold
+    size = len(header(0, 0)) + len(msgspec.msgpack.encode(msg))
+    with pytest.raises(TransferTimeoutError, match=rf"sending a {size:,}-byte Failure frame .* within 0.3 s") as failed:
+        P.send_msg(a, msg)
+    assert "check that the peer's process runs (its log)" in str(failed.value)
+    b.close()
+    with pytest.raises(PeerGoneError, match=r"while we were sending a \d+-byte Released frame") as failed:
+        P.send_msg(a, P.Released(valid=True))
+    assert "its log says why" in str(failed.value)
+
+
+def test_block_bytes_to_a_receiver_that_stops_reading_or_hangs_up_say_how_far_they_got(pair):
+    a, b = pair
+    a.settimeout(0.3)
+    src = bytes(64 << 20)
+    views = [memoryview(src)[i : i + (1 << 20)] for i in range(0, len(src), 1 << 20)]
+    with pytest.raises(TransferTimeoutError, match=r"after [\d,]+ of 67,108,864 bytes: it read nothing for 0.3 s") as failed:
+        P.send_all_views(a, views)
+    assert "check that its process runs" in str(failed.value)
+    b.close()
+    with pytest.raises(PeerGoneError, match="during a send, after 0 of 1,048,576 bytes") as failed:
+        P.send_data_header(a, 1 << 20)
+    assert "its error or log says why" in str(failed.value)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import PeerGoneError, TransferTimeoutError
 
-__all__ = ["IOV_MAX", "is_tls", "recv_runs", "send_runs"]
+__all__ = ["IOV_MAX", "is_tls", "recv_runs", "send_runs", "transfer_failure"]
 
 # Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
 # preadv, pwritev or process_vm_readv takes. The one definition.
@@ -79,9 +79,9 @@ def send_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray) -> N
                 sock.sendall(_view(a, n))
                 done += n
         except (socket.timeout, TimeoutError) as exc:
-            raise _failure(False, done, total, wait_seconds=sock.gettimeout()) from exc
+            raise transfer_failure(False, done, total, wait_seconds=sock.gettimeout()) from exc
         except OSError as exc:
-            raise _failure(False, done, total, exc) from exc
+            raise transfer_failure(False, done, total, exc) from exc
         return
     timeout = sock.gettimeout()
     _move(False, sock, address, nbytes, lambda: None if timeout is None else time.monotonic() + timeout)
@@ -105,16 +105,16 @@ def recv_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray, *, d
             while at < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise _failure(True, done, total)
+                    raise transfer_failure(True, done, total)
                 sock.settimeout(left)
                 try:
                     k = sock.recv_into(view[at:])
                 except (socket.timeout, TimeoutError) as exc:
-                    raise _failure(True, done, total) from exc
+                    raise transfer_failure(True, done, total) from exc
                 except OSError as exc:
-                    raise _failure(True, done, total, exc) from exc
+                    raise transfer_failure(True, done, total, exc) from exc
                 if k == 0:
-                    raise _failure(True, done, total, hung_up=True)
+                    raise transfer_failure(True, done, total, hung_up=True)
                 at += k
                 done += k
         return
@@ -123,13 +123,13 @@ def recv_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray, *, d
     _move(True, sock, address, nbytes, lambda: deadline)
 
 
-def _failure(
+def transfer_failure(
     receiving: bool, done: int, total: int, exc: OSError | None = None, *, hung_up: bool = False, wait_seconds: float | None = None,
 ) -> Exception:
     """The error of a transfer stopped after ``done`` of ``total`` bytes:
     timed out (no ``exc``; a send after ``wait_seconds``, the socket's
     timeout, without room), broken (``exc``) or hung up; each says what
-    to check or change."""
+    to check or change. Also that of protocol.py's byte helpers."""
     if receiving:
         if hung_up:
             return PeerGoneError(f"the sender closed the connection after {done:,} of {total:,} bytes: its process exited or "
@@ -184,14 +184,14 @@ def _move(receiving: bool, sock: socket.socket, address: np.ndarray, nbytes: np.
             if err == errno.EINTR:
                 continue
             if err not in _RETRY:
-                raise _failure(receiving, done, total, OSError(err, os.strerror(err)))
+                raise transfer_failure(receiving, done, total, OSError(err, os.strerror(err)))
             until = deadline()
             left = None if until is None else until - time.monotonic()
             if (left is not None and left <= 0) or not poller.poll(None if left is None else max(1, int(left * 1000))):
-                raise _failure(receiving, done, total, wait_seconds=sock.gettimeout())
+                raise transfer_failure(receiving, done, total, wait_seconds=sock.gettimeout())
             continue
         if k == 0:
-            raise _failure(receiving, done, total, hung_up=True)
+            raise transfer_failure(receiving, done, total, hung_up=True)
         done += k
         # The first run not wholly moved; if it moved in part, its rest.
         first = int(np.searchsorted(ends, done, side="right"))

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Sequence
 import msgspec
 
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
-from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs
+from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs, transfer_failure
 
 __all__ = [
     "MAGIC", "VERSION", "MAX_FRAME_NBYTES", "MsgType", "Hello", "Challenge", "Proof", "Claim", "Welcome",
@@ -44,6 +44,11 @@ _MAX_BLOCKS = 1 << 20
 # Bytes of a frame allocated before they arrived: a header may claim up to
 # MAX_FRAME_NBYTES, but memory follows the bytes that came, not the claim.
 _RECV_CHUNK_NBYTES = 1 << 20
+# The fixes of a control frame's errors. Both sides send and read frames, so
+# they name the peer, not a side.
+_SAME_VERSION = "use the same tensorferry version on both sides"
+_PEER_STOPPED = "its process exited, or it closed its Sender or Receiver or this connection (its log says why)"
+_CHECK_PEER = "check that the peer's process runs (its log) and the link between you"
 
 
 class MsgType:
@@ -289,17 +294,21 @@ def send_msg(sock: socket.socket, msg: Any, *, fds: Sequence[int] = ()) -> None:
         else:
             sock.sendall(frame)
     except socket.timeout as exc:
-        raise TransferTimeoutError("timed out sending a control frame to the peer") from exc
+        raise TransferTimeoutError(f"timed out sending a {len(frame):,}-byte {type(msg).__name__} frame to the peer: "
+                                   f"it did not take it within {sock.gettimeout()} s; {_CHECK_PEER}") from exc
     except OSError as exc:
-        raise PeerGoneError(f"the peer closed the connection while we were sending ({exc})") from exc
+        raise PeerGoneError(f"the peer closed the connection while we were sending a {len(frame):,}-byte "
+                            f"{type(msg).__name__} frame ({exc}): {_PEER_STOPPED}") from exc
 
 
 def send_data_header(sock: socket.socket, nbytes: int) -> None:
-    """tcp: announce ``nbytes`` of raw block bytes that follow."""
+    """tcp: announce ``nbytes`` of raw block bytes that follow (sender side)."""
     try:
         sock.sendall(_HEADER.pack(MAGIC, VERSION, MsgType.DATA, 0) + struct.pack("<Q", nbytes))
+    except socket.timeout as exc:
+        raise transfer_failure(False, 0, nbytes, wait_seconds=sock.gettimeout()) from exc
     except OSError as exc:
-        raise PeerGoneError(f"the peer closed the connection ({exc})") from exc
+        raise transfer_failure(False, 0, nbytes, exc) from exc
 
 
 def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, deadline: float | None = None) -> bytes:
@@ -313,7 +322,7 @@ def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, de
             # peer dripping a byte at a time must not hold us for ever.
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeoutError(f"the peer sent {got} of {n} bytes of a frame by its deadline")
+                raise _frame_failure(got, n)
             sock.settimeout(left)
         try:
             if fds is not None and not got and not is_tls(sock):
@@ -324,13 +333,25 @@ def _recv_exact(sock: socket.socket, n: int, *, fds: list[int] | None = None, de
             else:
                 data = sock.recv(want)
         except socket.timeout as exc:
-            raise TransferTimeoutError(f"timed out after {got} of {n} bytes from the peer") from exc
+            raise _frame_failure(got, n) from exc
         except OSError as exc:
-            raise PeerGoneError(f"the connection to the peer broke after {got} of {n} bytes ({exc})") from exc
+            raise _frame_failure(got, n, exc) from exc
         if not data:
-            raise PeerGoneError(f"the peer closed the connection after {got} of {n} bytes")
+            raise _frame_failure(got, n, hung_up=True)
         buf += data
     return bytes(buf)
+
+
+def _frame_failure(got: int, n: int, exc: OSError | None = None, *, hung_up: bool = False) -> Exception:
+    """The error of a control frame read stopped after ``got`` of ``n``
+    bytes: timed out (no ``exc``), broken (``exc``) or hung up."""
+    if hung_up:
+        return PeerGoneError(f"the peer closed the connection after {got:,} of {n:,} bytes of a control frame: {_PEER_STOPPED}")
+    if exc is None:
+        return TransferTimeoutError(f"timed out after {got:,} of {n:,} bytes of a control frame from the peer: a receiver may "
+                                    f"raise get(timeout=) or Receiver(timeout=); {_CHECK_PEER} moves bytes")
+    return PeerGoneError(f"the connection to the peer broke after {got:,} of {n:,} bytes of a control frame ({exc}): "
+                         f"{_CHECK_PEER}")
 
 
 def recv_msg(
@@ -353,10 +374,10 @@ def recv_msg(
     header = _recv_exact(sock, _HEADER.size, fds=fds, deadline=deadline)
     magic, version, kind, length = _HEADER.unpack(header)
     if magic != MAGIC:
-        raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol")
+        raise ProtocolError(f"peer sent bad magic {magic!r}; it does not speak tensorferry's protocol: {_not_ours(magic)}")
     if version != VERSION:
         err = ProtocolError(
-            f"peer speaks protocol version {version}, we speak {VERSION}; use the same tensorferry version on both sides"
+            f"peer speaks protocol version {version}, we speak {VERSION}; {_SAME_VERSION}"
         )
         err.peer_version = version  # type: ignore[attr-defined]
         raise err
@@ -365,19 +386,31 @@ def recv_msg(
         return ("DATA", nbytes)
     decoder = _DECODERS.get(kind)
     if decoder is None:
-        raise ProtocolError(f"peer sent unknown message type {kind}")
+        raise ProtocolError(f"peer sent unknown message type {kind}; {_SAME_VERSION}")
     if length > max_nbytes:
-        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {max_nbytes:,}")
+        raise ProtocolError(f"peer sent a {length:,}-byte control frame; the limit is {max_nbytes:,}: check that the peer is "
+                            f"tensorferry, and {_SAME_VERSION}")
     payload = _recv_exact(sock, length, deadline=deadline) if length else b""
     try:
         msg = decoder.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"peer sent a malformed {_TYPES[kind].__name__}: {exc}") from exc
+        raise ProtocolError(f"peer sent a malformed {_TYPES[kind].__name__}: {exc}; {_SAME_VERSION}") from exc
     if isinstance(msg, Located) and len(msg.blocks) > _MAX_BLOCKS:
-        raise ProtocolError(f"peer located {len(msg.blocks):,} blocks; the limit is {_MAX_BLOCKS:,}")
+        raise ProtocolError(f"peer located {len(msg.blocks):,} blocks; the limit is {_MAX_BLOCKS:,}, as a ticket's: "
+                            f"{_SAME_VERSION}")
     if expect is not None and not isinstance(msg, expect) and not isinstance(msg, Failure):
-        raise ProtocolError(f"peer sent {type(msg).__name__}, expected {' or '.join(t.__name__ for t in expect)}")
+        expected = " or ".join(t.__name__ for t in expect)
+        raise ProtocolError(f"peer sent {type(msg).__name__}, expected {expected}; {_SAME_VERSION}")
     return msg
+
+
+def _not_ours(magic: bytes) -> str:
+    """What to check when a peer's first bytes are not a tensorferry frame."""
+    # A TLS record starts with its type (0x15 an alert, 0x16 a handshake)
+    # and the major version 3.
+    if magic[:1] in (b"\x15", b"\x16") and magic[1:2] == b"\x03":
+        return "it speaks TLS and this side does not: give both sides tls= or neither"
+    return "check that the receiver's address and port are a tensorferry Sender's (or relay's)"
 
 
 def encode(msg: Any) -> bytes:
@@ -387,22 +420,23 @@ def encode(msg: Any) -> bytes:
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
-    """Fill ``view`` from the socket, straight into its memory (no copies)."""
+    """Fill ``view`` from the socket, straight into its memory (no copies;
+    receiver side)."""
     got = 0
     n = len(view)
     while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes")
+            raise transfer_failure(True, got, n)
         sock.settimeout(left)
         try:
             k = sock.recv_into(view[got:], min(n - got, 1 << 26))
         except socket.timeout as exc:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {n:,} bytes") from exc
+            raise transfer_failure(True, got, n) from exc
         except OSError as exc:
-            raise PeerGoneError(f"the sender's connection broke after {got:,} of {n:,} bytes ({exc})") from exc
+            raise transfer_failure(True, got, n, exc) from exc
         if k == 0:
-            raise PeerGoneError(f"the sender closed the connection after {got:,} of {n:,} bytes")
+            raise transfer_failure(True, got, n, hung_up=True)
         got += k
 
 
@@ -445,17 +479,17 @@ def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline:
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes")
+            raise transfer_failure(True, got, total)
         sock.settimeout(left)
         batch = [pending[i] for i in range(min(want, len(pending)))]
         try:
             k = sock.recvmsg_into(batch)[0]
         except socket.timeout as exc:
-            raise TransferTimeoutError(f"timed out after receiving {got:,} of {total:,} bytes") from exc
+            raise transfer_failure(True, got, total) from exc
         except OSError as exc:
-            raise PeerGoneError(f"the sender's connection broke after {got:,} of {total:,} bytes ({exc})") from exc
+            raise transfer_failure(True, got, total, exc) from exc
         if k == 0:
-            raise PeerGoneError(f"the sender closed the connection after {got:,} of {total:,} bytes")
+            raise transfer_failure(True, got, total, hung_up=True)
         got += k
         before = len(pending)
         _advance(pending, k)
@@ -463,19 +497,24 @@ def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline:
 
 
 def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-gather send of memory views straight from pool memory."""
+    """Scatter-gather send of memory views straight from pool memory
+    (sender side)."""
     # sendmsg takes many buffers per call but may send only part of them;
     # advance through the list and resend the rest.
     pending = collections.deque(v for v in views if len(v))
+    done, total = 0, sum(len(v) for v in pending)
     try:
         if is_tls(sock):  # no sendmsg over TLS: one buffer at a time
             for v in pending:
                 sock.sendall(v)
+                done += len(v)
             return
         while pending:
             batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
-            _advance(pending, sock.sendmsg(batch))
+            k = sock.sendmsg(batch)
+            done += k
+            _advance(pending, k)
     except socket.timeout as exc:
-        raise TransferTimeoutError("timed out sending block bytes to the receiver") from exc
+        raise transfer_failure(False, done, total, wait_seconds=sock.gettimeout()) from exc
     except OSError as exc:
-        raise PeerGoneError(f"the receiver closed the connection during a send ({exc})") from exc
+        raise transfer_failure(False, done, total, exc) from exc
