@@ -233,15 +233,19 @@ def worker_main(w: int, d: int, count: int, transport: str, cmds: Any, out: Any,
             seconds = time.perf_counter() - t0
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults  # page faults of the get (all threads)
             end = time.monotonic()  # one clock for every process of the host: the sync's end
+            received = r.bytes_received + (relay.bytes_received if relay is not None else 0) - before
+            out.put(("got", w, {"received_nbytes": received, "share_nbytes": share, "seconds": seconds, "end": end,
+                                "faults": faults, "from_relays_nbytes": _from_relays(relay) - relayed_before}))
+            # The values are checked once every worker's get returned: a
+            # check (hundreds of ms of CPU) must not slow the gets still running.
+            assert cmds.get() == "check"
             ok = None
             if mode != "unsharded":  # its bytes are worker 0's share for both: not this worker's slices
                 ok = all(torch.equal(b.tensor, values(int(k[1:]), *(slice(o, o + n) for o, n in zip(b.offsets, b.tensor.shape)), d))
                          for k, b in boxes.items())
                 for b in boxes.values():
                     b.tensor.zero_()
-            received = r.bytes_received + (relay.bytes_received if relay is not None else 0) - before
-            out.put(("got", w, {"received_nbytes": received, "share_nbytes": share, "seconds": seconds, "end": end, "ok": ok,
-                                "faults": faults, "from_relays_nbytes": _from_relays(relay) - relayed_before}))
+            out.put(("checked", w, ok))
         r.close()
         if relay is not None:
             relay.close()
@@ -332,8 +336,12 @@ def run_all(args: Any, hosts: Any) -> None:
             for q in wrk_cmds:
                 q.put((mode, listed))
             got = _take(out, "got", workers)
-            # Until the last worker's get returned (its check of the values after is not timed).
+            # Until the last worker's get returned (the check of the values after is not timed).
             seconds = max(g["end"] for g in got.values()) - t0
+            for q in wrk_cmds:
+                q.put("check")
+            for w, ok in _take(out, "checked", workers).items():
+                got[w]["ok"] = ok
             for q in src_cmds:
                 q.put("done")
             stats = _take(out, "stats", SOURCES)
