@@ -676,3 +676,20 @@ def test_a_receiver_pulls_each_round_over_the_connection_it_kept(receivers):
         assert _server_conns(first._relay_server) == 1  # the second's one connection, kept
         second.close()
         assert wait_until(lambda: _server_conns(first._relay_server) == 0, 5.0)
+
+
+def test_a_relays_next_stream_takes_the_memory_of_the_one_it_replaces(receivers):
+    # A weight sync sends a version of the same size every step: the relay
+    # lets the last one go before taking memory for the next, so the next
+    # reuses it (faulted in) rather than mapping new memory each step.
+    want = obj(6)
+    into = torch.utils._pytree.tree_map(torch.empty_like, want)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        (relay,) = receivers(1, relay=True)
+        for step in range(3):
+            ticket = sender.put(want, readers=1, fanout=1)
+            relay.get(ticket, into=into)
+            assert_same(into, want)
+            cache = relay._cache.stats()
+            assert relay._book.held_nbytes() == ticket.total_nbytes  # kept for late children until the next one
+            assert (cache.misses, cache.hits) == (1, step), (step, cache)

@@ -408,7 +408,9 @@ class Fetcher:
         source; the receive resumes from the bytes it has."""
         if self._book is not None:
             # Shareable: children on this host map its file (the receive
-            # pool, if any, is left to other gets).
+            # pool, if any, is left to other gets). The streams this one
+            # replaces go first, so their memory (faulted in) is reused.
+            self._book.make_room(group)
             stream, _, fd = self._cache.take_shared(total)
         else:
             stream, fd = self.destination([total])[0][0], -1

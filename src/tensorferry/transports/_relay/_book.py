@@ -104,12 +104,25 @@ class RelayBook(Holdings):
         one is sent elsewhere by the sender (its pull here fails)."""
         held = _Held(self, ticket_id, digest, buf, fd, group)
         with self.cond:
-            gone = [h for h in self._held.values() if h.state != "receiving" and not h.pulls and (group is None or h.group is not group)]
+            gone = self._done_with(group)
             self._drop(gone)
             self._held[held.key] = held
             self.cond.notify_all()
         self._dropped(gone)
         return held
+
+    def make_room(self, group: object = None) -> None:
+        """Let go now what :meth:`add` of a stream of ``group`` would: called
+        before taking the new stream's memory, so it can be the memory of
+        those let go (a sync's streams, each the size of the last sync's)."""
+        with self.cond:
+            gone = self._done_with(group)
+            self._drop(gone)
+        self._dropped(gone)
+
+    def _done_with(self, group: object) -> list[_Held]:
+        """Under the lock: the streams a new one of ``group`` lets go."""
+        return [h for h in self._held.values() if h.state != "receiving" and not h.pulls and (group is None or h.group is not group)]
 
     def _drop(self, gone: list[_Held]) -> None:
         """Under the lock: forget these tickets (no pull starts on them)."""
