@@ -693,3 +693,56 @@ def test_a_relays_next_stream_takes_the_memory_of_the_one_it_replaces(receivers)
             cache = relay._cache.stats()
             assert relay._book.held_nbytes() == ticket.total_nbytes  # kept for late children until the next one
             assert (cache.misses, cache.hits) == (1, step), (step, cache)
+
+
+def test_relays_keep_one_chain_for_every_sender_from_the_second_broadcast_on(receivers):
+    # Two senders (a sharded trainer's ranks), three relaying receivers that
+    # read both at once, acquiring in whatever order their threads run: from
+    # the second round on, both senders chain them in address order, so each
+    # relay passes both streams to the same child and the last serves no one.
+    want = [obj(10), obj(11)]
+    with Sender("tcp", capacity_nbytes=64 * MiB) as s0, Sender("tcp", capacity_nbytes=64 * MiB) as s1:
+        # Three loopback addresses: three hosts as relays' addresses go.
+        relays = [receivers(1, relay=True, relay_reads="tcp", host=f"127.0.0.{i}")[0] for i in (3, 2, 4)]
+        relays.sort(key=lambda r: r.relay_address)
+        for rnd in range(4):
+            sent = [r._relay_server.bytes_sent for r in relays]
+            pulled = [r.stats()["relay_stream_nbytes"] for r in relays]
+            tickets = [s.put(w, readers=3, fanout=1) for s, w in zip((s0, s1), want)]
+            results: dict = {}
+
+            def both(i: int) -> None:
+                results[i] = [relays[i].get(t) for t in tickets]
+
+            threads = [threading.Thread(target=both, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60.0)
+            for i in range(3):
+                for got, w in zip(results[i], want):
+                    assert_same(got, w)
+            for s, t in zip((s0, s1), tickets):
+                s.wait_released(t, timeout=10.0)
+            if rnd:
+                total = sum(t.total_nbytes for t in tickets)
+                assert [r._relay_server.bytes_sent - b for r, b in zip(relays, sent)] == [total, total, 0], rnd
+                assert [r.stats()["relay_stream_nbytes"] - b for r, b in zip(relays, pulled)] == [0, total, total], rnd
+
+
+def test_a_relay_whose_planned_source_is_gone_pulls_elsewhere_after_a_moment(receivers):
+    want = obj(12)
+    with Sender("tcp", capacity_nbytes=64 * MiB) as sender:
+        relays = sorted((receivers(1, relay=True, relay_reads="tcp", host=f"127.0.0.{i}")[0] for i in (2, 3, 4)), key=lambda r: r.relay_address)
+        ticket = sender.put(want, readers=3, fanout=1)
+        assert all(assert_same(got, want) is None for got in get_all(relays, ticket))
+        sender.wait_released(ticket, timeout=10.0)
+        # The first of the chain is gone: the second waits for it (it would
+        # pull from it) about a second, then takes the sender's place.
+        relays[0].close()
+        pulled = [r.stats()["relay_stream_nbytes"] for r in relays[1:]]
+        ticket = sender.put(want, readers=3, fanout=1)  # as many readers: the group's plan holds
+        assert_same(relays[1].get(ticket), want)
+        assert_same(relays[2].get(ticket), want)  # from the second: its planned source, there
+        sender.discard(ticket)  # the third reader never comes
+        assert [r.stats()["relay_stream_nbytes"] - b for r, b in zip(relays[1:], pulled)] == [0, ticket.total_nbytes]

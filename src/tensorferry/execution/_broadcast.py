@@ -36,20 +36,52 @@ class Tree:
         self.parent: dict[str, str] = {}  # relay -> the source it pulls from
         self.failed: set[str] = set()
 
-    def join(self, relay: str, host: str = "") -> str:
+    def join(self, relay: str, host: str = "", planned: str | None = None) -> str:
         """A receiver acquired; returns the source it pulls from. ``relay``
         is where it serves children (``""``: it does not relay); ``host``
         is its address as the sender sees it, when that is not the
         sender's own host: a relay on that host serves it, whatever its
         fanout (the copy crosses no link), so each host takes the object
-        over the network once."""
-        source = self._local(host, exclude=set()) or self._pick(exclude=set())
+        over the network once. Else ``planned`` (:meth:`planned`), where
+        that source has joined, is not failed and has room; else the
+        first source with room, in the order they joined."""
+        source = self._local(host, exclude=set())
+        if not source:
+            source = planned if planned is not None and self._has_room(planned) else self._pick(exclude=set())
         self.children[source] += 1
         if relay and relay not in self.children and relay not in self.failed:
             self.children[relay] = 0
             self.relays.append(relay)
             self.parent[relay] = source
         return source
+
+    def planned(self, relay: str, group: tuple[str, ...] | None) -> str | None:
+        """The source ``relay`` pulls from where ``group`` (the relays of
+        an earlier broadcast it was in, in address order) is laid out as
+        a tree of this fanout, breadth first: the first ``fanout`` from
+        the sender, the next ``fanout`` from the first relay, and so on.
+        Every sender of relays of the same group lays them out alike, so
+        a relay serves one child for all of them, whatever order they
+        acquire in (each sender's tree a relay joins would otherwise
+        follow the order they reached that sender in). None: ``relay``
+        is in no such group, or its place there is below a relay of its
+        own host (it copies from one there, whichever joined first)."""
+        if not relay or not group or relay not in group:
+            return None
+        i = group.index(relay)
+        source = SENDER if i < self.fanout else group[(i - self.fanout) // self.fanout]
+        return None if source and _host_of(source) == _host_of(relay) else source
+
+    def joined(self, source: str) -> bool:
+        """``source`` is the sender, or a relay that joined and has not failed."""
+        return source == SENDER or (source in self.children and source not in self.failed)
+
+    def members(self) -> tuple[str, ...]:
+        """The relays that joined and have not failed, in address order."""
+        return tuple(sorted(r for r in self.relays if r not in self.failed))
+
+    def _has_room(self, source: str) -> bool:
+        return self.joined(source) and self.children[source] < self.fanout
 
     def _local(self, host: str, exclude: set[str]) -> str:
         """The relay on ``host`` with the fewest children, or ``""``."""

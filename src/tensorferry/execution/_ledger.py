@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Ledger", "Entry", "Piece", "delta_entry"]
 
+# How long an acquiring relay waits for the source it had in its group's
+# last broadcast to join this one (the others of its group acquire about
+# when it does; a relay gone since costs its children this once).
+PLACE_WAIT_SECONDS = 1.0
+# Relays whose groups a sender remembers (a few bytes each; the oldest go).
+MAX_REMEMBERED_RELAYS = 4096
+
 
 @dataclass(eq=False)
 class Piece:
@@ -81,6 +88,9 @@ class Ledger(Holdings):
         self.pool = pool
         self._cond = threading.Condition()
         self._entries: dict[int, Entry] = {}
+        # Each relay's group in the last broadcast it was in, and that
+        # broadcast's readers (see _remember).
+        self._groups: dict[str, tuple[tuple[str, ...], int]] = {}
         self._closed = False
         self.transfers = 0
         self.bytes_served = 0
@@ -204,7 +214,23 @@ class Ledger(Holdings):
             # Only readers of a broadcasting server join the tree: shm
             # readers on the sender's host map its pool.
             tree = _tree(entry, msg.ranges)
-            source = tree.join(msg.relay, conn.remote_host) if tree is not None and conn.server.broadcasts else SENDER
+            if tree is None or not conn.server.broadcasts:
+                source = SENDER
+            else:
+                # Only a group of a broadcast to as many readers: a sync like this one.
+                group, readers = self._groups.get(msg.relay, ((), 0))
+                planned = tree.planned(msg.relay, group) if readers == entry.readers else None
+                # A relay's place from the last broadcast of its group: wait
+                # a moment for its source there to join (its replicas ask
+                # at about the same time), then take any source with room.
+                wait_until = min(deadline, time.monotonic() + PLACE_WAIT_SECONDS)
+                while planned is not None and not tree.joined(planned) and planned not in tree.failed and not self._closed:
+                    left = wait_until - time.monotonic()
+                    if left <= 0 or self._entries.get(msg.ticket_id) is not entry:
+                        break
+                    self._cond.wait(left)
+                source = tree.join(msg.relay, conn.remote_host, planned=planned)
+                self._cond.notify_all()  # relays waiting for this one to join
             return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
 
     def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
@@ -269,11 +295,25 @@ class Ledger(Holdings):
             piece.unclaimed = 0
             piece.voffset = -1 if entry.streamed else piece.voffset
         if all(p.finished >= p.readers for p in entry.pieces):
-            self._entries.pop(entry.ticket_id, None)
+            if self._entries.pop(entry.ticket_id, None) is entry:
+                self._remember(entry)
             self.transfers += 1
             entry.pack = None
             entry.done.set()
         self._cond.notify_all()
+
+    def _remember(self, entry: Entry) -> None:
+        """The relay groups of a finished broadcast (its tree's, each range
+        set's), for the next broadcasts' places (:meth:`Tree.planned`)."""
+        for tree in ([entry.tree] if entry.tree is not None else []) + list(entry.ranged.values()):
+            group = tree.members()
+            if len(group) < 2:
+                continue
+            for relay in group:
+                self._groups.pop(relay, None)  # to the end: the oldest go first past the limit
+                self._groups[relay] = (group, entry.readers)
+        while len(self._groups) > MAX_REMEMBERED_RELAYS:
+            del self._groups[next(iter(self._groups))]
 
     def _reap_loop(self) -> None:
         with self._cond:
