@@ -5,8 +5,8 @@ grouping by block, the one range merger), the boxes of global tensors
 (``_boxes``: a sharded layout's optional section, element runs between two
 boxes), the layout and its bounded encoding (``_layout``), the control
 messages and their framing (:mod:`.protocol`, which also gives the
-vectored socket I/O of ``_iovec``, where ``IOV_MAX`` is defined, once) and
-the ticket (``_ticket``).
+block bytes' socket I/O of ``_blocks`` and the vectored I/O by address of
+``_iovec``, where ``IOV_MAX`` is defined, once) and the ticket (``_ticket``).
 
 May import: numpy, msgspec, the standard library and
 :mod:`tensorferry.errors`. Never torch, never a higher layer: both the

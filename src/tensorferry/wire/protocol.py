@@ -14,7 +14,6 @@ destination memory.
 from __future__ import annotations
 
 import array
-import collections
 import socket
 import struct
 import time
@@ -23,6 +22,7 @@ from typing import Annotated, Any, Sequence
 import msgspec
 
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
+from ._blocks import recv_exact_into, recv_scatter_into, send_all_views
 from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs, transfer_failure
 
 __all__ = [
@@ -417,104 +417,3 @@ def encode(msg: Any) -> bytes:
     """A message's payload bytes, as :func:`send_msg` sends them (what a
     signature covers)."""
     return _ENCODER.encode(msg)
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
-    """Fill ``view`` from the socket, straight into its memory (no copies;
-    receiver side)."""
-    got = 0
-    n = len(view)
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise transfer_failure(True, got, n)
-        sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:], min(n - got, 1 << 26))
-        except socket.timeout as exc:
-            raise transfer_failure(True, got, n) from exc
-        except OSError as exc:
-            raise transfer_failure(True, got, n, exc) from exc
-        if k == 0:
-            raise transfer_failure(True, got, n, hung_up=True)
-        got += k
-
-
-def _advance(pending: collections.deque, nbytes: int) -> None:
-    """Drop ``nbytes`` from the front of a queue of buffers (a partial
-    scatter-gather send or receive), trimming the first one left."""
-    while nbytes:
-        first = pending[0]
-        if nbytes >= len(first):
-            nbytes -= len(first)
-            pending.popleft()
-        else:
-            pending[0] = first[nbytes:]
-            nbytes = 0
-
-
-# The buffers a recvmsg_into is first handed, and the fewest after that.
-_FIRST_RECV_VIEWS = 64
-_MIN_RECV_VIEWS = 16
-
-
-def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline: float) -> None:
-    """Fill ``views`` in order from the socket, scatter-gather (recvmsg_into),
-    straight into their memory: many small tensors cost few system calls.
-
-    Each call is handed about twice as many buffers as the last one filled
-    (at most ``IOV_MAX``): a call returns what the socket holds (a few
-    hundred KiB on loopback), and every buffer handed over costs a buffer
-    request whether it is filled or not (a column slice's 8 KiB rows: 64 MiB
-    received in 14.8 ms of CPU this way, 17.2 ms through a scratch buffer).
-    """
-    if is_tls(sock):  # no recvmsg_into over TLS: one buffer at a time
-        for v in views:
-            if len(v):
-                recv_exact_into(sock, v, deadline=deadline)
-        return
-    pending = collections.deque(v for v in views if len(v))
-    total = sum(len(v) for v in pending)
-    got, want = 0, _FIRST_RECV_VIEWS
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise transfer_failure(True, got, total)
-        sock.settimeout(left)
-        batch = [pending[i] for i in range(min(want, len(pending)))]
-        try:
-            k = sock.recvmsg_into(batch)[0]
-        except socket.timeout as exc:
-            raise transfer_failure(True, got, total) from exc
-        except OSError as exc:
-            raise transfer_failure(True, got, total, exc) from exc
-        if k == 0:
-            raise transfer_failure(True, got, total, hung_up=True)
-        got += k
-        before = len(pending)
-        _advance(pending, k)
-        want = max(_MIN_RECV_VIEWS, min(IOV_MAX, 2 * (before - len(pending) + 1)))
-
-
-def send_all_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-gather send of memory views straight from pool memory
-    (sender side)."""
-    # sendmsg takes many buffers per call but may send only part of them;
-    # advance through the list and resend the rest.
-    pending = collections.deque(v for v in views if len(v))
-    done, total = 0, sum(len(v) for v in pending)
-    try:
-        if is_tls(sock):  # no sendmsg over TLS: one buffer at a time
-            for v in pending:
-                sock.sendall(v)
-                done += len(v)
-            return
-        while pending:
-            batch = [pending[i] for i in range(min(IOV_MAX, len(pending)))]
-            k = sock.sendmsg(batch)
-            done += k
-            _advance(pending, k)
-    except socket.timeout as exc:
-        raise transfer_failure(False, done, total, wait_seconds=sock.gettimeout()) from exc
-    except OSError as exc:
-        raise transfer_failure(False, done, total, exc) from exc
