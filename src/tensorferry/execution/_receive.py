@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..memory import ReceiveCache
 from ..plans import RecvPlan, SourceDelta, reads_delta, receive_delta, settle, version_of
-from ..transports import Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, pull
+from ..transports import CHUNK_NBYTES, Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, pull
 from ..wire import Ticket, packing
 
 __all__ = ["Route", "Fetcher", "route"]
@@ -184,9 +184,9 @@ class Fetcher:
 
             def stream(sub: Ticket, blocks: list, source: str, pos: np.ndarray, n: np.ndarray, named: bytes) -> torch.Tensor:
                 def from_sender(buf: memoryview, start: int, progress: Any) -> None:
-                    ch.receive_ranges(sub.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+                    ch.receive_ranges(sub.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.ranged_chunk_nbytes)
 
-                return self._receive_stream(ch, sub, int(n.sum()), named, source, from_sender, deadline, group)
+                return self._receive_stream(ch, sub, int(n.sum()), named, source, from_sender, deadline, group, chunk_nbytes=ch.ranged_chunk_nbytes)
 
             delta.read(ch, ticket, deadline, lambda: self._read_ranges(ch, ticket, ranges, digest, deadline, group),
                        relay=self._relay_address if self._book is not None else "", stream=stream)
@@ -232,12 +232,12 @@ class Fetcher:
         copy = CopyPlan.build(addr, np.cumsum(n) - n, n)
 
         def from_sender(buf: memoryview, start: int, progress: Any) -> None:
-            ch.receive_ranges(ticket.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+            ch.receive_ranges(ticket.id, 0, blocks, pos, n, buf, start, progress, deadline=deadline, chunk_nbytes=ch.ranged_chunk_nbytes)
 
         def arrived(stream: torch.Tensor, lo: int, hi: int) -> None:
             copy.execute_window(lo, hi, 0, stream.data_ptr())
 
-        self._receive_stream(ch, ticket, int(n.sum()), named, source, from_sender, deadline, group, arrived)
+        self._receive_stream(ch, ticket, int(n.sum()), named, source, from_sender, deadline, group, arrived, chunk_nbytes=ch.ranged_chunk_nbytes)
 
     def _move(self, ch: Channel, plan: RecvPlan, ticket: Ticket, piece: int, blocks: list, lo: int, geometry: tuple[int, ...],
               source: str | None, deadline: float) -> None:
@@ -397,13 +397,14 @@ class Fetcher:
 
     def _receive_stream(self, ch: Channel, ticket: Ticket, total: int, digest: bytes, source: str,
                         from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None,
-                        arrived: Callable[[torch.Tensor, int, int], None] | None = None) -> torch.Tensor:
+                        arrived: Callable[[torch.Tensor, int, int], None] | None = None, *, chunk_nbytes: int = CHUNK_NBYTES) -> torch.Tensor:
         """A stream of ``total`` bytes of ``ticket`` (``digest``: the
         ticket's, or a sharded get's ranges of it) into memory of its own,
         from ``source`` (a relay; ``""``: the sender, ``from_sender(buf,
         start, progress)``); published to this receiver's children as it
         arrives if it relays (``group``: see :meth:`RelayBook.add`), then
-        ``arrived(stream, lo, hi)`` for each new part, in order. A relay
+        ``arrived(stream, lo, hi)`` for each new part, in order; a relay's
+        stream ``chunk_nbytes`` at a time (as the sender's). A relay
         that fails or stalls is reported to the sender, which names another
         source; the receive resumes from the bytes it has."""
         if self._book is not None:
@@ -428,7 +429,8 @@ class Fetcher:
         ok = False
         try:
             with ch.registered(stream):
-                self._pull(ch, ticket, source, buf, got, functools.partial(from_sender, buf, progress=progress), progress, digest, deadline)
+                self._pull(ch, ticket, source, buf, got, functools.partial(from_sender, buf, progress=progress), progress, digest, deadline,
+                           chunk_nbytes)
             ok = True
         finally:
             if held is not None:
@@ -436,18 +438,19 @@ class Fetcher:
         return stream
 
     def _pull(self, ch: Channel, ticket: Ticket, source: str, buf: memoryview, got: list[int], from_sender: Callable[[int], None],
-              progress: Any, digest: bytes, deadline: float) -> None:
+              progress: Any, digest: bytes, deadline: float, chunk_nbytes: int = CHUNK_NBYTES) -> None:
         """Fill ``buf`` (the stream of ``digest``: the ticket's, or a sharded
         get's ranges of it) from ``got[0]`` on: from the sender
         (``source`` "": ``from_sender(start)``), else from relays, as the
-        sender names them."""
+        sender names them (a relay's stream ``chunk_nbytes`` at a time)."""
         while got[0] < len(buf):
             try:
                 if not source:
                     from_sender(got[0])
                 else:
                     pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
-                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links)
+                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links,
+                         chunk_nbytes=chunk_nbytes)
             except (PeerGoneError, TransferTimeoutError, ProtocolError):
                 if not source or time.monotonic() > deadline:
                     raise

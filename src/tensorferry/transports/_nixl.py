@@ -117,7 +117,7 @@ class NixlChannel(Channel):
     reads_registered_only = True
     relays = True
     reads_ranges = True
-    relay_chunk_nbytes = RELAY_CHUNK_NBYTES
+    relay_chunk_nbytes = ranged_chunk_nbytes = RELAY_CHUNK_NBYTES
 
     def __init__(self, address: str, *, token: bytes = b"", timeout: float = 30.0, context: ReceiveContext | None = None,
                  tls: Any = None) -> None:
