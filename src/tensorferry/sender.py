@@ -1,7 +1,7 @@
 """``Sender``: pack objects into a pool and serve them to receivers.
 
 The sender side of a transfer. ``put`` packs the object and returns a
-:class:`~tensorferry.ticket.Ticket` at once; a background server (per
+:class:`~tensorferry.wire.Ticket` at once; a background server (per
 transport) lets receivers acquire a reader slot, fetch the bytes, and
 release the slot. Blocks are freed when every reader released them, when a
 reader's connection drops (it died mid-read), or when the lease of slots

@@ -28,7 +28,8 @@ _MAGIC = b"TFTK"
 _VERSION = 1
 # The layout dominates a ticket; everything else is a few hundred bytes.
 MAX_TICKET_NBYTES = MAX_LAYOUT_NBYTES + (1 << 20)
-_MAX_BLOCKS = 1 << 20
+# Blocks a ticket (and a Located, which names them) may list.
+MAX_BLOCKS = 1 << 20
 _MAX_ADDRESS = 512
 
 
@@ -85,7 +86,7 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
     address: Annotated[str, msgspec.Meta(max_length=_MAX_ADDRESS)]
     pool_generation: int
     layout_bytes: Annotated[bytes, msgspec.Meta(max_length=MAX_LAYOUT_NBYTES)]
-    blocks: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=_MAX_BLOCKS)]
+    blocks: Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_BLOCKS)]
     total_nbytes: Annotated[int, msgspec.Meta(ge=0)]
     piece_nbytes: Annotated[int, msgspec.Meta(ge=0)]
     num_pieces: Annotated[int, msgspec.Meta(ge=1)]

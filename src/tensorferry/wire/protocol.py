@@ -23,6 +23,7 @@ import msgspec
 
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
 from ._blocks import recv_exact_into, recv_scatter_into, send_all_views
+from ._ticket import MAX_BLOCKS as _MAX_BLOCKS  # a Located names a ticket's blocks: the same limit
 from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs, transfer_failure
 
 __all__ = [
@@ -40,7 +41,6 @@ _HEADER = struct.Struct("<4sHHI")
 # A control frame carries ids, offsets and metadata: 16 MiB is far above
 # what NIXL agent metadata (the largest) needs, and small enough to buffer.
 MAX_FRAME_NBYTES = 16 << 20
-_MAX_BLOCKS = 1 << 20
 # Bytes of a frame allocated before they arrived: a header may claim up to
 # MAX_FRAME_NBYTES, but memory follows the bytes that came, not the claim.
 _RECV_CHUNK_NBYTES = 1 << 20
