@@ -13,14 +13,13 @@ from typing import Any, NamedTuple, get_args
 
 from ..errors import ConfigurationError, MonitorError, NoSuchProcess
 from ._agent import Agent, AgentConfig, Selection, Snapshot
+from ._config import DEFAULT_PORT
 from ._names import NameSource
 from ._types import SortKey
 
 _EXIT_OK, _EXIT_FAILURE, _EXIT_USAGE = 0, 1, 2
 # 65535: the largest TCP port; 0 lets the OS pick a free one.
 _MAX_PORT = 65535
-# _server.DEFAULT_PORT, written out: the parser is built without prometheus_client.
-_DEFAULT_PORT = 21464
 
 
 class _Options(NamedTuple):
@@ -143,7 +142,7 @@ def add_subcommands(subparsers: Any) -> None:
     )
     _add_common(mon)
     out = mon.add_argument_group("output")
-    out.add_argument("--port", "-P", default=str(_DEFAULT_PORT), help=f"serve /metrics and /healthz on this port (0: a free one; default {_DEFAULT_PORT})")
+    out.add_argument("--port", "-P", default=str(DEFAULT_PORT), help=f"serve /metrics and /healthz on this port (0: a free one; default {DEFAULT_PORT})")
     out.add_argument("--host", "-H", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     out.add_argument("--json", "-j", action="store_true", help="write one JSON object per tick to stdout instead of serving")
     out.add_argument("--per-process", action="store_true", help="label metrics (and pools) by pid too (unbounded over time) instead of by name group only")

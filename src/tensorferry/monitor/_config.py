@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "DEFAULT_PORT"]
 
 import math
 from dataclasses import dataclass
@@ -11,6 +11,13 @@ from ..errors import ConfigurationError
 from ._checks import check_int, check_number
 from ._names import NameSource
 from ._pagemap import WALK_SECONDS_PER_PAGE
+
+DEFAULT_PORT = 21464
+"""``tensorferry monitor``'s port. Prometheus' exporter ports (9100-9999) are
+all allocated, and 9464 is OpenTelemetry's Prometheus exporter's; 21464 is
+outside them, outside Ray's default worker ports (10002-19999), and below
+Linux's ephemeral ports (32768 on). Here, not in ``_server``: the command
+line's parser is built without prometheus_client."""
 
 # A 4 KiB page costs smaps_rollup ~45 ns (45 ms for 4 GiB = 1 Mi pages,
 # measured on the machines this was written for).

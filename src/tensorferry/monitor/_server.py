@@ -24,13 +24,9 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from ..errors import ConfigurationError
 from ._agent import Agent
 from ._checks import check_int
+from ._config import DEFAULT_PORT
 from ._prometheus import MonitorCollector
 
-DEFAULT_PORT = 21464
-"""``tensorferry monitor``'s port. Prometheus' exporter ports (9100-9999) are
-all allocated, and 9464 is OpenTelemetry's Prometheus exporter's; 21464 is
-outside them, outside Ray's default worker ports (10002-19999), and below
-Linux's ephemeral ports (32768 on)."""
 STALE_INTERVALS = 3
 """``/healthz`` answers 503 once the last tick is older than this many intervals
 (plus a second): the agent's thread is stuck or dead."""
