@@ -124,6 +124,23 @@ def test_an_exposed_stream_names_an_address_and_bounded_metadata(pair):
         sender.join(timeout=10)
 
 
+def test_a_frame_with_file_descriptors_arrives_whole_when_the_socket_takes_part_of_it_at_a_time(pair):
+    a, b = pair  # with a timeout: a send returns what fit in the socket's buffer
+    r, w = os.pipe()
+    msg = P.Exposed(metadata=os.urandom(4 << 20), address=1, nbytes=1)
+    got: list = []
+    fds: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(P.recv_msg(b, fds=fds, deadline=time.monotonic() + 10.0)))
+    reader.start()
+    try:
+        P.send_msg(a, msg, fds=[w])
+        reader.join(timeout=10)
+        assert got == [msg] and len(fds) == 1
+    finally:
+        for fd in (r, w, *fds):
+            os.close(fd)
+
+
 def test_file_descriptors_travel_with_a_frame(pair):
     a, b = pair
     r, w = os.pipe()

@@ -290,7 +290,11 @@ def send_msg(sock: socket.socket, msg: Any, *, fds: Sequence[int] = ()) -> None:
     frame = _HEADER.pack(MAGIC, VERSION, _TYPE_OF[type(msg)], len(payload)) + payload
     try:
         if fds:
-            sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            # The descriptors go with the first bytes; a send may take only
+            # part of the frame (a socket with a timeout does not block).
+            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            if sent < len(frame):
+                sock.sendall(frame[sent:])
         else:
             sock.sendall(frame)
     except socket.timeout as exc:
