@@ -1,6 +1,7 @@
 """Block bytes over a socket, straight into or out of their memory (no
-copies): a buffer (:func:`recv_exact_into`), many buffers scatter-gather
-(:func:`recv_scatter_into`, :func:`send_all_views`). Control frames are
+copies): many buffers scatter-gather (:func:`recv_scatter_into`,
+:func:`send_all_views`), and one buffer (``recv_exact_into``, made in
+:mod:`_iovec`, which reads runs by address with it over TLS). Control frames are
 :mod:`protocol`'s; runs by address are :mod:`_iovec`'s. The errors say how
 far a transfer got and what to check (``_iovec.transfer_failure``)."""
 
@@ -8,32 +9,10 @@ from __future__ import annotations
 
 import collections
 import socket
-import time
 
-from ._iovec import IOV_MAX, is_tls, transfer_failure
+from ._iovec import IOV_MAX, is_tls, recv_bounded, recv_exact_into, transfer_failure
 
-__all__ = ["recv_exact_into", "recv_scatter_into", "send_all_views"]
-
-
-def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
-    """Fill ``view`` from the socket, straight into its memory (no copies;
-    receiver side)."""
-    got = 0
-    n = len(view)
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise transfer_failure(True, got, n)
-        sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:], min(n - got, 1 << 26))
-        except socket.timeout as exc:
-            raise transfer_failure(True, got, n) from exc
-        except OSError as exc:
-            raise transfer_failure(True, got, n, exc) from exc
-        if k == 0:
-            raise transfer_failure(True, got, n, hung_up=True)
-        got += k
+__all__ = ["recv_exact_into", "recv_scatter_into", "send_all_views"]  # recv_exact_into: _iovec's
 
 
 def _advance(pending: collections.deque, nbytes: int) -> None:
@@ -64,28 +43,17 @@ def recv_scatter_into(sock: socket.socket, views: list[memoryview], *, deadline:
     request whether it is filled or not (a column slice's 8 KiB rows: 64 MiB
     received in 14.8 ms of CPU this way, 17.2 ms through a scratch buffer).
     """
-    if is_tls(sock):  # no recvmsg_into over TLS: one buffer at a time
-        for v in views:
-            if len(v):
-                recv_exact_into(sock, v, deadline=deadline)
-        return
     pending = collections.deque(v for v in views if len(v))
     total = sum(len(v) for v in pending)
     got, want = 0, _FIRST_RECV_VIEWS
+    if is_tls(sock):  # no recvmsg_into over TLS: one buffer at a time
+        for v in pending:
+            recv_exact_into(sock, v, deadline=deadline, done=got, total=total)
+            got += len(v)
+        return
     while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise transfer_failure(True, got, total)
-        sock.settimeout(left)
         batch = [pending[i] for i in range(min(want, len(pending)))]
-        try:
-            k = sock.recvmsg_into(batch)[0]
-        except socket.timeout as exc:
-            raise transfer_failure(True, got, total) from exc
-        except OSError as exc:
-            raise transfer_failure(True, got, total, exc) from exc
-        if k == 0:
-            raise transfer_failure(True, got, total, hung_up=True)
+        k = recv_bounded(sock, lambda: sock.recvmsg_into(batch)[0], deadline, got, total)
         got += k
         before = len(pending)
         _advance(pending, k)

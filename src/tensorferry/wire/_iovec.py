@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import PeerGoneError, TransferTimeoutError
 
-__all__ = ["IOV_MAX", "is_tls", "recv_runs", "send_runs", "transfer_failure"]
+__all__ = ["IOV_MAX", "is_tls", "recv_bounded", "recv_exact_into", "recv_runs", "send_runs", "transfer_failure"]
 
 # Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
 # preadv, pwritev or process_vm_readv takes. The one definition.
@@ -101,26 +101,43 @@ def recv_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray, *, d
     if is_tls(sock):
         done, total = 0, int(nbytes.sum())
         for a, n in zip(address.tolist(), nbytes.tolist()):
-            view, at = _view(a, n), 0
-            while at < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise transfer_failure(True, done, total)
-                sock.settimeout(left)
-                try:
-                    k = sock.recv_into(view[at:])
-                except (socket.timeout, TimeoutError) as exc:
-                    raise transfer_failure(True, done, total) from exc
-                except OSError as exc:
-                    raise transfer_failure(True, done, total, exc) from exc
-                if k == 0:
-                    raise transfer_failure(True, done, total, hung_up=True)
-                at += k
-                done += k
+            recv_exact_into(sock, _view(a, n), deadline=deadline, done=done, total=total)
+            done += n
         return
     # Non-blocking (a timeout set), so that the waits in _move bound it.
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     _move(True, sock, address, nbytes, lambda: deadline)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float, done: int = 0, total: int | None = None) -> None:
+    """Fill ``view`` from the socket, straight into its memory (no copies;
+    receiver side), by ``deadline``. An error counts the bytes from
+    ``done`` of ``total`` (a larger transfer this view is part of; default:
+    the view alone)."""
+    n, at = len(view), 0
+    total = n if total is None else total
+    while at < n:
+        at += recv_bounded(sock, lambda: sock.recv_into(view[at:], min(n - at, 1 << 26)), deadline, done + at, total)
+
+
+def recv_bounded(sock: socket.socket, call: Callable[[], int], deadline: float, done: int, total: int) -> int:
+    """One receive call, ``call()`` (it returns the bytes received), with the
+    socket's timeout at what is left until ``deadline``: the bytes, or the
+    error of a transfer stopped after ``done`` of ``total`` (timed out,
+    broken, or the sender hung up)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise transfer_failure(True, done, total)
+    sock.settimeout(left)
+    try:
+        k = call()
+    except (socket.timeout, TimeoutError) as exc:
+        raise transfer_failure(True, done, total) from exc
+    except OSError as exc:
+        raise transfer_failure(True, done, total, exc) from exc
+    if k == 0:
+        raise transfer_failure(True, done, total, hung_up=True)
+    return k
 
 
 def transfer_failure(
