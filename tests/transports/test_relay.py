@@ -697,7 +697,7 @@ def test_a_relays_next_stream_takes_the_memory_of_the_one_it_replaces(receivers)
 
 def test_relays_keep_one_chain_for_every_sender_from_the_second_broadcast_on(receivers):
     # Two senders (a sharded trainer's ranks), three relaying receivers that
-    # read both at once, acquiring in whatever order their threads run: from
+    # read each at once, acquiring in whatever order their threads run: from
     # the second round on, both senders chain them in address order, so each
     # relay passes both streams to the same child and the last serves no one.
     want = [obj(10), obj(11)]
@@ -709,20 +709,9 @@ def test_relays_keep_one_chain_for_every_sender_from_the_second_broadcast_on(rec
             sent = [r._relay_server.bytes_sent for r in relays]
             pulled = [r.stats()["relay_stream_nbytes"] for r in relays]
             tickets = [s.put(w, readers=3, fanout=1) for s, w in zip((s0, s1), want)]
-            results: dict = {}
-
-            def both(i: int) -> None:
-                results[i] = [relays[i].get(t) for t in tickets]
-
-            threads = [threading.Thread(target=both, args=(i,)) for i in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60.0)
-            for i in range(3):
-                for got, w in zip(results[i], want):
+            for s, t, w in zip((s0, s1), tickets, want):
+                for got in get_all(relays, t):
                     assert_same(got, w)
-            for s, t in zip((s0, s1), tickets):
                 s.wait_released(t, timeout=10.0)
             if rnd:
                 total = sum(t.total_nbytes for t in tickets)

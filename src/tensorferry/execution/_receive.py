@@ -438,7 +438,7 @@ class Fetcher:
         return stream
 
     def _pull(self, ch: Channel, ticket: Ticket, source: str, buf: memoryview, got: list[int], from_sender: Callable[[int], None],
-              progress: Any, digest: bytes, deadline: float, chunk_nbytes: int = CHUNK_NBYTES) -> None:
+              progress: Any, digest: bytes, deadline: float, chunk_nbytes: int) -> None:
         """Fill ``buf`` (the stream of ``digest``: the ticket's, or a sharded
         get's ranges of it) from ``got[0]`` on: from the sender
         (``source`` "": ``from_sender(start)``), else from relays, as the
