@@ -126,6 +126,7 @@ def test_an_exposed_stream_names_an_address_and_bounded_metadata(pair):
 
 def test_a_frame_with_file_descriptors_arrives_whole_when_the_socket_takes_part_of_it_at_a_time(pair):
     a, b = pair  # with a timeout: a send returns what fit in the socket's buffer
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # far below the frame, whatever the system's default
     r, w = os.pipe()
     msg = P.Exposed(metadata=os.urandom(4 << 20), address=1, nbytes=1)
     got: list = []
