@@ -87,6 +87,35 @@ def test_streamed_runs_of_every_length_near_a_four_page_chunk_land_exactly(copie
     assert np.array_equal(dst.numpy(), want)
 
 
+@pytest.mark.parametrize("apart", [0, 1, 64, 200, 1023, 1024, 2048, 4032, 4095])
+def test_streamed_runs_land_exactly_at_every_distance_within_a_page(copies, apart):
+    # How far the destination lies past the source within a page picks the
+    # streamed loop (four pages at a time from 1 KiB apart, else line by
+    # line: see stream_copy): runs long and short, on both sides of that
+    # edge, each at its own head offset, with guard bytes around each.
+    page = 4096
+    sizes = [5 * page + 77, 4 * page, 3 * page + 5, 40 << 10, 9 * page + 4000]
+    heads = [0, 7, 63]
+    lengths = np.tile(np.array([n for n in sizes for _ in heads], dtype=np.int64), 40)  # over the streaming threshold
+    head_of = np.tile(np.array([h for _ in sizes for h in heads], dtype=np.int64), 40)
+    assert int(lengths.sum()) >= _memmove._STREAM_MIN_NBYTES
+    slot = (lengths + 2 * page + page - 1) // page * page  # page-aligned slots on both sides, room for guards
+    starts = np.concatenate([[0], np.cumsum(slot)[:-1]])
+    src = torch.from_numpy(np.random.default_rng(apart).integers(0, 256, size=int(slot.sum()) + 2 * page, dtype=np.uint8))
+    dst = torch.full((int(slot.sum()) + 3 * page,), 0xAB, dtype=torch.uint8)
+    src_base = (src.data_ptr() + page - 1) // page * page - src.data_ptr()
+    dst_base = (dst.data_ptr() + page - 1) // page * page - dst.data_ptr()
+    src_of = src_base + starts + head_of
+    dst_of = dst_base + starts + head_of + apart
+    assert set(((dst_of + dst.data_ptr() - src_of - src.data_ptr()) % page).tolist()) == {apart}
+    _copy.memmove_runs(dst_of + dst.data_ptr(), src_of + src.data_ptr(), lengths)
+    want = np.full(dst.numel(), 0xAB, dtype=np.uint8)
+    s = src.numpy()
+    for so, do, n in zip(src_of.tolist(), dst_of.tolist(), lengths.tolist()):
+        want[do : do + n] = s[so : so + n]
+    assert np.array_equal(dst.numpy(), want)
+
+
 def test_overlapping_runs_copy_as_memmove_in_order(copies):
     # A run whose source and destination overlap (moved within one buffer,
     # a streaming-size batch) and two runs writing the same bytes: memmove
