@@ -58,6 +58,7 @@ docs: $(STAMP)
 # bench_stream, bench_plans) in one pair of processes; interleave.py compares
 # two checkouts (see docs/architecture.md, "Tests and benchmarks").
 bench: $(EXT)
+	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_copy.py
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_pool.py
 	UCX_NET_DEVICES=lo $(BIN)/python benchmarks/bench_transfer.py
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python benchmarks/bench_ray.py
