@@ -289,13 +289,52 @@ class Sender:
 
     def discard(self, ticket: Ticket) -> None:
         """Stop serving ``ticket``: no new gets; blocks are freed as soon as
-        the gets in progress (and zero-copy views) release them."""
+        the gets in progress (and zero-copy views) release them.
+
+        Runs on the sender; copies nothing. It gives up every reader slot
+        nobody acquired, whatever ``readers`` the ticket was put with (it
+        is how a ``readers=None`` put ends): a later get of it fails with a
+        ``TransferError``. A get in progress keeps only the slot it holds:
+        of a streamed ticket, the piece it is reading; its next piece is
+        refused (``TransferError``).
+
+        Args:
+            ticket: a ticket this sender put, or its copy from
+                [``ticket_for``][tensorferry.sender.Sender.ticket_for] (the
+                same ticket). A delta plan's ticket takes the slots of its
+                delta with it. A ticket already released by all its
+                readers, expired or unknown here, or a closed sender:
+                nothing happens.
+        """
         self.ledger.discard(ticket.id)
         if ticket.delta is not None and ticket.delta.ticket_id:
             self.ledger.discard(ticket.delta.ticket_id)
 
     def ticket_for(self, ticket: Ticket, transport: str) -> Ticket:
-        """The same ticket, redeemable over another transport this sender serves."""
+        """The same ticket, redeemable over another transport this sender serves.
+
+        Runs on the sender; copies nothing. Only the ticket's transport and
+        address change (they are not in its ``digest``): it is the same
+        ticket, so gets over either transport take its one set of
+        ``readers`` slots. Whether that transport can serve it is checked
+        when a receiver redeems it (e.g. nixl refuses a ``snapshot=False``
+        put, before taking a slot).
+
+        Args:
+            ticket: a ticket this sender put (not looked up: any ticket is
+                rewritten).
+            transport: a transport this sender serves: its ``transport`` or
+                one of its ``extra_transports`` (e.g. ``"tcp"`` beside
+                ``"shm"``).
+
+        Returns:
+            A copy of ``ticket`` with ``transport`` and that server's
+                ``address``.
+
+        Raises:
+            ConfigurationError: this sender does not serve ``transport``
+                (the message names those it serves).
+        """
         server = self.servers.get(transport)
         if server is None:
             raise ConfigurationError(

@@ -184,8 +184,35 @@ def run_top(
 ) -> int:
     """Redraw the table every tick until ``q`` (or ``duration_seconds``).
 
+    Runs in this thread: it calls ``agent.tick()`` itself for each frame
+    (the agent's own thread need not be started) and waits
+    ``agent.next_delay_seconds()`` (the interval, with jitter) between
+    frames, reading keys meanwhile. The first frame is drawn at once.
+
+    Args:
+        agent: the agent whose selection is sampled, once a frame.
+        console: the rich ``Console`` to draw on (default: a new one on
+            stdout); its height sets the default ``limit``.
+        keys: where the quit key is read from (default: a ``KeyReader``
+            of stdin, made here and closed on return, which restores the
+            terminal's mode; one passed in is left open). ``q`` or ``Q``
+            quits; other keys, and the end of a piped input, are ignored.
+        sort_by: the column the rows are sorted by, largest first:
+            ``"rss"`` (default), ``"uss"``, ``"pss"``, ``"anon"``,
+            ``"shmem"``, ``"swap"`` (bytes) or ``"cpu"`` (user plus system
+            seconds). For ``"uss"``/``"pss"``, a process whose exact figure
+            is not known yet sorts by its RSS.
+        limit: show at most this many rows (default None: the console's
+            height less 8 lines for the title, header, borders and caption,
+            and at least 5).
+        duration_seconds: stop this many seconds after the call, ending
+            the wait in progress (default None: only ``q`` stops it). At
+            least one frame is drawn, even for 0.
+        on_frame: called with each frame's snapshot once it is drawn, in
+            this thread (default None).
+
     Returns:
-        The number of frames drawn.
+        The number of frames drawn (at least 1).
     """
     from rich.live import Live
 

@@ -78,6 +78,22 @@ def register(name: str = NAME) -> None:
     Calling it again, or after Ray registered the transport on an actor itself,
     changes nothing (Ray's own ``register_tensor_transport`` raises
     ``ValueError`` then).
+
+    Args:
+        name: the transport's name, as methods give it in
+            ``tensor_transport=`` (default ``"tensorferry"``,
+            ``tensorferry.ray.NAME``). Ray keeps names in upper case, so
+            ``"tensorferry"`` and ``"TENSORFERRY"`` are one name. If a
+            transport of that name is registered in this process already,
+            nothing is registered, so a name Ray uses itself (``"nixl"``,
+            ``"gloo"``, ``"nccl"``, ``"cuda_ipc"``) does not work. The hook
+            [``runtime_env``][tensorferry.ray.runtime_env] installs calls
+            ``register()`` with the default name; for another name, call
+            ``register(name)`` in every worker (from the job's own setup
+            hook).
+
+    Raises:
+        BackendUnavailableError: Ray is not installed.
     """
     _require_ray()
     import torch

@@ -153,8 +153,37 @@ class WeightSync:
     def add_worker(self, worker: Any) -> float | None:
         """Add a worker that joins late; it gets the latest version now.
 
+        Runs on the driver and blocks until the worker's update returns.
+        Nothing is published: the worker reads the version the trainer
+        (every trainer of a list) published last. Called before any sync,
+        it first waits for the trainer's pool to be made, as the first
+        sync does. Errors raised in an actor reach the driver as Ray's
+        ``RayTaskError``, which is also an instance of the error's own
+        class.
+
+        Args:
+            worker: the worker actor handle. It is appended to ``workers``
+                before anything else, so every later
+                [``sync``][tensorferry.ray._weight_sync.WeightSync.sync]
+                updates it too, even when this call returns None or fails.
+                Its weights are found by the ``targets`` function, as for
+                the other workers, and updated in place within ``timeout``
+                seconds.
+
         Returns:
-            Seconds its update took, or None if nothing was published yet.
+            Seconds its update took, measured in the worker (its get,
+                including the copy into its weights), or None if nothing
+                was published yet (with a list of trainers: if any of them
+                has published nothing); it then gets the next sync's
+                version.
+
+        Raises:
+            TransferTimeoutError: the worker's get did not finish within
+                ``timeout`` seconds.
+            TransferError: the worker could not read the version (e.g.
+                ``PeerGoneError``: the trainer went away).
+            LayoutMismatchError: the worker's weights do not match the
+                trainer's (a dtype that differs is named, with the fix).
         """
         import ray
 
