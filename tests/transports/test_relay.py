@@ -492,6 +492,38 @@ def test_a_closing_relay_ends_its_lent_streams_and_keeps_the_memory_until_the_ch
     assert reached[-1] == 2 * MiB
 
 
+def test_a_relay_that_closes_mid_stream_is_named_in_its_childs_error(lending):
+    from tensorferry import PeerGoneError
+    from tensorferry.transports._relay import SameHostReads, pull
+
+    server, stream, held = lending
+    held.progress(5 * MiB // 2)
+    buf = memoryview(bytearray(stream.numel()))
+    reached: list[int] = []
+    failed: list[BaseException] = []
+
+    def child():
+        try:
+            pull(server.address, token=b"", ticket_id=7, digest=b"d" * 16, buf=buf, start=0, progress=reached.append,
+                 stall_seconds=20.0, deadline=time.monotonic() + 30, reads=SameHostReads(enabled=False))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            failed.append(exc)
+
+    t = threading.Thread(target=child)
+    t.start()
+    # Every byte that arrived is in the child's socket before the relay closes.
+    assert wait_until(lambda: server.bytes_sent == 5 * MiB // 2, 10.0)
+    server.close()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], PeerGoneError), failed
+    message = str(failed[0])
+    # The stream's bytes, not the chunk's; the relay, not the sender.
+    assert message.startswith(f"the relay at {server.address} closed the connection after 2,621,440 of 8,388,608 bytes"), message
+    assert "sender" not in message.lower(), message
+    assert reached[-1] == 2 * MiB
+
+
 def test_what_a_child_copies_out_of_a_relay_is_the_relays_bytes(lending):
     server, stream, held = lending
     held.progress(5 * MiB)

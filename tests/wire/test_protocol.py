@@ -314,6 +314,18 @@ def test_recv_exact_into_stops_at_its_deadline_and_says_how_far_it_got(pair):
         P.recv_exact_into(b, memoryview(bytearray(10)), deadline=time.monotonic() + 0.3)
 
 
+def test_recv_exact_into_from_a_relay_names_the_relay_not_the_sender(pair):
+    a, b = pair
+    a.sendall(b"abc")
+    with pytest.raises(TransferTimeoutError, match=r"after receiving 5 of 12 bytes from the relay at 10\.0\.0\.7:5000: raise get") as failed:
+        P.recv_exact_into(b, memoryview(bytearray(10)), deadline=time.monotonic() + 0.3, done=2, total=12, relay="10.0.0.7:5000")
+    assert "sender" not in str(failed.value)
+    a.close()
+    with pytest.raises(PeerGoneError, match=r"^the relay at 10\.0\.0\.7:5000 closed the connection after 0 of 10 bytes") as failed:
+        P.recv_exact_into(b, memoryview(bytearray(10)), deadline=time.monotonic() + 2.0, relay="10.0.0.7:5000")
+    assert "closed its Receiver" in str(failed.value) and "Sender" not in str(failed.value)
+
+
 # -- what a send says when the peer stops reading or hangs up ------------------------------------------------
 
 

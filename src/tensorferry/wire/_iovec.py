@@ -109,44 +109,58 @@ def recv_runs(sock: socket.socket, address: np.ndarray, nbytes: np.ndarray, *, d
     _move(True, sock, address, nbytes, lambda: deadline)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float, done: int = 0, total: int | None = None) -> None:
+def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float, done: int = 0, total: int | None = None,
+                    relay: str = "") -> None:
     """Fill ``view`` from the socket, straight into its memory (no copies;
     receiver side), by ``deadline``. An error counts the bytes from
     ``done`` of ``total`` (a larger transfer this view is part of; default:
-    the view alone)."""
+    the view alone) and names the peer: the relay at ``relay`` (a child's
+    pull), else the sender."""
     n, at = len(view), 0
     total = n if total is None else total
     while at < n:
-        at += recv_bounded(sock, lambda: sock.recv_into(view[at:], min(n - at, 1 << 26)), deadline, done + at, total)
+        at += recv_bounded(sock, lambda: sock.recv_into(view[at:], min(n - at, 1 << 26)), deadline, done + at, total, relay)
 
 
-def recv_bounded(sock: socket.socket, call: Callable[[], int], deadline: float, done: int, total: int) -> int:
+def recv_bounded(sock: socket.socket, call: Callable[[], int], deadline: float, done: int, total: int, relay: str = "") -> int:
     """One receive call, ``call()`` (it returns the bytes received), with the
     socket's timeout at what is left until ``deadline``: the bytes, or the
     error of a transfer stopped after ``done`` of ``total`` (timed out,
-    broken, or the sender hung up)."""
+    broken, or the peer hung up: the relay at ``relay``, else the sender)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise transfer_failure(True, done, total)
+        raise transfer_failure(True, done, total, relay=relay)
     sock.settimeout(left)
     try:
         k = call()
     except (socket.timeout, TimeoutError) as exc:
-        raise transfer_failure(True, done, total) from exc
+        raise transfer_failure(True, done, total, relay=relay) from exc
     except OSError as exc:
-        raise transfer_failure(True, done, total, exc) from exc
+        raise transfer_failure(True, done, total, exc, relay=relay) from exc
     if k == 0:
-        raise transfer_failure(True, done, total, hung_up=True)
+        raise transfer_failure(True, done, total, hung_up=True, relay=relay)
     return k
 
 
 def transfer_failure(
     receiving: bool, done: int, total: int, exc: OSError | None = None, *, hung_up: bool = False, wait_seconds: float | None = None,
+    relay: str = "",
 ) -> Exception:
     """The error of a transfer stopped after ``done`` of ``total`` bytes:
     timed out (no ``exc``; a send after ``wait_seconds``, the socket's
     timeout, without room), broken (``exc``) or hung up; each says what
-    to check or change. Also that of protocol.py's byte helpers."""
+    to check or change. A receive's bytes came from the relay at ``relay``
+    (a child's pull), else from the sender. Also that of protocol.py's
+    byte helpers."""
+    if receiving and relay:
+        if hung_up:
+            return PeerGoneError(f"the relay at {relay} closed the connection after {done:,} of {total:,} bytes: its process "
+                                 "exited or closed its Receiver (see its log)")
+        if exc is None:
+            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes from the relay at {relay}: raise "
+                                        "get(timeout=) or Receiver(timeout=), or check that the relay runs and the link between you moves bytes")
+        return PeerGoneError(f"the connection to the relay at {relay} broke after {done:,} of {total:,} bytes ({exc}): check that "
+                             "the relay's process runs (its log) and the network between you")
     if receiving:
         if hung_up:
             return PeerGoneError(f"the sender closed the connection after {done:,} of {total:,} bytes: its process exited or "
