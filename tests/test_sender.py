@@ -21,6 +21,7 @@ from tensorferry import (
     Receiver,
     Sender,
     Ticket,
+    TransferError,
     TransferTimeoutError,
     UnsupportedTensorError,
 )
@@ -149,6 +150,41 @@ def test_an_object_larger_than_the_free_pool_is_streamed():
         assert t.num_pieces == -(-t.total_nbytes // t.piece_nbytes) == 20
         assert Ticket.from_bytes(t.to_bytes()) == t
         s.discard(t)
+        s.wait_released(t, timeout=5.0)
+        assert idle(s)
+
+
+def test_discarding_a_streamed_ticket_lets_a_get_in_progress_finish():
+    # The pool holds 4 of the 20 pieces. Of two readers, the first takes
+    # pieces 0-3, then waits for room that only the second reader's
+    # release of piece 0 would make. Discarded then, the ticket keeps the
+    # first reader's slots in the later pieces (packed as room frees) and
+    # gives the second reader's up: the get in progress finishes, exact,
+    # and a new get is refused.
+    with Sender("shm", capacity_nbytes=1 * MiB, piece_nbytes=256 << 10) as s, Receiver("shm") as r1, Receiver("shm") as r2:
+        big = [torch.arange(5 * MiB // 4 // 4, dtype=torch.float32) + k for k in range(4)]
+        t = s.put(big, readers=2)
+        assert t.streamed and t.num_pieces == 20
+        got: dict = {}
+
+        def read() -> None:
+            try:
+                got["value"] = r1.get(t, timeout=30.0)
+            except Exception as exc:  # reported below
+                got["error"] = exc
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        entry = s.ledger._entries[t.id]
+        assert wait_until(lambda: entry.pieces[0].finished == 1 and entry.pieces[4].packed is None, 10.0)
+        time.sleep(0.1)
+        assert reader.is_alive()  # waiting for piece 4: the pool is full
+        s.discard(t)
+        reader.join(30.0)
+        assert "error" not in got, got.get("error")
+        assert all(torch.equal(a, b) for a, b in zip(got["value"], big))
+        with pytest.raises(TransferError):
+            r2.get(t, timeout=5.0)
         s.wait_released(t, timeout=5.0)
         assert idle(s)
 

@@ -294,9 +294,12 @@ class Sender:
         Runs on the sender; copies nothing. It gives up every reader slot
         nobody acquired, whatever ``readers`` the ticket was put with (it
         is how a ``readers=None`` put ends): a later get of it fails with a
-        ``TransferError``. A get in progress keeps only the slot it holds:
-        of a streamed ticket, the piece it is reading; its next piece is
-        refused (``TransferError``).
+        ``TransferError``. A get in progress finishes: of a streamed
+        ticket, a reader that took the first piece keeps its slot in each
+        later piece, which is packed for it as room frees (a reader that
+        went away mid-stream holds those until the ticket's lease ends), so,
+        as for any streamed ticket, change its tensors only after
+        [``wait_released``][tensorferry.sender.Sender.wait_released].
 
         Args:
             ticket: a ticket this sender put, or its copy from

@@ -136,15 +136,22 @@ class Ledger(Holdings):
 
     def discard(self, ticket_id: int) -> None:
         """Give up every slot nobody holds; free each piece once its holders
-        release (used for tickets put with ``readers=None``)."""
+        release (used for tickets put with ``readers=None``). A get in
+        progress finishes: every reader acquires the pieces in order, so
+        each one that took the first piece keeps its slot in the later
+        pieces of a streamed ticket (the rest are packed for it as room
+        frees)."""
         with self._cond:
             entry = self._entries.get(ticket_id)
             if entry is None:
                 return
+            first = entry.pieces[0] if entry.pieces else None
+            started = first.finished + first.holding if first is not None else 0
             for piece in entry.pieces:
-                piece.unclaimed = 0
-                piece.readers = piece.finished + piece.holding
+                piece.readers = max(started, piece.finished + piece.holding)
+                piece.unclaimed = piece.readers - piece.finished - piece.holding
                 self._settle(entry, piece)
+            self._cond.notify_all()  # the packer: later pieces may have lost readers
 
     def is_done(self, ticket_id: int) -> bool:
         """Every reader of the ticket released it (or it expired, or was never put)."""
