@@ -152,24 +152,18 @@ def transfer_failure(
     to check or change. A receive's bytes came from the relay at ``relay``
     (a child's pull), else from the sender. Also that of protocol.py's
     byte helpers."""
-    if receiving and relay:
-        if hung_up:
-            return PeerGoneError(f"the relay at {relay} closed the connection after {done:,} of {total:,} bytes: its process "
-                                 "exited or closed its Receiver (see its log)")
-        if exc is None:
-            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes from the relay at {relay}: raise "
-                                        "get(timeout=) or Receiver(timeout=), or check that the relay runs and the link between you moves bytes")
-        return PeerGoneError(f"the connection to the relay at {relay} broke after {done:,} of {total:,} bytes ({exc}): check that "
-                             "the relay's process runs (its log) and the network between you")
     if receiving:
+        # The peer: the relay at ``relay`` (a child's pull) or the sender.
+        who, kind = (f"the relay at {relay}", "relay") if relay else ("the sender", "sender")
         if hung_up:
-            return PeerGoneError(f"the sender closed the connection after {done:,} of {total:,} bytes: its process exited or "
-                                 "closed its Sender (see its log), and its tickets went with it: get a new one once it is back")
+            gone = "Receiver (see its log)" if relay else "Sender (see its log), and its tickets went with it: get a new one once it is back"
+            return PeerGoneError(f"{who} closed the connection after {done:,} of {total:,} bytes: its process exited or closed its {gone}")
         if exc is None:
-            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes: raise get(timeout=) or "
-                                        "Receiver(timeout=), or check that the sender runs and the link between you moves bytes")
-        return PeerGoneError(f"the sender's connection broke after {done:,} of {total:,} bytes ({exc}): check that the sender's "
-                             "process runs (its log) and the network between you")
+            return TransferTimeoutError(f"timed out after receiving {done:,} of {total:,} bytes{f' from {who}' if relay else ''}: raise "
+                                        f"get(timeout=) or Receiver(timeout=), or check that the {kind} runs and the link between you moves bytes")
+        lead = f"the connection to {who}" if relay else "the sender's connection"
+        return PeerGoneError(f"{lead} broke after {done:,} of {total:,} bytes ({exc}): check that the {kind}'s process runs (its log) "
+                             "and the network between you")
     if exc is None and not hung_up:
         return TransferTimeoutError(f"timed out sending block bytes to the receiver, after {done:,} of {total:,} bytes: it read "
                                     f"nothing for {wait_seconds} s; check that its process runs and the link between you")
