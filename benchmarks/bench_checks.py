@@ -13,7 +13,9 @@ rounds:
 
 Peers in the same run: the fresh put for the plan's put, and, where the
 tree has ``tensorferry._tensor_meta`` (``tensors._meta``), the same library with its C++ pass
-turned off (the Python passes it falls back to) for the first three.
+turned off (the Python passes it falls back to) for the first three, and,
+where the check reads tensors raw (``tensors/_raw.py``), ``matches`` and
+``check`` of a plan made to read them through torch's C shim instead.
 ``interleave.py`` compares two trees with it. The tensors hold 64 bytes
 each (the copy is not what is measured; ``bench_ray.py --share`` has the
 256 MiB case).
@@ -87,6 +89,16 @@ def run_count(n: int, rounds: int) -> dict:
             variants["inspect_python"] = with_python(inspect)
             variants["matches_python"] = with_python(lambda: py_plan.matches(list(tensors)))
             variants["check_python"] = lambda: py_plan.check(py_plan.owner)
+        if tm is not None and getattr(tm, "_RAW", False):
+            # The same checks through torch's C shim, as where raw reads
+            # could not be learned (tensors/_raw.py): the plan is made so.
+            was, tm._RAW = tm._RAW, False
+            try:
+                shim_plan = sender.plan(tensors)
+            finally:
+                tm._RAW = was
+            variants["matches_shim"] = lambda: shim_plan.matches(list(tensors))
+            variants["check_shim"] = lambda: shim_plan.check(shim_plan.owner)
         names = list(variants)
         recs = interleaved(len(names), WARMUPS, rounds, lambda i, r: {"seconds": _timed(variants[names[i]])})
         return {name: med([x["seconds"] for x in rec["records"]]) for name, rec in zip(names, recs)}
@@ -110,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("inspect", "matches", "check"):
             py = res.get(f"{k}_python")
             ratios[f"{n}:{k}:python/c++"] = py / res[k] if py is not None else None
+            if k != "inspect":
+                shim = res.get(f"{k}_shim")
+                ratios[f"{n}:{k}:shim/raw"] = shim / res[k] if shim is not None else None
             ratios[f"{n}:{k}:us_per_tensor"] = res[k] * 1e6 / n
     for k, v in ratios.items():
         print(f"  {k:32s} {'n/a' if v is None else f'{v:.2f}'}")

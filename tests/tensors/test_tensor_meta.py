@@ -10,13 +10,18 @@ import pytest
 import torch
 
 from tensorferry.tensors import _meta as tm
+from tensorferry.tensors import _raw
 from tensorferry.tensors._types import _CODE_BY_TORCH
 
 
-@pytest.fixture(params=("c++", "python"))
+@pytest.fixture(params=("c++", "shim", "python"))
 def mode(request, monkeypatch):
+    # c++: kept plans check by raw reads (_raw.py); shim: through torch's C
+    # shim, as where raw reads could not be learned; python: no extension.
     if request.param == "python":
         monkeypatch.setattr(tm, "native", False)
+    if request.param in ("shim", "python"):
+        monkeypatch.setattr(tm, "_RAW", False)
     return request.param
 
 
@@ -198,3 +203,70 @@ def test_the_loops_prefetch_through_the_storage_and_version_counter_words():
     assert words["a"][storage_at // 8] == a.untyped_storage()._cdata
     assert words["b"][storage_at // 8] == b.untyped_storage()._cdata
     assert words["a"][version_at // 8] == words["va"][version_at // 8] != words["b"][version_at // 8]
+
+
+def test_raw_reads_are_learned_and_read_what_torch_says():
+    # Learned once on samples (tensors/_raw.py); here on other tensors: the
+    # records hold each storage's data, offset and dtype, and a plan's check
+    # takes them (missing, it falls back to the shim's slower pass).
+    assert tm._RAW, "raw reads could not be learned on this torch"
+    flat = torch.arange(100, dtype=torch.float64)
+    ts = [flat[7:19].view(3, 4), torch.ones(2, 5, dtype=torch.bfloat16)[:, 1:], torch.zeros(3, dtype=torch.int8)[2:], torch.tensor(1.5)]
+    rec = tm.Recorded(ts)
+    assert rec._raw is not None
+    assert rec._raw[:, 0].tolist() == [t.untyped_storage().data_ptr() for t in ts]
+    assert rec._raw[:, 3].tolist() == [t.storage_offset() for t in ts]
+    codes = rec._raw[:, 4].tolist()
+    assert codes[0] != codes[1] != codes[2] and min(codes) >= 0
+    assert tm.Recorded([torch.ones(3, dtype=torch.float64)])._raw[0, 4] == codes[0]
+
+
+def test_words_that_differ_for_no_change_cost_a_read_not_a_false_alarm():
+    # A word that moved without the tensor changing (a record from another
+    # object of the same memory, say): the shim's reading decides, and the
+    # words are recorded again, so the next check is raw again.
+    ts = [torch.ones(4, 3) for _ in range(50)]
+    rec = tm.Recorded(ts)
+    assert rec._raw is not None
+    want = rec._raw.copy()
+    rec._raw[7, 1] ^= 0x5A5A
+    rec._raw[31, 2] += 8
+    assert rec.first_changed(ts) == -1
+    assert np.array_equal(rec._raw, want)
+    ts[31].t_()
+    rec._raw[7, 1] ^= 0x5A5A
+    assert rec.first_changed(ts) == 31
+
+
+def test_tensors_of_more_dims_than_kept_inline_are_checked_through_the_shim(mode):
+    # Sizes past 5 dims live out of line, where a change keeps the pointer:
+    # such a tensor has no raw record and is read through the shim each time.
+    ts = [torch.ones(3), torch.ones(1, 2, 1, 2, 1, 2), torch.ones(2)]
+    rec = tm.Recorded(ts)
+    if mode == "c++":
+        assert rec._raw is not None and rec._raw[1, 4] == -1 and rec._raw[0, 4] >= 0
+    assert rec.first_changed(ts) == -1
+    ts[1].as_strided_((2, 1, 2, 1, 2, 1), (4, 4, 2, 2, 1, 1))
+    assert rec.first_changed(ts) == 1
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="this torch has no copy-on-write clones")
+def test_a_copy_on_write_clone_of_a_planned_tensor_makes_it_changed(mode):
+    # A lazy clone shares the storage until one side writes: a copy into the
+    # planned address would change the clone too. The storage's deleter and
+    # context words change (raw reads); torch's data_ptr() copies it out.
+    ts = [torch.arange(6.0), torch.arange(4.0)]
+    rec = tm.Recorded(ts)
+    clone = torch._lazy_clone(ts[1])
+    assert rec.first_changed(ts) == 1
+    assert torch.equal(clone, torch.arange(4.0))
+
+
+def test_raw_reads_refuse_records_that_disagree_with_the_columns(monkeypatch):
+    # A plan's records are checked against the shim's addresses once: a
+    # disagreement (here, element sizes made wrong) leaves the plan on the shim.
+    ts = [torch.arange(12, dtype=torch.int16)[3:]]
+    assert tm.Recorded(ts)._raw is not None
+    monkeypatch.setattr(_raw, "itemsizes", lambda numbers, by_number: np.full(len(numbers), 3, np.int64))
+    rec = tm.Recorded(ts)
+    assert rec._raw is None and rec.first_changed(ts) == -1

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedTensorError
+from . import _raw
 from ._types import _CODE_BY_TORCH, _PLAIN_TENSOR_TYPES, _TORCH_BY_CODE
 
 try:
@@ -168,6 +169,8 @@ def _bind_prefetch() -> tuple[int, int]:
 
 
 _PREFETCH = _bind_prefetch()
+# A kept plan's check by raw reads (_raw.py), where they could be learned.
+_RAW = native and _raw.bind(_native, _PREFETCH[0])
 
 _BUMP_SYMBOL = "_ZN5torch8autograd4impl12bump_versionERKN2at6TensorE"
 
@@ -330,6 +333,9 @@ class Recorded:
                                          "a plan needs strided tensors (not sparse, nested or meta)")
         self.columns = cols
         self._dtypes = None if self._native else [t.dtype for t in tensors]
+        # Raw records, where bound and they agree with the columns (_raw.py).
+        self._raw = _raw.records(_native, tensors, cols.ptrs, _raw.itemsizes(cols.numbers, _DTYPE_BY_NUMBER)) if self._native and _RAW else None
+        self._dim_starts = np.cumsum(cols.ndims) - cols.ndims if self._raw is not None else None
 
     def numels(self) -> np.ndarray:
         """Each recorded tensor's element count (int64)."""
@@ -353,9 +359,19 @@ class Recorded:
         tensors = tensors if type(tensors) is list else list(tensors)
         if len(tensors) != c.ptrs.size:
             return min(len(tensors), c.ptrs.size)
+        if self._raw is not None:
+            return _raw.first_changed(_native, tensors, self._raw, c.ndims, c.sizes, c.strides, self._dim_starts,
+                                      lambda i: self._one_changed(tensors, i))
         if self._native:
             return _native.differs(tensors, c.ptrs, c.numbers, c.ndims, c.sizes, c.strides)
         return self._python_first_changed(tensors)
+
+    def _one_changed(self, tensors: list, i: int) -> bool:
+        """Whether tensor ``i`` is not as recorded, read through the shim."""
+        c, at = self.columns, int(self._dim_starts[i])  # type: ignore[index]
+        k = int(c.ndims[i])
+        return _native.differs(tensors[i:i + 1], c.ptrs[i:i + 1], c.numbers[i:i + 1], c.ndims[i:i + 1], c.sizes[at:at + k],
+                               c.strides[at:at + k]) >= 0
 
     def _python_first_changed(self, tensors: list) -> int:
         """first_changed by Python passes (a pass per attribute, compared as arrays)."""

@@ -543,6 +543,159 @@ static PyObject *differs(PyObject *self, PyObject *args)
     return result;
 }
 
+/* Raw reads: a kept plan's check without the shim (raw_words,
+ * raw_differs). The shim's five calls a tensor, each with its own checks
+ * and exception guard, are most of a check's CPU (35 ns a tensor of 75,
+ * 100k tensors after a step: 7.5 ms a put and a get); reading the fields
+ * themselves costs the cache misses only. Where they lie in a TensorImpl
+ * and a StorageImpl is learned by _raw.py on sample tensors and checked
+ * there against what torch says (bind_raw); a plan records each tensor's
+ * words as the shim's columns are recorded, and checks them against the
+ * columns once (a disagreement turns raw reads off for that plan).
+ *
+ * A tensor's record: its StorageImpl's first three DataPtr words (the
+ * data, its deleter, its context: a copy-on-write clone or another
+ * allocation changes one), its storage offset, its dtype's 16-bit
+ * TypeMeta index (-1: not read raw: no storage, or sizes kept out of
+ * line). Its sizes and strides are compared with the recorded columns.
+ * Words that are the same mean the same address, dtype, sizes and
+ * strides; words that differ are only a reason to ask torch (the caller
+ * then reads that one tensor through the shim). */
+static struct {
+    bool bound;
+    Py_ssize_t data_at;   /* the DataPtr's data word in a StorageImpl */
+    Py_ssize_t offset_at; /* storage_offset_ in a TensorImpl */
+    Py_ssize_t dtype_at;  /* data_type_'s 16-bit index in a TensorImpl */
+    Py_ssize_t sizes_at;  /* SizesAndStrides' size_ (ndim) in a TensorImpl; sizes, then strides, inline after it */
+    Py_ssize_t inline_dims;
+} raw;
+
+#define RAW_WORDS 5
+
+/* bind_raw(data_at, offset_at, dtype_at, sizes_at, inline_dims): the
+ * offsets _raw.py found (the StorageImpl pointer is bind_prefetch's
+ * storage_at); data_at < 0 unbinds. */
+static PyObject *bind_raw(PyObject *self, PyObject *args)
+{
+    Py_ssize_t d, o, t, z, k;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "nnnnn", &d, &o, &t, &z, &k))
+        return NULL;
+    raw.bound = false;
+    if (d < 0)
+        Py_RETURN_FALSE;
+    /* Within the 192 bytes every TensorImpl has (and a StorageImpl's first 64 + 24). */
+    if (!shim.in_place || shim.storage_at < 0 || d % 8 || d > 64 || o % 8 || o < 0 || o > 184 || t % 2 || t < 0 || t > 190 ||
+        z % 8 || z < 0 || k < 1 || k > 8 || z + 8 + 16 * k > 192) {
+        PyErr_Format(PyExc_ValueError, "bind_raw: offsets out of range (%zd, %zd, %zd, %zd, %zd)", d, o, t, z, k);
+        return NULL;
+    }
+    raw.data_at = d;
+    raw.offset_at = o;
+    raw.dtype_at = t;
+    raw.sizes_at = z;
+    raw.inline_dims = k;
+    raw.bound = true;
+    Py_RETURN_TRUE;
+}
+
+static inline void read_raw(const char *impl, int64_t *rec)
+{
+    const char *st = *(const char *const *)(impl + shim.storage_at);
+    int64_t ndim = *(const int64_t *)(impl + raw.sizes_at);
+    if (st == NULL || ndim < 0 || ndim > raw.inline_dims) {
+        rec[0] = rec[1] = rec[2] = rec[3] = 0;
+        rec[4] = -1;
+        return;
+    }
+    const int64_t *data = (const int64_t *)(st + raw.data_at);
+    rec[0] = data[0];
+    rec[1] = data[1];
+    rec[2] = data[2];
+    rec[3] = *(const int64_t *)(impl + raw.offset_at);
+    rec[4] = *(const uint16_t *)(impl + raw.dtype_at);
+}
+
+/* raw_words(tensors, out) -> -1, or the first i that is no tensor: each
+ * tensor's RAW_WORDS record into out (int64). */
+static PyObject *raw_words(PyObject *self, PyObject *args)
+{
+    PyObject *tensors;
+    Py_buffer out;
+    (void)self;
+    if (!raw.bound) {
+        PyErr_SetString(PyExc_RuntimeError, "raw_words: bind_raw() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!w*", &PyList_Type, &tensors, &out))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tensors), i = 0;
+    if (fits(&out, n, 8 * RAW_WORDS, "raw_words out")) {
+        int64_t *rec = (int64_t *)out.buf;
+        for (; i < n; i++) {
+            char *impl = impl_of(tensors, i);
+            if (impl == NULL)
+                break;
+            read_raw(impl, rec + RAW_WORDS * i);
+        }
+    }
+    PyBuffer_Release(&out);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(i < n ? i : (Py_ssize_t)-1);
+}
+
+/* raw_differs(tensors, records, ndims, sizes, strides, start, at) -> -1,
+ * or the first i >= start whose words are not as recorded (or that has
+ * no record to compare, or is no tensor): at is where tensor start's
+ * sizes begin in sizes and strides. */
+static PyObject *raw_differs(PyObject *self, PyObject *args)
+{
+    PyObject *tensors;
+    Py_buffer b[4];
+    Py_ssize_t start, at;
+    (void)self;
+    if (!raw.bound) {
+        PyErr_SetString(PyExc_RuntimeError, "raw_differs: bind_raw() was not called");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!y*y*y*y*nn", &PyList_Type, &tensors, &b[0], &b[1], &b[2], &b[3], &start, &at))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tensors), found = -1;
+    PyObject *result = NULL;
+    if (fits(&b[0], n, 8 * RAW_WORDS, "raw_differs records") && fits(&b[1], n, 8, "raw_differs ndims")) {
+        const int64_t *recs = (const int64_t *)b[0].buf, *ndims = (const int64_t *)b[1].buf;
+        const int64_t *sizes = (const int64_t *)b[2].buf, *strides = (const int64_t *)b[3].buf;
+        Py_ssize_t total = b[2].len / 8 < b[3].len / 8 ? b[2].len / 8 : b[3].len / 8;
+        for (Py_ssize_t i = start < 0 ? 0 : start; i < n; i++) {
+            prefetch_ahead(tensors, i, n, shim.storage_at);
+            const char *impl = impl_of(tensors, i);
+            const int64_t *rec = recs + RAW_WORDS * i;
+            int64_t now[RAW_WORDS], k = ndims[i];
+            if (impl == NULL || at < 0 || k > total - at) {
+                found = i;
+                break;
+            }
+            read_raw(impl, now);
+            bool same = now[4] >= 0 && now[0] == rec[0] && now[1] == rec[1] && now[2] == rec[2] && now[3] == rec[3] &&
+                        now[4] == rec[4] && *(const int64_t *)(impl + raw.sizes_at) == k;
+            const int64_t *sz = (const int64_t *)(impl + raw.sizes_at + 8), *st = sz + raw.inline_dims;
+            /* A loop, not memcmp: a call of its own for 8 or 16 bytes. */
+            for (int64_t d = 0; same && d < k; d++)
+                same = sz[d] == sizes[at + d] && st[d] == strides[at + d];
+            if (!same) {
+                found = i;
+                break;
+            }
+            at += k;
+        }
+        result = PyLong_FromSsize_t(found);
+    }
+    for (int k = 0; k < 4; k++)
+        PyBuffer_Release(&b[k]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"data_ptrs", data_ptrs, METH_VARARGS,
      "data_ptrs(reader, tensors, out): each tensor's data pointer into out (int64); -1, or the index of a tensor the reader refused."},
@@ -553,6 +706,9 @@ static PyMethodDef methods[] = {
     {"bind_plain", bind_plain, METH_VARARGS, "bind_plain(types): the exact tensor types the loops take without a subtype walk."},
     {"bind_prefetch", bind_prefetch, METH_VARARGS, "bind_prefetch(storage_at, version_at): where a TensorImpl points to what the loops prefetch."},
     {"bind_bump", bind_bump, METH_VARARGS, "bind_bump(address): torch's bump_version, which bump_versions calls (0 unbinds)."},
+    {"bind_raw", bind_raw, METH_VARARGS, "bind_raw(data_at, offset_at, dtype_at, sizes_at, inline_dims): where raw_words and raw_differs read (data_at < 0 unbinds)."},
+    {"raw_words", raw_words, METH_VARARGS, "raw_words(tensors, out): -1, or the first item that is no tensor; each tensor's raw record into out."},
+    {"raw_differs", raw_differs, METH_VARARGS, "raw_differs(tensors, records, ndims, sizes, strides, start, at): -1, or the first i >= start not as recorded."},
     {"bump_versions", bump_versions, METH_VARARGS, "bump_versions(tensors): -1, or the first tensor whose version counter was not bumped."},
     {"first_not_plain", first_not_plain, METH_VARARGS, "first_not_plain(items): -1, or the first item whose exact type bind_plain was not given."},
     {"columns", columns, METH_VARARGS,
