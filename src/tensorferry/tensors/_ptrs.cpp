@@ -241,14 +241,19 @@ static PyObject *first_not_plain(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(-1);
 }
 
+/* Whether obj is a tensor. The exact-type test first: PyObject_TypeCheck
+ * walks torch.Tensor's MRO, a call of its own a tensor. */
+static inline bool is_tensor(PyObject *obj)
+{
+    return is_plain(Py_TYPE(obj)) || PyObject_TypeCheck(obj, shim.tensor_type);
+}
+
 /* The tensor's at::Tensor*: in its object, or *slot holding the
  * TensorImpl address the getter gave. NULL: not a tensor, or the getter
  * raised (the error is cleared, the caller reports the index). */
 static void *handle_of(PyObject *obj, void **slot)
 {
-    /* The exact-type test first: PyObject_TypeCheck walks torch.Tensor's
-     * MRO, a call of its own a tensor. */
-    if (!is_plain(Py_TYPE(obj)) && !PyObject_TypeCheck(obj, shim.tensor_type))
+    if (!is_tensor(obj))
         return NULL;
     if (shim.in_place)
         return (void *)((char *)obj + sizeof(PyObject));
@@ -301,9 +306,7 @@ static int read_one(PyObject *obj, Reading *r, bool flags)
 static inline char *impl_of(PyObject *tensors, Py_ssize_t i)
 {
     PyObject *obj = PyList_GET_ITEM(tensors, i);
-    if (!is_plain(Py_TYPE(obj)) && !PyObject_TypeCheck(obj, shim.tensor_type))
-        return NULL;
-    return *(char **)((char *)obj + sizeof(PyObject));
+    return is_tensor(obj) ? *(char **)((char *)obj + sizeof(PyObject)) : NULL;
 }
 
 /* Each tensor's TensorImpl, and the object behind it a loop reads next
@@ -335,6 +338,31 @@ static inline void prefetch_ahead(PyObject *tensors, Py_ssize_t i, Py_ssize_t n,
             __builtin_prefetch(next);
             __builtin_prefetch(next + 64);
         }
+    }
+}
+
+/* prefetch_ahead for bump_versions: a bump reads one word of the
+ * TensorImpl (its version counter's pointer) and the counter, so only
+ * those lines are fetched; the other two TensorImpl lines and the
+ * counter's second would take miss buffers and bandwidth from the loads
+ * that are needed. */
+static inline void prefetch_for_bump(PyObject *tensors, Py_ssize_t i, Py_ssize_t n)
+{
+    if (!shim.in_place || shim.version_at < 0) {
+        prefetch_ahead(tensors, i, n, shim.version_at);
+        return;
+    }
+    if (i + 16 < n)
+        __builtin_prefetch((char *)PyList_GET_ITEM(tensors, i + 16) + sizeof(PyObject));
+    if (i + 8 < n) {
+        char *impl = impl_of(tensors, i + 8);
+        if (impl != NULL)
+            __builtin_prefetch(impl + shim.version_at);
+    }
+    if (i + 4 < n) {
+        char *impl = impl_of(tensors, i + 4);
+        if (impl != NULL)
+            __builtin_prefetch(*(char **)(impl + shim.version_at));
     }
 }
 
@@ -408,7 +436,7 @@ static PyObject *bump_versions(PyObject *self, PyObject *args)
     Py_ssize_t n = PyList_GET_SIZE(tensors), i = 0;
     for (; i < n; i++) {
         void *slot = NULL;
-        prefetch_ahead(tensors, i, n, shim.version_at);
+        prefetch_for_bump(tensors, i, n);
         void *h = handle_of(PyList_GET_ITEM(tensors, i), &slot);
         if (h == NULL)
             break;
