@@ -43,19 +43,25 @@ _WORDS = 24  # of a TensorImpl read when learning (every TensorImpl is larger)
 _INLINE_DIMS = 5  # sizes and strides a TensorImpl keeps in itself (c10's SizesAndStrides)
 
 
+class _NoFit(Exception):
+    """Raw reads cannot be learned on this torch (a field fits no word or
+    several, or a probe fails); caught by :func:`bind`, which leaves them
+    off: it never reaches a caller."""
+
+
 def _words(address: int, count: int) -> list[int]:
     return [ctypes.c_uint64.from_address(address + 8 * k).value for k in range(count)]
 
 
 def _only(found: list[int], what: str) -> int:
     if len(found) != 1:
-        raise ValueError(f"{what}: {len(found)} words fit")
+        raise _NoFit(f"{what}: {len(found)} words fit")
     return found[0]
 
 
 def _learn() -> tuple[int, int, int, int, int]:
-    """``bind_raw``'s arguments, from samples; ValueError where an offset
-    is not the only fit."""
+    """``bind_raw``'s arguments, from samples; _NoFit where an offset is
+    not the only fit."""
     base = torch.arange(128, dtype=torch.float32)
     shapes = [((5,), (2,), 3), ((2, 3), (11, 2), 7), ((2, 2, 3), (29, 13, 3), 5), ((2, 1, 2, 3), (31, 17, 5, 2), 13),
               ((1, 2, 2, 1, 3), (37, 23, 9, 6, 1), 2)]
@@ -71,7 +77,7 @@ def _learn() -> tuple[int, int, int, int, int]:
     owned = [base.untyped_storage(), torch.zeros(3, dtype=torch.float64).untyped_storage(), torch.from_numpy(np.arange(4.0)).untyped_storage()]
     data = [w0 for w0 in range(4) if all(_words(s._cdata, 4)[w0] == s.data_ptr() for s in owned)]
     if not data:
-        raise ValueError("data: no word fits")
+        raise _NoFit("data: no word fits")
     # The dtype: 16 bits past the offset, the same for two tensors of a
     # dtype and another for every other dtype.
     with warnings.catch_warnings():  # complex32: "experimental"
@@ -82,7 +88,7 @@ def _learn() -> tuple[int, int, int, int, int]:
         values = {int(a[h]) for a, b in halves if a[h] == b[h]}
         if len(values) == len(halves) and all(a[h] == b[h] for a, b in halves):
             return 8 * data[0], offset_at, 2 * h, sizes_at, k
-    raise ValueError("dtype: no field fits")
+    raise _NoFit("dtype: no field fits")
 
 
 def _probe(native: object) -> bool:
@@ -95,7 +101,7 @@ def _probe(native: object) -> bool:
         rec = np.empty((1, RAW_WORDS), np.int64)
         ndims, sizes, strides = np.asarray([2], np.int64), np.asarray(t.shape, np.int64), np.asarray(t.stride(), np.int64)
         if native.raw_words(keep, rec) >= 0 or native.raw_differs(keep, rec, ndims, sizes, strides, 0, 0) >= 0:  # type: ignore[attr-defined]
-            raise ValueError("a probe differs from itself")
+            raise _NoFit("a probe differs from itself")
         clone = change(t)  # noqa: F841  (a lazy clone is held while compared)
         return native.raw_differs(keep, rec, ndims, sizes, strides, 0, 0) == 0  # type: ignore[attr-defined]
 
@@ -121,7 +127,7 @@ def bind(native: object, storage_at: int) -> bool:
         native.bind_raw(*_learn())  # type: ignore[attr-defined]
         if _probe(native):
             return True
-    except (ValueError, TypeError, AttributeError, RuntimeError):
+    except (_NoFit, ValueError, TypeError, AttributeError, RuntimeError):
         pass
     native.bind_raw(-1, 0, 0, 0, 0)  # type: ignore[attr-defined]
     return False
