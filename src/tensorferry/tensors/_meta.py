@@ -334,7 +334,7 @@ class Recorded:
         self.columns = cols
         self._dtypes = None if self._native else [t.dtype for t in tensors]
         # Raw records, where bound and they agree with the columns (_raw.py).
-        self._raw = _raw.records(_native, tensors, cols.ptrs, _raw.itemsizes(cols.numbers, _DTYPE_BY_NUMBER)) if self._native and _RAW else None
+        self._raw = _raw.records(_native, tensors, cols.ptrs, cols.codes) if self._native and _RAW else None
         self._dim_starts = np.cumsum(cols.ndims) - cols.ndims if self._raw is not None else None
 
     def numels(self) -> np.ndarray:

@@ -33,9 +33,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..wire import ELEMENT_SIZE_BY_CODE
 from ._types import _CODE_BY_TORCH
 
-__all__ = ["RAW_WORDS", "bind", "records", "first_changed", "itemsizes"]
+__all__ = ["RAW_WORDS", "bind", "records", "first_changed"]
 
 RAW_WORDS = 5  # per tensor: data, deleter, context, storage offset, dtype index (-1: not read raw)
 
@@ -85,8 +86,8 @@ def _learn() -> tuple[int, int, int, int, int]:
         pairs = [(torch.zeros(4, dtype=dt)[1:], torch.zeros(2, 3, dtype=dt)) for dt in _CODE_BY_TORCH]
     halves = [[np.frombuffer(np.asarray(_words(t._cdata, _WORDS), np.uint64).tobytes(), np.uint16) for t in pair] for pair in pairs]
     for h in range(offset_at // 2 + 4, _WORDS * 4):
-        values = {int(a[h]) for a, b in halves if a[h] == b[h]}
-        if len(values) == len(halves) and all(a[h] == b[h] for a, b in halves):
+        # Equal within every pair, and as many values as dtypes.
+        if len({int(a[h]) for a, b in halves if a[h] == b[h]}) == len(halves):
             return 8 * data[0], offset_at, 2 * h, sizes_at, k
     raise _NoFit("dtype: no field fits")
 
@@ -133,23 +134,17 @@ def bind(native: object, storage_at: int) -> bool:
     return False
 
 
-def itemsizes(numbers: np.ndarray, by_number: dict[int, torch.dtype]) -> np.ndarray:
-    """Each tensor's element size, from the shim's dtype numbers."""
-    table = np.zeros(max(by_number, default=0) + 1, np.int64)
-    for number, dt in by_number.items():
-        table[number] = torch.empty(0, dtype=dt).element_size()
-    return table[np.clip(numbers, 0, table.size - 1)]
-
-
-def records(native: object, tensors: list, ptrs: np.ndarray, sizes_of_items: np.ndarray) -> np.ndarray | None:
+def records(native: object, tensors: list, ptrs: np.ndarray, codes: np.ndarray) -> np.ndarray | None:
     """Each tensor's raw record, where they agree with the shim's
-    addresses (``ptrs`` = storage data + offset x item size); None: check
-    through the shim."""
+    addresses (``ptrs`` = storage data + offset x the element size of the
+    wire dtype ``codes``); None: check through the shim."""
     rec = np.empty((len(tensors), RAW_WORDS), np.int64)
     if native.raw_words(tensors, rec) >= 0:  # type: ignore[attr-defined]
         return None
     read = rec[:, 4] >= 0
-    if not np.array_equal(rec[read, 0] + rec[read, 3] * sizes_of_items[read], ptrs[read]):
+    known = codes[read] < ELEMENT_SIZE_BY_CODE.size  # NOT_SENDABLE: no size, no agreement
+    sizes = np.where(known, ELEMENT_SIZE_BY_CODE[np.minimum(codes[read], ELEMENT_SIZE_BY_CODE.size - 1)], 0)
+    if not np.array_equal(rec[read, 0] + rec[read, 3] * sizes, ptrs[read]):
         return None
     return rec
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from . import packing, protocol
 from ._boxes import Boxes, box_runs, cover, region
-from ._layout import DTYPES, MAX_TENSORS, NO_ALIASES, Layout, TreeOp
+from ._layout import DTYPES, ELEMENT_SIZE_BY_CODE, MAX_TENSORS, NO_ALIASES, Layout, TreeOp
 from ._ticket import MAX_TICKET_NBYTES, TRANSPORTS, DeltaOffer, Ticket, TransportName
 
 __all__ = [
     "packing", "protocol",
     "Boxes", "box_runs", "cover", "region",
-    "DTYPES", "MAX_TENSORS", "NO_ALIASES", "Layout", "TreeOp",
+    "DTYPES", "ELEMENT_SIZE_BY_CODE", "MAX_TENSORS", "NO_ALIASES", "Layout", "TreeOp",
     "MAX_TICKET_NBYTES", "TRANSPORTS", "DeltaOffer", "Ticket", "TransportName",
 ]

@@ -26,6 +26,7 @@ from ._tree import Key, TreeOp, check_tree, decode_keys, encode_keys
 
 __all__ = [
     "DTYPES",
+    "ELEMENT_SIZE_BY_CODE",
     "Layout",
     "TreeOp",
     "MAX_TENSORS",
@@ -59,9 +60,10 @@ DTYPES: dict[str, tuple[int, int]] = {
     "float8_e8m0fnu": (20, 1),
 }
 _NAMES_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
-_ELEMENT_SIZE_BY_CODE = np.zeros(max(_NAMES_BY_CODE) + 1, dtype=np.int64)
+# Element size by wire code (int64; 0 for a code no dtype has).
+ELEMENT_SIZE_BY_CODE = np.zeros(max(_NAMES_BY_CODE) + 1, dtype=np.int64)
 for _code, _name in _NAMES_BY_CODE.items():
-    _ELEMENT_SIZE_BY_CODE[_code] = DTYPES[_name][1]
+    ELEMENT_SIZE_BY_CODE[_code] = DTYPES[_name][1]
 
 # Bounds a decoder enforces before it allocates anything sized by the header.
 MAX_TENSORS = 1 << 24  # 16M tensors: far above any model's parameter count
@@ -143,7 +145,7 @@ class Layout:
         return self
 
     def _derive(self, numels: np.ndarray) -> None:
-        alignments = _ELEMENT_SIZE_BY_CODE[self.dtype_codes]
+        alignments = ELEMENT_SIZE_BY_CODE[self.dtype_codes]
         object.__setattr__(self, "numels", numels)
         object.__setattr__(self, "alignments", alignments)
         nbytes = numels * alignments
@@ -352,7 +354,7 @@ class Layout:
         aliases = take(2 * naliases, "<u4").astype(np.int64).reshape(naliases, 2)
         box_arrays = (take(nboxed, "<u4").astype(np.int64), take(nboxdims, "<i8").astype(np.int64), take(nboxdims, "<i8").astype(np.int64))
 
-        if n and int(codes.max()) >= _ELEMENT_SIZE_BY_CODE.size or (n and not _ELEMENT_SIZE_BY_CODE[codes].all()):
+        if n and int(codes.max()) >= ELEMENT_SIZE_BY_CODE.size or (n and not ELEMENT_SIZE_BY_CODE[codes].all()):
             raise LayoutMismatchError("layout names a dtype code this tensorferry does not know")
         if n and int(ndims.max()) > MAX_NDIM:
             raise LayoutMismatchError(f"layout has a tensor of {int(ndims.max())} dims (max {MAX_NDIM})")
