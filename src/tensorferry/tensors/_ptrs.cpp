@@ -612,8 +612,8 @@ static PyObject *bind_raw(PyObject *self, PyObject *args)
     raw.bound = false;
     if (d < 0)
         Py_RETURN_FALSE;
-    /* Within the 192 bytes every TensorImpl has (and a StorageImpl's first 64 + 24). */
-    if (!shim.in_place || shim.storage_at < 0 || d % 8 || d > 64 || o % 8 || o < 0 || o > 184 || t % 2 || t < 0 || t > 190 ||
+    /* Within the 192 bytes every TensorImpl has (and a StorageImpl's first 48). */
+    if (!shim.in_place || shim.storage_at < 0 || d % 8 || d > 24 || o % 8 || o < 0 || o > 184 || t % 2 || t < 0 || t > 190 ||
         z % 8 || z < 0 || k < 1 || k > 8 || z + 8 + 16 * k > 192) {
         PyErr_Format(PyExc_ValueError, "bind_raw: offsets out of range (%zd, %zd, %zd, %zd, %zd)", d, o, t, z, k);
         return NULL;
@@ -627,14 +627,15 @@ static PyObject *bind_raw(PyObject *self, PyObject *args)
     Py_RETURN_TRUE;
 }
 
-static inline void read_raw(const char *impl, int64_t *rec)
+/* A tensor's record into rec; returns its ndim as the TensorImpl holds it. */
+static inline int64_t read_raw(const char *impl, int64_t *rec)
 {
     const char *st = *(const char *const *)(impl + shim.storage_at);
     int64_t ndim = *(const int64_t *)(impl + raw.sizes_at);
     if (st == NULL || ndim < 0 || ndim > raw.inline_dims) {
         rec[0] = rec[1] = rec[2] = rec[3] = 0;
         rec[4] = -1;
-        return;
+        return ndim;
     }
     const int64_t *data = (const int64_t *)(st + raw.data_at);
     rec[0] = data[0];
@@ -642,6 +643,7 @@ static inline void read_raw(const char *impl, int64_t *rec)
     rec[2] = data[2];
     rec[3] = *(const int64_t *)(impl + raw.offset_at);
     rec[4] = *(const uint16_t *)(impl + raw.dtype_at);
+    return ndim;
 }
 
 /* raw_words(tensors, out) -> -1, or the first i that is no tensor: each
@@ -704,9 +706,8 @@ static PyObject *raw_differs(PyObject *self, PyObject *args)
                 found = i;
                 break;
             }
-            read_raw(impl, now);
-            bool same = now[4] >= 0 && now[0] == rec[0] && now[1] == rec[1] && now[2] == rec[2] && now[3] == rec[3] &&
-                        now[4] == rec[4] && *(const int64_t *)(impl + raw.sizes_at) == k;
+            bool same = read_raw(impl, now) == k && now[4] >= 0 && now[0] == rec[0] && now[1] == rec[1] && now[2] == rec[2] &&
+                        now[3] == rec[3] && now[4] == rec[4];
             const int64_t *sz = (const int64_t *)(impl + raw.sizes_at + 8), *st = sz + raw.inline_dims;
             /* A loop, not memcmp: a call of its own for 8 or 16 bytes. */
             for (int64_t d = 0; same && d < k; d++)
