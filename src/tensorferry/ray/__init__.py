@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BackendUnavailableError
 
@@ -46,6 +46,10 @@ __all__ = [
     "publish",
     "update",
 ]
+
+if TYPE_CHECKING:  # loaded on first use (__getattr__); named here for type checkers and the API reference
+    from ._weight_sync import WeightSync
+    from ._weights import SyncReport, WeightVersion, publish, update
 
 NAME = "tensorferry"
 # What Ray imports and calls in each new worker process before its first task.

@@ -60,7 +60,7 @@ class WeightSync:
 
     Creating it sends the trainer a call that makes and prefaults its pool
     (1.3-1.4 s for two ~1 GiB versions on 2 busy cores) in the background; the
-    first [``sync``][tensorferry.ray._weight_sync.WeightSync.sync] waits for
+    first [``sync``][tensorferry.ray.WeightSync.sync] waits for
     that call if it has not finished, and raises what it raised.
     """
 
@@ -164,7 +164,7 @@ class WeightSync:
         Args:
             worker: the worker actor handle. It is appended to ``workers``
                 before anything else, so every later
-                [``sync``][tensorferry.ray._weight_sync.WeightSync.sync]
+                [``sync``][tensorferry.ray.WeightSync.sync]
                 updates it too, even when this call returns None or fails.
                 Its weights are found by the ``targets`` function, as for
                 the other workers, and updated in place within ``timeout``

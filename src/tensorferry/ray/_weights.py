@@ -41,7 +41,7 @@ class WeightVersion(NamedTuple):
 
 
 class SyncReport(NamedTuple):
-    """What one [``WeightSync.sync``][tensorferry.ray._weight_sync.WeightSync.sync]
+    """What one [``WeightSync.sync``][tensorferry.ray.WeightSync.sync]
     did: every worker updated to a new version.
 
     Attributes:
@@ -260,7 +260,7 @@ def update(version: WeightVersion | list[WeightVersion], targets: Any, *, timeou
     the trainers that hold them (a ``ShardedPlan``).
 
     Args:
-        version: what [``publish``][tensorferry.ray._weights.publish] returned,
+        version: what [``publish``][tensorferry.ray.publish] returned,
             or a list of them, one of every trainer rank.
         targets: the module or tensors to update in place.
         timeout: seconds for the get (default 120).

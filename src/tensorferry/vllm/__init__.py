@@ -3,13 +3,13 @@
 This integration layer owns the adapter between vLLM's pluggable weight
 transfer (``vllm.distributed.weight_transfer``, vLLM 0.33) and tensorferry's
 kept plans: the worker engine
-([``TensorferryWeightTransferEngine``][tensorferry.vllm._worker.TensorferryWeightTransferEngine],
+([``TensorferryWeightTransferEngine``][tensorferry.vllm.TensorferryWeightTransferEngine],
 receives with a kept ``RecvPlan`` or ``ShardedPlan`` and feeds vLLM's
 ``model.load_weights``), the trainer engine
-([``TensorferryTrainerWeightTransferEngine``][tensorferry.vllm._trainer.TensorferryTrainerWeightTransferEngine],
+([``TensorferryTrainerWeightTransferEngine``][tensorferry.vllm.TensorferryTrainerWeightTransferEngine],
 puts a kept ``SendPlan`` per trainer rank and drives vLLM's four-method client
 from rank 0), their JSON-safe init and update infos,
-[``LLMClient``][tensorferry.vllm._client.LLMClient] (vLLM's weight-sync client
+[``LLMClient``][tensorferry.vllm.LLMClient] (vLLM's weight-sync client
 over an offline ``LLM`` in the trainer's process), and
 [``register``][tensorferry.vllm.register], the ``vllm.general_plugins`` entry
 point that names both in vLLM's factories.
@@ -23,7 +23,7 @@ public names (``tensorferry``, ``tensorferry.errors``, ``tensorferry.plans``,
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "BACKEND",
@@ -39,6 +39,12 @@ __all__ = [
 
 BACKEND = "tensorferry"
 """The name users select (``WeightTransferConfig(backend=...)``) and the key of both of vLLM's factories."""
+
+if TYPE_CHECKING:  # loaded on first use (__getattr__); named here for type checkers and the API reference
+    from ._client import LLMClient
+    from ._infos import TensorferryInitInfo, TensorferryTrainerInitInfo, TensorferryUpdateInfo
+    from ._trainer import RoundReport, TensorferryTrainerWeightTransferEngine
+    from ._worker import TensorferryWeightTransferEngine
 
 _LAZY = {
     "TensorferryInitInfo": "tensorferry.vllm._infos",
@@ -56,7 +62,7 @@ def register() -> None:
 
     The ``vllm.general_plugins`` entry point: vLLM calls it in the engine core
     and in every worker (and a trainer that imports
-    [``TensorferryTrainerInitInfo``][tensorferry.vllm._infos.TensorferryTrainerInitInfo]
+    [``TensorferryTrainerInitInfo``][tensorferry.vllm.TensorferryTrainerInitInfo]
     gets it too). The classes are registered by module path, so nothing of this
     package beyond this function is imported until vLLM builds an engine. A
     second call changes nothing.

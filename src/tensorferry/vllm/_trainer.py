@@ -73,7 +73,7 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
     """Puts each rank's weights with a kept plan; rank 0 hands the round's tickets to vLLM.
 
     Made by
-    [``trainer_init``][tensorferry.vllm._trainer.TensorferryTrainerWeightTransferEngine.trainer_init]
+    [``trainer_init``][tensorferry.vllm.TensorferryTrainerWeightTransferEngine.trainer_init]
     on every trainer rank; ``send_weights`` and ``shutdown`` are called on
     every rank too.
     """
