@@ -267,6 +267,6 @@ def test_raw_reads_refuse_records_that_disagree_with_the_columns(monkeypatch):
     # disagreement (here, element sizes made wrong) leaves the plan on the shim.
     ts = [torch.arange(12, dtype=torch.int16)[3:]]
     assert tm.Recorded(ts)._raw is not None
-    monkeypatch.setattr(_raw, "ELEMENT_SIZE_BY_CODE", np.full(_raw.ELEMENT_SIZE_BY_CODE.size, 3, np.int64))
+    monkeypatch.setattr(_raw, "_SIZE_BY_UINT8", np.full(256, 3, np.int64))
     rec = tm.Recorded(ts)
     assert rec._raw is None and rec.first_changed(ts) == -1

@@ -42,6 +42,10 @@ RAW_WORDS = 5  # per tensor: data, deleter, context, storage offset, dtype index
 
 _WORDS = 24  # of a TensorImpl read when learning (every TensorImpl is larger)
 _INLINE_DIMS = 5  # sizes and strides a TensorImpl keeps in itself (c10's SizesAndStrides)
+# Element size by the columns' uint8 wire code; 0 for NOT_SENDABLE and any
+# other code no dtype has (its record then agrees with no address).
+_SIZE_BY_UINT8 = np.zeros(256, np.int64)
+_SIZE_BY_UINT8[: ELEMENT_SIZE_BY_CODE.size] = ELEMENT_SIZE_BY_CODE
 
 
 class _NoFit(Exception):
@@ -142,9 +146,7 @@ def records(native: object, tensors: list, ptrs: np.ndarray, codes: np.ndarray) 
     if native.raw_words(tensors, rec) >= 0:  # type: ignore[attr-defined]
         return None
     read = rec[:, 4] >= 0
-    known = codes[read] < ELEMENT_SIZE_BY_CODE.size  # NOT_SENDABLE: no size, no agreement
-    sizes = np.where(known, ELEMENT_SIZE_BY_CODE[np.minimum(codes[read], ELEMENT_SIZE_BY_CODE.size - 1)], 0)
-    if not np.array_equal(rec[read, 0] + rec[read, 3] * sizes, ptrs[read]):
+    if not np.array_equal(rec[read, 0] + rec[read, 3] * _SIZE_BY_UINT8[codes[read]], ptrs[read]):
         return None
     return rec
 
