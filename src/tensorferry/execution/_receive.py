@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..memory import ReceiveCache
 from ..plans import RecvPlan, SourceDelta, reads_delta, receive_delta, settle, version_of
-from ..transports import CHUNK_NBYTES, Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, pull
+from ..transports import CHUNK_NBYTES, Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, chunk_nbytes_for, pull
 from ..wire import Ticket, packing
 
 __all__ = ["Route", "Fetcher", "route"]
@@ -386,14 +386,17 @@ class Fetcher:
     def _receive_broadcast(self, ch: Channel, ticket: Ticket, blocks: list, source: str, plan: RecvPlan, deadline: float) -> torch.Tensor:
         """The one block of a ticket, chunk by chunk, from ``source`` (a
         relay, or ``""``: the sender), into memory of its own; published to
-        this receiver's children as it arrives if it relays."""
+        this receiver's children as it arrives if it relays. The chunk
+        follows the block's size and the ticket's readers (the longest
+        chain it can make), the same in every relay of it."""
         if len(blocks) != 1:
             raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
+        chunk = chunk_nbytes_for(blocks[0][1], ticket.readers, most=ch.relay_chunk_nbytes, least=ch.relay_min_chunk_nbytes)
 
         def from_sender(buf: memoryview, start: int, progress: Any) -> None:
-            ch.receive_range(ticket.id, 0, blocks, buf, start, progress, deadline=deadline, chunk_nbytes=ch.relay_chunk_nbytes)
+            ch.receive_range(ticket.id, 0, blocks, buf, start, progress, deadline=deadline, chunk_nbytes=chunk)
 
-        return self._receive_stream(ch, ticket, blocks[0][1], ticket.digest, source, from_sender, deadline)
+        return self._receive_stream(ch, ticket, blocks[0][1], ticket.digest, source, from_sender, deadline, chunk_nbytes=chunk)
 
     def _receive_stream(self, ch: Channel, ticket: Ticket, total: int, digest: bytes, source: str,
                         from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None,

@@ -88,8 +88,11 @@ class Channel:
     # it, straight into local memory (a sharded get reads its boxes' bytes).
     reads_ranges: ClassVar[bool] = False
     # Bytes a relaying receiver takes from its sender before it passes them
-    # on: each hop of a chain adds one chunk's time.
+    # on: each hop of a chain adds one chunk's time. These are the most and
+    # the least: a broadcast's chunk is chosen between them from the
+    # object's size and its readers (transports._relay.chunk_nbytes_for).
     relay_chunk_nbytes: ClassVar[int] = 1 << 20
+    relay_min_chunk_nbytes: ClassVar[int] = 64 << 10
     # The same for a sharded get's streams of byte ranges (a relay passes
     # them on, and so do its children's pulls): a worker takes one from
     # each source at once, so each runs at a share of its link and a chunk

@@ -14,13 +14,43 @@ from ...errors import PeerGoneError
 from ...wire import protocol as P
 from .._base import Holdings
 
-__all__ = ["CHUNK_NBYTES", "RelayBook"]
+__all__ = ["CHUNK_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "chunk_nbytes_for"]
 
 # Bytes a relay receives before it passes them on: each hop of a chain
 # adds one chunk's time (1 MiB: 8.4 ms at 1 Gbit/s; 4 MiB made a chain of 8
-# 0.24 s slower), and a chunk still costs far more than its bookkeeping
-# (a condition notify and a loop turn, tens of µs).
+# 0.24 s slower). The most a broadcast's chunk is (chunk_nbytes_for): a
+# larger one only delays the hops.
 CHUNK_NBYTES = 1 << 20
+# The least: a chunk costs a loop turn of Python on each side of a hop (a
+# receive call's return, a condition notify, the serving thread's wake-up
+# and send: tens of µs), which must stay a small part of the chunk's time
+# on the wire (64 KiB: 0.5 ms at 1 Gbit/s, 2 ms at 250 Mbit/s).
+MIN_CHUNK_NBYTES = 64 << 10
+# A chain of h hops adds (h - 1) chunks to the transfer: a chunk of
+# total / (h * _HOP_SHARE) keeps that under 1/_HOP_SHARE (3%) of it.
+_HOP_SHARE = 32
+# Chunks are whole pages (the receive's views start page-aligned).
+_CHUNK_ALIGNMENT = 4096
+
+
+def chunk_nbytes_for(total_nbytes: int, hops: int, *, most: int = CHUNK_NBYTES, least: int = MIN_CHUNK_NBYTES) -> int:
+    """The chunk a broadcast's relays pass on: ``total_nbytes`` over
+    ``hops`` times _HOP_SHARE, so a chain's hops add about 3% of the
+    transfer whatever its length and the object's size, within ``[least,
+    most]`` (a transport's limits; ``least`` wins). Receiver side (every
+    relay of a ticket computes the same from the ticket).
+
+    Args:
+        total_nbytes: the stream's size.
+        hops: the most hops a chain of it can have (the ticket's readers;
+            0 or less: unknown, the most).
+        most: the largest chunk (the transport's choice for one hop).
+        least: the smallest (what a chunk's bookkeeping allows).
+    """
+    if hops <= 0:
+        return max(most, least)
+    fair = total_nbytes // (hops * _HOP_SHARE) // _CHUNK_ALIGNMENT * _CHUNK_ALIGNMENT
+    return max(least, min(most, fair))
 
 
 class _Held:
