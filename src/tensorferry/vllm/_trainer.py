@@ -5,8 +5,9 @@ client=..., source=...)`` on every trainer rank; rank 0 sends the workers
 the handshake (``init_weight_transfer_engine``). Each ``send_weights()``:
 
 1. every rank takes its state from the ``WeightSource`` (whole tensors on
-   one rank; local shards boxed by the metadata on several:
-   ``_placements.rank_state``) and puts it with a kept ``SendPlan``, made
+   one rank; local shards boxed by the metadata's placements on several, or
+   by torch's DTensor placements where the release's metadata has none:
+   ``_sources.source_state``) and puts it with a kept ``SendPlan``, made
    on the first round (again when a parameter was replaced): later rounds
    copy bytes (cast with ``dtype``, compared with ``delta``), no per-tensor
    work;
@@ -32,7 +33,8 @@ import tensorferry as tf
 from ..errors import ConfigurationError, PlanStaleError, TransferError
 from ._exchange import TicketExchange
 from ._infos import TensorferryInitInfo, TensorferryTrainerInitInfo, TensorferryUpdateInfo
-from ._placements import rank_state, state_nbytes
+from ._placements import state_nbytes
+from ._sources import source_state, trainer_base_kwargs
 
 __all__ = ["TensorferryTrainerWeightTransferEngine", "RoundReport"]
 
@@ -81,7 +83,8 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
     init_info_cls = TensorferryTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, init_info: TensorferryTrainerInitInfo) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender, **trainer_base_kwargs(init_info.rank))
+        self.rank = init_info.rank  # vLLM 0.33's base sets it too; 0.32's takes no rank
         self.info = init_info
         self._dtype = None if init_info.dtype is None else getattr(torch, init_info.dtype)
         self._sender: Any = None
@@ -138,7 +141,7 @@ class TensorferryTrainerWeightTransferEngine(TrainerWeightTransferEngine[Tensorf
             PoolExhaustedError: ``capacity_nbytes`` cannot hold this rank's weights.
         """
         t0 = time.perf_counter()
-        state = rank_state(self.source, self.rank, self.info.world_size)
+        state = source_state(self.source, self.rank, self.info.world_size)
         planned = self._plan is None or not self._plan.matches(state)
         if planned:
             self._make_plan(state)
