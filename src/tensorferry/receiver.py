@@ -51,6 +51,7 @@ from .transports import (
     SameHostReads,
     channel_class,
     is_loopback,
+    relay_tls_context,
     resolve_token,
     tls_context,
 )
@@ -103,6 +104,8 @@ class Receiver:
             Unix socket; where neither works, another user, it logs why and
             streams), ``"tcp"`` reads it as a relay on another host (a tcp
             stream; NIXL READs for a nixl receiver).
+        relay_tls: ``relay=True`` with ``tls``: a server ``ssl.SSLContext`` (this host's
+            certificate) over which it serves its children, who check it with their ``tls``.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class Receiver:
         relay_linger_seconds: float = 60.0,
         relay_reads: Literal["memory", "tcp"] = "memory",
         tls: Any = None,
+        relay_tls: Any = None,
     ) -> None:
         if relay_reads not in ("memory", "tcp"):
             raise ConfigurationError(f"Receiver(relay_reads={relay_reads!r}): pass \"memory\" (copy out of a same-host relay) or \"tcp\"")
@@ -133,11 +137,13 @@ class Receiver:
         huge_pages_off()  # a bad TENSORFERRY_HUGE_PAGES fails here, not mid-get
         cache_cap, cache_idle = cap_nbytes(cache_nbytes), idle_seconds(cache_idle_seconds)
         self.token = resolve_token(token, "Receiver(token)")
+        tls = tls_context(tls, server=False, what="Receiver(tls)")
+        relay_tls = relay_tls_context(tls, relay_tls, relay=relay)
         self.timeout = positive_seconds("Receiver(timeout)", timeout)
         self._context = ReceiveContext(pool, capacity_nbytes=capacity_nbytes)
         if transport is not None and channel_class(transport).reads_registered_only:
             self._context.ensure_pool()  # registered once, up front
-        self._channels = ChannelPool(channel_class, token=self.token, context=self._context, tls=tls_context(tls, server=False, what="Receiver(tls)"))
+        self._channels = ChannelPool(channel_class, token=self.token, context=self._context, tls=tls)
         self._releaser = Releaser()
         # Plans belong to the receiver that made them: this token says whose.
         self._owner = object()
@@ -150,14 +156,14 @@ class Receiver:
         self._relay_server: RelayServer | None = None
         self.relay_address = ""
         if relay:
-            self._start_relay(host, port, advertise_host, positive_seconds("Receiver(relay_linger_seconds)", relay_linger_seconds))
+            self._start_relay(host, port, advertise_host, positive_seconds("Receiver(relay_linger_seconds)", relay_linger_seconds), relay_tls)
         # Last: nothing after it can fail and leave it registered with the monitor.
         # A relay's memory is memfds, which its same-host children map.
         self._cache = ReceiveCache(cache_cap, cache_idle, shared=relay)
         self._fetcher = Fetcher(self._context, self._cache, self._releaser, token=self.token, stall_seconds=self.stall_seconds,
-                                reads=self._same_host_reads, book=self._book, relay_address=self.relay_address)
+                                reads=self._same_host_reads, book=self._book, relay_address=self.relay_address, tls=self._channels.tls)
 
-    def _start_relay(self, host: str, port: int, advertise_host: str | None, linger: float) -> None:
+    def _start_relay(self, host: str, port: int, advertise_host: str | None, linger: float, relay_tls: Any) -> None:
         if self.transport is not None and not channel_class(self.transport).relays:
             self.close()
             raise ConfigurationError(f"Receiver(relay=True) relays over tcp or nixl; this receiver speaks {self.transport}")
@@ -168,7 +174,7 @@ class Receiver:
             )
         self._book = RelayBook(linger)
         try:
-            self._relay_server = RelayServer(self._book, token=self.token, host=host, port=port, advertise_host=advertise_host, tls=self._channels.tls)
+            self._relay_server = RelayServer(self._book, token=self.token, host=host, port=port, advertise_host=advertise_host, tls=relay_tls)
         except BaseException:
             self.close()
             raise

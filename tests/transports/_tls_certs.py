@@ -1,8 +1,8 @@
 """Certificates for the TLS tests, made in the test: a CA, a server
 certificate for 127.0.0.1 and a client certificate, with the
 ``cryptography`` package if installed, else with the ``openssl`` command
-line; :func:`make_certs` returns None when neither exists (the tests skip,
-saying so)."""
+line; :func:`make_certs` returns None when neither exists, and
+:func:`certs_or_skip` skips the test then, saying so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Certs", "make_certs", "server_context", "client_context"]
+__all__ = ["Certs", "make_certs", "certs_or_skip", "server_context", "client_context"]
 
 
 class Certs(NamedTuple):
@@ -88,6 +88,16 @@ def make_certs(d: Path) -> Certs | None:
     if shutil.which("openssl"):
         return _with_openssl(d)
     return None
+
+
+def certs_or_skip(d: Path) -> Certs:
+    """:func:`make_certs`, or the test skipped where neither way exists."""
+    import pytest
+
+    made = make_certs(d)
+    if made is None:
+        pytest.skip("neither the cryptography package nor the openssl command is here to make test certificates")
+    return made
 
 
 def server_context(certs: Certs, *, require_client: bool = False) -> ssl.SSLContext:

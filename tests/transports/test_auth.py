@@ -34,7 +34,8 @@ import pytest
 import torch
 
 import tensorferry as tf
-from _tls_certs import client_context, make_certs, server_context
+from _proxy import RecordingProxy
+from _tls_certs import certs_or_skip, client_context, server_context
 from _transfer_helpers import assert_same, require, state_dict, wait_until
 from tensorferry import AuthenticationError, ConfigurationError, ProtocolError, Receiver, Sender, TensorferryError, TransferError
 from tensorferry.transports import open_control
@@ -77,60 +78,6 @@ def _read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
         if not chunk:
             return bytes(out)
         out += chunk
-
-
-class RecordingProxy:
-    """A TCP proxy on loopback that forwards each connection to ``upstream``
-    and records every byte, each way."""
-
-    def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self.upstream = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.sessions: list[tuple[bytearray, bytearray]] = []  # (receiver -> sender, sender -> receiver)
-        self._threads: list[threading.Thread] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.upstream)
-            rec = (bytearray(), bytearray())
-            self.sessions.append(rec)
-            for src, dst, buf in ((down, up, rec[0]), (up, down, rec[1])):
-                t = threading.Thread(target=self._pump, args=(src, dst, buf), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, buf: bytearray) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                buf += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (dst, src):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def captured(self) -> bytes:
-        return b"".join(bytes(up) + bytes(down) for up, down in self.sessions)
-
-    def close(self) -> None:
-        self.listener.close()
-
-    def __enter__(self) -> "RecordingProxy":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def via(ticket, proxy: RecordingProxy):
@@ -299,10 +246,7 @@ def test_short_tokens_are_refused_with_the_reason_and_without_the_token(monkeypa
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    made = make_certs(tmp_path_factory.mktemp("certs"))
-    if made is None:
-        pytest.skip("neither the cryptography package nor the openssl command is here to make test certificates")
-    return made
+    return certs_or_skip(tmp_path_factory.mktemp("certs"))
 
 
 def _patterned(nbytes: int) -> dict[str, torch.Tensor]:
@@ -390,8 +334,6 @@ def test_tls_arguments_are_checked(certs):
         Sender("tcp", capacity_nbytes=MiB, tls=client_context(certs))
     with pytest.raises(ConfigurationError, match="ssl.SSLContext"):
         Receiver("tcp", tls="yes")
-    with pytest.raises(ConfigurationError, match="relays serve their children without TLS"):
-        Receiver("tcp", relay=True, tls=client_context(certs))
 
 
 def test_nixl_control_over_tls(certs):

@@ -110,12 +110,14 @@ class Fetcher:
         reads: how this receiver reads relays on its own host.
         book: this receiver's relay book, if it relays.
         relay_address: where it relays ("" if not).
+        tls: the receiver's client ``ssl.SSLContext``: relays are reached
+            over TLS and their certificates checked with it, as senders' are.
     """
 
     def __init__(self, context: ReceiveContext, cache: ReceiveCache, releaser: Releaser, *, token: bytes, stall_seconds: float,
-                 reads: SameHostReads, book: RelayBook | None, relay_address: str) -> None:
+                 reads: SameHostReads, book: RelayBook | None, relay_address: str, tls: Any = None) -> None:
         self._context, self._cache, self._releaser = context, cache, releaser
-        self._token, self._stall_seconds, self._reads = token, stall_seconds, reads
+        self._token, self._stall_seconds, self._reads, self._tls = token, stall_seconds, reads, tls
         self._book, self._relay_address = book, relay_address
         self._links = RelayLinks()  # connections to relays, kept between pulls
 
@@ -452,7 +454,7 @@ class Fetcher:
                     from_sender(got[0])
                 else:
                     pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
-                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links,
+                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links, tls=self._tls,
                          chunk_nbytes=chunk_nbytes)
             except (PeerGoneError, TransferTimeoutError, ProtocolError):
                 if not source or time.monotonic() > deadline:

@@ -25,7 +25,7 @@ __all__ = [
     "Channel", "ChannelPool", "ReceiveContext", "Releaser", "is_loopback",
     "CHUNK_NBYTES", "chunk_nbytes_for", "pull", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads",
     "Held", "Holdings", "backend_available",
-    "new_token", "resolve_token", "tls_context", "open_control", "Session", "MIN_TOKEN_NBYTES",
+    "new_token", "resolve_token", "tls_context", "relay_tls_context", "open_control", "Session", "MIN_TOKEN_NBYTES",
 ]
 
 from ..wire import TRANSPORTS, TransportName
@@ -35,7 +35,7 @@ from ._channel import Channel
 from ._connections import ChannelPool, ReceiveContext, Releaser
 from ._relay import CHUNK_NBYTES, RelayBook, RelayLinks, RelayServer, SameHostReads, chunk_nbytes_for, pull
 from ._tcp import connect, is_loopback
-from ._tls import tls_context, wrap_client
+from ._tls import relay_tls_context, tls_context, wrap_client
 
 
 def _check(name: str) -> None:

@@ -16,9 +16,10 @@ receiver's proof before it sends, allocates or serves anything; the
 receiver checks the sender's before it trusts the Welcome. The token never
 crosses the link: a recorded handshake replayed on a new connection meets a
 new ``nonce_s`` and fails. Both derive the session key
-``HMAC(token, "session" | T)``, which signs every Acquire with the
-connection's count of them (:class:`Session`): an Acquire replayed on a live
-connection, or copied from another, is refused before it takes a slot.
+``HMAC(token, "session" | T)``, which signs every Acquire (a relay's
+child: every Pull, and its last Arrived) with the connection's count of
+them (:class:`Session`): a request replayed on a live connection, or copied
+from another, is refused before it takes a slot or is served a byte.
 
 A sender without a token answers ``token=False`` and takes an empty proof
 (loopback and shm only: off loopback a token is required). A receiver that
@@ -36,7 +37,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar, Union
 
 import msgspec
 
@@ -61,10 +62,13 @@ HANDSHAKE_SECONDS = 10.0
 # Before a peer authenticated, a frame is at most this long: Hello, Proof and
 # their headers take under 100 bytes.
 PREAUTH_FRAME_NBYTES = 1024
-# The signature of an Acquire: 128 bits of HMAC-SHA256.
+# The signature of a request (Acquire, Pull, a child's Arrived): 128 bits of HMAC-SHA256.
 _SIGNATURE_NBYTES = 16
 _LABEL = b"tensorferry-handshake-v%d\0" % P.VERSION
 TOKEN_ENV = "TENSORFERRY_TOKEN"
+# The requests a session signs: each has ``seq`` and ``mac`` fields.
+_Signed = Union[P.Acquire, P.Pull, P.Arrived]
+_S = TypeVar("_S", P.Acquire, P.Pull, P.Arrived)
 
 
 def new_token() -> str:
@@ -106,26 +110,28 @@ def _transcript(transport: str, receiver_nonce: bytes, sender_nonce: bytes, toke
 
 
 class Session:
-    """One authenticated connection's key and count of Acquires (both sides
-    keep their own): :meth:`sign` on the receiver, :meth:`check` on the sender."""
+    """One authenticated connection's key and count of signed requests
+    (Acquires to a sender; Pulls and a child's last Arrived to a relay):
+    both sides keep their own, :meth:`sign` on the receiver (a child),
+    :meth:`check` on the sender (a relay)."""
 
     def __init__(self, key: bytes) -> None:
         self._key = key
         self._seq = 0
         self._lock = threading.Lock()
 
-    def _signature(self, msg: P.Acquire) -> bytes:
+    def _signature(self, msg: _Signed) -> bytes:
         return hmac.new(self._key, P.encode(msgspec.structs.replace(msg, mac=b"")), hashlib.sha256).digest()[:_SIGNATURE_NBYTES]
 
-    def sign(self, msg: P.Acquire) -> P.Acquire:
+    def sign(self, msg: _S) -> _S:
         """``msg`` with the next count and its signature."""
         with self._lock:
             self._seq += 1
             msg = msgspec.structs.replace(msg, seq=self._seq, mac=b"")
         return msgspec.structs.replace(msg, mac=self._signature(msg))
 
-    def check(self, msg: P.Acquire) -> bool:
-        """Whether ``msg`` is the next Acquire of this session, signed with its key."""
+    def check(self, msg: _Signed) -> bool:
+        """Whether ``msg`` is the next request of this session, signed with its key."""
         with self._lock:
             if msg.seq != self._seq + 1 or not hmac.compare_digest(msg.mac, self._signature(msg)):
                 return False

@@ -332,7 +332,10 @@ class ControlServer:
             conns = list(self._conns)
         for c in conns:
             try:
-                c.sock.shutdown(socket.SHUT_RDWR)
+                # The TCP socket's own shutdown: SSLSocket.shutdown first drops
+                # its TLS state, and a send of the connection's thread racing it
+                # would go out in clear.
+                socket.socket.shutdown(c.sock, socket.SHUT_RDWR)
             except OSError:
                 pass
         self._thread.join(timeout=2.0)

@@ -182,6 +182,11 @@ class Pull(msgspec.Struct, frozen=True):
     # True: the child reads with NIXL (a nixl receiver on another host); a
     # nixl relay answers with Exposed instead of a stream.
     nixl: bool = False
+    # As an Acquire's: this connection's count of signed requests and the
+    # session key's HMAC of this message (with mac=b""): a Pull replayed on
+    # any connection is refused before the relay serves a byte.
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    mac: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class Lend(msgspec.Struct, frozen=True):
@@ -217,9 +222,12 @@ class Exposed(msgspec.Struct, frozen=True):
 
 class Arrived(msgspec.Struct, frozen=True):
     """Relay -> a child it lends to: bytes ``[0, end)`` of the stream are
-    in its memory now. Child -> relay, last: it copied up to ``end``."""
+    in its memory now. Child -> relay, last: it copied up to ``end``
+    (signed as a Pull is; the relay's announcements are not)."""
 
     end: Annotated[int, msgspec.Meta(ge=0)]
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    mac: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 class Sources(msgspec.Struct, frozen=True):

@@ -1,5 +1,6 @@
-"""A child's kept connections to relays: authenticated once, reused by
-later pulls of the same relay. See :mod:`tensorferry.transports._relay`.
+"""A child's kept connections to relays: authenticated once (with the
+session that signs their Pulls), reused by later pulls of the same relay.
+See :mod:`tensorferry.transports._relay`.
 
 A new connection to a relay costs a connect, the token's handshake (two
 round trips) and a Pull before the first byte. Between hosts whose links
@@ -16,6 +17,8 @@ import select
 import socket
 import threading
 from collections import OrderedDict
+
+from .._auth import Session
 
 __all__ = ["RelayLinks"]
 
@@ -40,34 +43,36 @@ class RelayLinks:
     """
 
     def __init__(self, idle_per_relay: int = IDLE_PER_RELAY, idle_total: int = IDLE_TOTAL) -> None:
-        self._idle: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first
+        # Oldest first: each connection's relay address and session (its
+        # count of signed Pulls goes on from one pull to the next).
+        self._idle: OrderedDict[socket.socket, tuple[str, Session]] = OrderedDict()
         self._per_relay, self._total = idle_per_relay, idle_total
         self._lock = threading.Lock()
         self._closed = False
 
-    def take(self, address: str) -> socket.socket | None:
-        """An idle connection to the relay at ``address`` (the caller owns
-        it: it keeps it or closes it), or None."""
+    def take(self, address: str) -> tuple[socket.socket, Session] | None:
+        """An idle connection to the relay at ``address`` and its session
+        (the caller owns it: it keeps it or closes it), or None."""
         while True:
             with self._lock:
-                sock = next((s for s, a in self._idle.items() if a == address), None)
+                sock = next((s for s, (a, _) in self._idle.items() if a == address), None)
                 if sock is None:
                     return None
-                del self._idle[sock]
+                _, session = self._idle.pop(sock)
             if _still_open(sock):
-                return sock
+                return sock, session
             sock.close()
 
-    def keep(self, address: str, sock: socket.socket) -> None:
+    def keep(self, address: str, sock: socket.socket, session: Session) -> None:
         """Keep ``sock`` (a connection to the relay at ``address`` at a
-        frame boundary) for the next pull of that relay; closes it if the
-        links are closed or full for that relay."""
+        frame boundary, ``session`` its signer) for the next pull of that
+        relay; closes it if the links are closed or full for that relay."""
         drop: list[socket.socket] = []
         with self._lock:
-            if self._closed or sum(a == address for a in self._idle.values()) >= self._per_relay:
+            if self._closed or sum(a == address for a, _ in self._idle.values()) >= self._per_relay:
                 drop.append(sock)
             else:
-                self._idle[sock] = address
+                self._idle[sock] = (address, session)
                 while len(self._idle) > self._total:
                     drop.append(self._idle.popitem(last=False)[0])
         for s in drop:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import select
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -24,8 +25,9 @@ from ...errors import (
     TransferTimeoutError,
 )
 from ...wire import protocol as P
-from .._auth import client_handshake
+from .._auth import Session, client_handshake
 from .._tcp import connect
+from .._tls import wrap_client
 from ._book import CHUNK_NBYTES
 from ._links import RelayLinks
 from ._same_host import LEND_READ_NBYTES, SameHostReads, _LentReader, _VmReadRefused, host_identity
@@ -47,6 +49,7 @@ def pull(
     reads: SameHostReads | None = None,
     nixl: Any = None,
     links: RelayLinks | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
     """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
     relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
@@ -58,13 +61,17 @@ def pull(
     exposed memory, and any other child takes the relay's tcp stream.
     ``links``: the child's kept connections, one of which a Pull takes
     first, and which keep a connection whose stream ended whole.
+    ``tls``: the child's client context; the relay's certificate is
+    checked with it, as a sender's is. Every Pull (and the last Arrived of
+    a lend) is signed with the connection's session key.
 
     Raises:
         PeerGoneError: the relay is gone, or does not hold the ticket.
         TransferTimeoutError: no chunk arrived within ``stall_seconds`` (a
             stalled relay), or the get's deadline passed.
         AuthenticationError: the relay refused our proof of the token, or
-            did not prove it holds it.
+            did not prove it holds it, or its TLS certificate (or ours)
+            failed verification, or it refused a Pull as not signed.
     """
     reached = [start]
 
@@ -73,7 +80,8 @@ def pull(
         progress(end)
 
     session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf, progress=advance,
-                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl, links=links)
+                                stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl, links=links,
+                                tls=tls)
     if reads is not None and reads.wanted(address):
         try:
             session(start, host_identity())
@@ -86,27 +94,31 @@ def pull(
 def _pull_session(
     address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
-    nixl: Any, links: RelayLinks | None,
+    nixl: Any, links: RelayLinks | None, tls: ssl.SSLContext | None,
 ) -> None:
     """One connection to the relay: a Pull from ``start`` (naming this
     ``host`` when not b"", asking for NIXL READs with ``nixl``), then the
     bytes as a stream or by reads of its memory, whichever it answers."""
     total = len(buf)
     pull_msg = P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None)
-    sock, kept = None, False
+    sock, session, kept = None, None, False
     try:
-        sock, reply = _open(address, pull_msg, token, stall_seconds, deadline, links)
+        sock, session, reply = _open(address, pull_msg, token, stall_seconds, deadline, links, tls)
         if isinstance(reply, P.Failure):
+            if reply.kind == "auth":
+                raise AuthenticationError(f"the relay at {address} refused our Pull as not signed for this connection: {reply.message}")
             raise PeerGoneError(f"relay at {address}: {reply.message}")
         if isinstance(reply, P.Lend) and host:
             if reply.nbytes != total:
                 raise ProtocolError(f"relay at {address} lends a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
-            _read_lent(sock, address, _LentReader(address, reply, buf, reads, min(stall_seconds, 2.0)), start, total, progress, stall_seconds, deadline, reads)
+            _read_lent(sock, session, address, _LentReader(address, reply, buf, reads, min(stall_seconds, 2.0)), start, total, progress,
+                       stall_seconds, deadline, reads)
             return
         if isinstance(reply, P.Exposed) and nixl is not None:
             if reply.nbytes != total:
                 raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
-            _read_lent(sock, address, _NixlReader(nixl, address, reply, buf, deadline), start, total, progress, stall_seconds, deadline, reads)
+            _read_lent(sock, session, address, _NixlReader(nixl, address, reply, buf, deadline), start, total, progress, stall_seconds,
+                       deadline, reads)
             return
         if not (isinstance(reply, tuple) and reply[0] == "DATA") or reply[1] != total - start:
             raise ProtocolError(f"relay at {address} answered a Pull of {total - start:,} bytes with {reply!r:.80}")
@@ -132,25 +144,28 @@ def _pull_session(
     finally:
         if sock is None:
             pass  # _open closed what it opened
-        elif kept and links is not None:
-            links.keep(address, sock)
+        elif kept and links is not None and session is not None:
+            links.keep(address, sock, session)
         else:
             # Closing is what tells a lending relay it may let its memory go.
             sock.close()
 
 
-def _open(address: str, msg: P.Pull, token: bytes, stall_seconds: float, deadline: float, links: RelayLinks | None) -> tuple[socket.socket, Any]:
-    """A connection to the relay at ``address`` that has sent ``msg``, and
-    the relay's reply. A kept connection (``links``) first: one the relay
-    closed meanwhile fails before any reply, and a new one (connect, the
-    token's handshake) is made then, so a relay is never given up for a
-    connection it let go."""
-    sock = links.take(address) if links is not None else None
-    if sock is not None:
+def _open(address: str, msg: P.Pull, token: bytes, stall_seconds: float, deadline: float, links: RelayLinks | None,
+          tls: ssl.SSLContext | None) -> tuple[socket.socket, Session, Any]:
+    """A connection to the relay at ``address`` that has sent ``msg``
+    (signed with its session), its session, and the relay's reply. A kept
+    connection (``links``) first: one the relay closed meanwhile fails
+    before any reply, and a new one (connect, TLS with ``tls``, the token's
+    handshake) is made then, so a relay is never given up for a connection
+    it let go."""
+    kept = links.take(address) if links is not None else None
+    if kept is not None:
+        sock, session = kept
         try:
             sock.settimeout(stall_seconds)
-            P.send_msg(sock, msg)
-            return sock, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
+            P.send_msg(sock, session.sign(msg))
+            return sock, session, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
         except TimeoutError:  # TransferTimeoutError too: a stalled relay, as on a new connection
             sock.close()
             raise
@@ -163,22 +178,25 @@ def _open(address: str, msg: P.Pull, token: bytes, stall_seconds: float, deadlin
     try:
         sock.settimeout(stall_seconds)
         try:
-            client_handshake(sock, token=token, transport="tcp", address=f"relay {address}", deadline=time.monotonic() + stall_seconds)
+            shake_by = time.monotonic() + stall_seconds
+            if tls is not None:
+                sock = wrap_client(sock, tls, address.rpartition(":")[0].strip("[]"), shake_by, who="relay")
+            _, session = client_handshake(sock, token=token, transport="tcp", address=f"relay {address}", deadline=shake_by)
         except AuthenticationError:
             raise
         except TransferError as exc:
             if isinstance(exc, TransferTimeoutError):
                 raise
             raise PeerGoneError(f"relay at {address} refused us ({exc})") from exc
-        P.send_msg(sock, msg)
-        return sock, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
+        P.send_msg(sock, session.sign(msg))
+        return sock, session, P.recv_msg(sock, deadline=time.monotonic() + stall_seconds + 10.0)
     except BaseException:
         sock.close()
         raise
 
 
 def _read_lent(
-    sock: socket.socket, address: str, reader: Any, pos: int, total: int,
+    sock: socket.socket, session: Session, address: str, reader: Any, pos: int, total: int,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, reads: SameHostReads | None,
 ) -> None:
     """Copy ``buf[pos:total]`` out of a relay's memory (``reader``: a
@@ -204,7 +222,7 @@ def _read_lent(
             # answer (after which it may let the memory go) lets the
             # relay's counters include us before our get returns.
             try:
-                P.send_msg(sock, P.Arrived(end=at[0]))
+                P.send_msg(sock, session.sign(P.Arrived(end=at[0])))
                 if at[0] == total:
                     P.recv_msg(sock, expect=(P.Released,), deadline=time.monotonic() + min(stall_seconds, 1.0))
             except TransferError:
@@ -294,7 +312,7 @@ def _copy_exposed(
             # moment (then poll it again), else until the stall limit.
             idle = not pipe.inflight
             limit = min(deadline, last_news + stall_seconds)
-            if not select.select([sock], [], [], max(limit - time.monotonic(), 0.0) if idle else pause)[0]:
+            if not _readable(sock, max(limit - time.monotonic(), 0.0) if idle else pause):
                 if not idle:
                     pause = min(pause * 2, 1e-3)
                     continue
@@ -302,6 +320,12 @@ def _copy_exposed(
             known, last_news = _next_arrived(sock, address, known, at[0], total, limit, deadline, stall_seconds), time.monotonic()
     finally:
         pipe.close()
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether the relay's next frame can be read (waiting up to
+    ``timeout``): bytes TLS already decrypted count, which select cannot see."""
+    return bool((P.is_tls(sock) and sock.pending()) or select.select([sock], [], [], timeout)[0])
 
 
 def _stalled(address: str, pos: int, total: int, deadline: float, stall_seconds: float) -> TransferTimeoutError:

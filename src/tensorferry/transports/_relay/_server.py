@@ -16,7 +16,6 @@ from typing import Any
 
 from ...errors import (
     AuthenticationError,
-    ConfigurationError,
     PeerGoneError,
     ProtocolError,
     TensorferryError,
@@ -36,10 +35,14 @@ log = logging.getLogger("tensorferry.transports")
 
 class RelayServer(TcpControlServer):
     """A relaying receiver's server: children prove they hold the token
-    (the same handshake as a sender's), then
+    (the same handshake as a sender's, inside TLS with ``tls``: a server
+    ``ssl.SSLContext``), then
     :class:`Pull` byte ranges of a ticket, streamed as they arrive here,
     lent (children on this host) or exposed to NIXL READs (nixl children),
-    and announced as they arrive.
+    and announced as they arrive. Every Pull, and a child's last Arrived,
+    is signed with the connection's session key, as an Acquire to a sender
+    is: one replayed or copied from another connection is refused, and
+    that connection closed, before a byte is served.
 
     Its NIXL agent (the exposer) is made on the first nixl child; each
     ticket's memory is registered with it for as long as the book keeps the
@@ -48,11 +51,6 @@ class RelayServer(TcpControlServer):
     transport = "tcp"
 
     def __init__(self, book: RelayBook, *, token: bytes, host: str, port: int, advertise_host: str | None, tls: Any = None) -> None:
-        if tls is not None:
-            raise ConfigurationError(
-                "Receiver(relay=True, tls=...): relays serve their children without TLS (not built yet); "
-                "relay without tls=, or take TLS without relay=True (every reader then reads from the sender)"
-            )
         self.book = book
         book.on_drop = self._unexpose
         self.bytes_sent = 0  # passed on to children, streamed, lent or exposed
@@ -65,7 +63,7 @@ class RelayServer(TcpControlServer):
         self._lending: set[Connection] = set()
         # Lends going on, by the key a child presents at the file socket.
         self._files: dict[bytes, _Held] = {}
-        super().__init__(book, token=token, host=host, port=port, advertise_host=advertise_host)
+        super().__init__(book, token=token, host=host, port=port, advertise_host=advertise_host, tls=tls)
         self._file_name = f"tensorferry-relay-{os.getpid()}-{secrets.token_hex(6)}"
         self._file_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -123,6 +121,9 @@ class RelayServer(TcpControlServer):
     def _handle_extra(self, conn: Connection, msg: Any) -> bool:
         if not isinstance(msg, P.Pull):
             return False
+        if not conn.session.check(msg):
+            P.send_msg(conn.sock, P.Failure(kind="auth", message="this Pull is not the next one signed with this connection's key"))
+            raise AuthenticationError(f"child {conn.peer} sent a Pull not signed for this connection (replayed?)")
         held = self.book.find(msg.ticket_id, msg.digest, timeout=10.0)
         if held is None or not hmac.compare_digest(held.digest, msg.digest):
             P.send_msg(conn.sock, P.Failure(kind="unknown", message=f"this relay holds no ticket {msg.ticket_id} with that digest"))
@@ -202,12 +203,12 @@ class RelayServer(TcpControlServer):
         The memory must stay where it is while the child may still read it:
         ``held`` (this frame) keeps it alive until the child says how far it
         read (an Arrived back, counted as lent) or closes the connection,
-        also when this relay is closing (then it only stops announcing: see
-        :meth:`close`) or its own receive failed. The file socket passes the
-        memfd only while this lend lasts; a child's mapping would keep the
-        pages alive after that, but the memory could hold the next ticket
-        by then, so the child reads only what we announced while its
-        connection is open, and unmaps when it closes.
+        also when this relay is closing (then it stops announcing and says
+        so in a Failure: see :meth:`close`) or its own receive failed. The
+        file socket passes the memfd only while this lend lasts; a child's
+        mapping would keep the pages alive after that, but the memory could
+        hold the next ticket by then, so the child reads only what we
+        announced while its connection is open, and unmaps when it closes.
         """
         sock, start = conn.sock, pos
         key = secrets.token_bytes(16) if held.fd >= 0 and not nixl else b""
@@ -229,6 +230,7 @@ class RelayServer(TcpControlServer):
             else:
                 first = P.Lend(pid=os.getpid(), address=held.address, nbytes=held.total, file="@" + self._file_name if key else "", key=key)
             P.send_msg(sock, first)
+            ended = ""
             try:
                 while pos < end and not self._closed:
                     stop = min(held.wait_beyond(pos, timeout=1.0), end)
@@ -237,16 +239,23 @@ class RelayServer(TcpControlServer):
                         pos = stop
                     elif select.select([sock], [], [], 0)[0]:
                         break  # the child ended early (it gave us up, or failed): its last word below
-            except PeerGoneError:
-                # Our own receive failed, or the child went: no more from us.
+                if pos < end and self._closed:
+                    ended = f"this relay is closing; it announced {pos:,} of {end:,} bytes"
+            except PeerGoneError as exc:
+                ended = str(exc)  # our own receive failed (or the child went: the send below fails too)
+            if ended:
+                # Said in a frame, not by half-closing our side: over TLS the
+                # child could not send its last Arrived after that end.
                 try:
-                    sock.shutdown(socket.SHUT_WR)
-                except OSError:
+                    P.send_msg(sock, P.Failure(kind="gone", message=ended))
+                except TransferError:
                     pass
             sock.settimeout(None)
             try:
                 while True:  # the child's one frame (how far it read), then its close
                     msg = P.recv_msg(sock, expect=(P.Arrived,))
+                    if isinstance(msg, P.Arrived) and not conn.session.check(msg):
+                        break  # not the child's (replayed, or injected): counted nothing, closed below
                     if isinstance(msg, P.Arrived) and read < msg.end <= pos:
                         # Counted before the answer: the child's get returns
                         # after it, with our counters up to date.
@@ -268,18 +277,13 @@ class RelayServer(TcpControlServer):
             self.book.end_pull(held)
 
     def close(self) -> None:
-        """Stop serving. A child copying out of our memory is told so (end
-        of its stream) but not cut off: its connection, and so the memory
-        it reads, stays until it closes it (the exposer, until the last
-        ticket registered with it is let go)."""
+        """Stop serving. A child copying out of our memory is told so (a
+        Failure, within a second: its lend's thread sees this) but not cut
+        off: its connection, and so the memory it reads, stays until it
+        closes it (the exposer, until the last ticket registered with it is
+        let go)."""
         with self._lock:
-            lending = set(self._lending)
-            self._conns -= lending
-        for c in lending:
-            try:
-                c.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
+            self._conns -= self._lending
         try:
             self._file_listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -289,3 +293,4 @@ class RelayServer(TcpControlServer):
         with self._expose_lock:
             if self._exposer is not None and not self._exposures:
                 self._exposer.close()
+
