@@ -35,7 +35,6 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import argparse
 import json
-import logging
 import multiprocessing as mp
 import statistics
 import sys
@@ -53,13 +52,12 @@ _SERVER_POLL_SECONDS = 0.001
 
 
 def _agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
+    # As tensorferry imports it: UCX's modules limited so that the process
+    # exits cleanly where rdma-core is installed, NIXL's INFO lines off.
+    from tensorferry.transports._nixl_load import import_nixl
 
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # NIXL logs each agent and backend at INFO to stdout, into our table.
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    api = import_nixl()
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
     return agent
 

@@ -22,6 +22,8 @@ import torch
 
 from _harness import SYNTHETIC, private
 
+from tensorferry.transports._nixl_load import ucx_environment
+
 GIB = 1 << 30
 MIB = 1 << 20
 TOTAL_NBYTES = GIB
@@ -63,7 +65,10 @@ MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"), ("
 # counterpart of Ray's NIXL memory pool on the producer): room for one 1 GiB
 # object plus alignment.
 RECV_POOL_NBYTES = TOTAL_NBYTES + (64 << 20)
-LO_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+# Ray's own nixl transport loads the UCX of nixl's wheel in the actors:
+# ucx_environment() keeps its EFA module out, or every actor crashes at exit
+# on a host with rdma-core (see tensorferry.transports._nixl_load).
+LO_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", **ucx_environment()}
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ address, with no key the kernel checks. The transport's leases (a block is
 reused only after every reader released it) are what protect memory, not
 NIXL registration. A peer's death is detected (PeerGoneError).
 
-Importing this module does not import NIXL; the first endpoint does. The
+Importing this module does not import NIXL; the first endpoint does,
+through :mod:`._nixl_load` (which UCX modules may load, so that the process
+exits cleanly on hosts with rdma-core). The
 READs (blocking, posted, pipelined) are in :mod:`._nixl_reads`, the
 metadata envelope, range checks and NIXL's errors in :mod:`._nixl_wire`.
 """
@@ -65,12 +67,12 @@ from ..errors import (
     TensorferryError,
     TransferError,
 )
+from ._nixl_load import import_nixl, warn_on_second_libnl
 from ._nixl_reads import PendingRead, ReadPipeline, _Reads
 from ._nixl_wire import (
     _MAX_NAME_NBYTES,
     Region,
     Regions,
-    _import_nixl,
     _translate,
     decode,
     encode,
@@ -154,7 +156,7 @@ class NixlEndpoint(_Reads):
         # alive here and retried on close, never garbage-collected mid-flight.
         self._abandoned: list[Any] = []
 
-        api = _import_nixl()
+        api = import_nixl()
         params = dict(backend_params or {})
         if backend == "UCX":
             params.setdefault("ucx_error_handling_mode", error_handling)
@@ -166,6 +168,7 @@ class NixlEndpoint(_Reads):
             if backend not in plugins:
                 raise BackendUnavailableError(f"NIXL has no {backend!r} backend plugin; it has: {', '.join(plugins) or 'none'}")
             self._agent.create_backend(backend, params)
+            warn_on_second_libnl()  # the backend has loaded UCX and its modules by now
         except BackendUnavailableError:
             raise
         except Exception as exc:

@@ -7,21 +7,18 @@ peer's regions known, :class:`Regions` checks each range of a READ against
 them before NIXL sees it, so a wrong range fails with the numbers;
 :func:`merged_descs` turns ranges into NIXL's descriptor rows (merged through
 :func:`packing.merge_runs`); NIXL's own exceptions become tensorferry errors
-here, and NIXL is imported here, on first use only.
+here. NIXL itself is imported by :mod:`._nixl_load`, on first use only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import struct
 from typing import Any, Callable, Iterator, Literal, NamedTuple, Sequence
 
 import numpy as np
 
 from ..errors import (
-    BackendUnavailableError,
     ConfigurationError,
     PeerGoneError,
     ProtocolError,
@@ -183,25 +180,6 @@ def merged_descs(
     remote_descs = np.empty((len(nbytes), 3), dtype=np.uint64)
     remote_descs[:, 0], remote_descs[:, 1], remote_descs[:, 2] = r_addr, nbytes, remote.devices[r_idx]
     return local_descs, remote_descs
-
-
-_INSTALL_FIX = (
-    "install the nixl extra: `pip install torch==2.13.0` first, then `pip install nixl==1.5.1` "
-    "(installing nixl before torch pulls about 3 GB of CUDA packages; 1.5.2 is not installable)"
-)
-
-
-def _import_nixl() -> Any:
-    """Import ``nixl._api`` (only it: importing ``nixl_cu12`` too in one process fails)."""
-    try:
-        from nixl import _api  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise BackendUnavailableError(f"the nixl transport needs NIXL, which cannot be imported ({exc}); {_INSTALL_FIX}") from exc
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # NIXL's Python logger writes INFO lines (one per agent and backend)
-        # to stdout, which corrupts the tables our CLI prints there.
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-    return _api
 
 
 def _nixl_error(exc: BaseException) -> bool:
