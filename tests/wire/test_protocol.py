@@ -42,6 +42,8 @@ MESSAGES = [
     P.Pull(ticket_id=9, digest=b"d" * 16, start=0, nbytes=64, nixl=True),
     P.Exposed(metadata=b"m" * 300, address=1 << 40, nbytes=1 << 30),
     P.Arrived(end=1 << 20),
+    P.Pull(ticket_id=9, digest=b"d" * 16, start=0, nbytes=64, seq=(1 << 63) - 1, mac=b"m" * 16),
+    P.Arrived(end=1 << 20, seq=2, mac=b"m" * 16),
     P.Located(blocks=[(0, 64)], sourced=True),
     P.Sources(ticket_id=3, piece=1),
     P.SourceRuns(pid=42, pos=b"\0" * 8, address=b"\1" * 8, nbytes=b"\2" * 8),
