@@ -15,9 +15,13 @@ from ..errors import ConfigurationError, MonitorError, NoSuchProcess
 from ._agent import Agent, AgentConfig, Selection, Snapshot
 from ._config import DEFAULT_PORT
 from ._names import NameSource
+from ._once import DEFAULT_WAIT_SECONDS, exact_snapshot, missing_lines, one_shot_config
 from ._types import SortKey
 
 _EXIT_OK, _EXIT_FAILURE, _EXIT_USAGE = 0, 1, 2
+# top --once into a pipe or file: rich would fit the table to 80 columns and
+# cut values ("5.…"); a table never needs more than this.
+_PIPE_WIDTH = 1000
 # 65535: the largest TCP port; 0 lets the OS pick a free one.
 _MAX_PORT = 65535
 
@@ -31,6 +35,8 @@ class _Options(NamedTuple):
     port: int
     sort_by: SortKey
     limit: int | None
+    exact_wait_seconds: float = DEFAULT_WAIT_SECONDS
+    """top --once/--json: how long to wait for exact figures (0: one tick)."""
 
 
 def _bad(option: str, text: str, need: str) -> ConfigurationError:
@@ -82,6 +88,9 @@ def _options(args: argparse.Namespace) -> _Options:
         sort_by = args.sort
     if getattr(args, "limit", None) is not None:
         limit = _int("--limit/-n", args.limit, "must be a number of rows >= 1", 1)
+    exact_wait = DEFAULT_WAIT_SECONDS
+    if getattr(args, "exact_wait", None) is not None:
+        exact_wait = _number("--exact-wait", args.exact_wait, "must be a number of seconds >= 0", lambda v: 0 <= v < math.inf)
     if args.names not in get_args(NameSource):
         raise _bad("--names", args.names, "must be cmdline (the script, module or program) or comm (the kernel's name)")
     max_name_chars = _int("--max-name-chars", args.max_name_chars, "must be a number of characters >= 1", 1)
@@ -102,7 +111,7 @@ def _options(args: argparse.Namespace) -> _Options:
         names=args.names,  # type: ignore[arg-type]  # checked above
         max_name_chars=max_name_chars,
     )
-    return _Options(selection, config, duration, port, sort_by, limit)
+    return _Options(selection, config, duration, port, sort_by, limit, exact_wait)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -158,6 +167,9 @@ def add_subcommands(subparsers: Any) -> None:
     top.add_argument("--limit", "-n", default=None, help="rows to show (default: fit the screen)")
     top.add_argument("--once", "-o", action="store_true", help="print the table of one tick and exit (no screen redraw, no keys)")
     top.add_argument("--json", "-j", action="store_true", help="print one JSON object (as monitor -j writes per tick) and exit")
+    top.add_argument("--exact-wait", "-w", default=None, metavar="SECONDS",
+                     help=f"--once/--json: wait up to this long for every process's USS/PSS, not paced by --budget; "
+                          f"what is still missing is listed with why (default {DEFAULT_WAIT_SECONDS:g}; 0: one tick)")
     top.set_defaults(func=_run_top, check=_check)
 
 
@@ -187,13 +199,15 @@ def _agent(args: argparse.Namespace, opts: _Options) -> Agent:
     return Agent(opts.selection, opts.config, backend=backend)
 
 
-def _start(args: argparse.Namespace) -> tuple[_Options, Agent] | int:
+def _start(args: argparse.Namespace, *, one_shot: bool = False) -> tuple[_Options, Agent] | int:
     """The checked options and the agent, or the exit status of why not."""
     try:
         opts = _options(args)
     except ConfigurationError as exc:
         _error(exc)
         return _EXIT_USAGE
+    if one_shot:
+        opts = opts._replace(config=one_shot_config(opts.config, opts.exact_wait_seconds))
     try:
         return opts, _agent(args, opts)
     except MonitorError as exc:
@@ -201,7 +215,7 @@ def _start(args: argparse.Namespace) -> tuple[_Options, Agent] | int:
         return _EXIT_FAILURE
 
 
-def _snapshot_json(snap: Snapshot) -> str:
+def _snapshot_json(snap: Snapshot, exact_missing: dict[int, str] | None = None) -> str:
     def proc(s: Any) -> dict[str, Any]:
         d = s._asdict()
         d["cmdline"] = list(s.cmdline)
@@ -216,6 +230,8 @@ def _snapshot_json(snap: Snapshot) -> str:
             "cgroups": [c._asdict() for c in snap.cgroups],
             "errors": snap.errors,
             "monitor": snap.stats._asdict(),
+            # top --json: processes without USS/PSS after the wait, and why.
+            **({} if exact_missing is None else {"exact_missing": [{"pid": p, "reason": r} for p, r in exact_missing.items()]}),
         },
         separators=(",", ":"),
     )
@@ -262,21 +278,25 @@ def _run_monitor(args: argparse.Namespace) -> int:
 
 
 def _run_top(args: argparse.Namespace) -> int:
-    started = _start(args)
+    started = _start(args, one_shot=args.once or args.json)
     if isinstance(started, int):
         return started
     opts, agent = started
     try:
         if args.once or args.json:
-            snap = agent.tick()
+            snap, missing = exact_snapshot(agent, opts.exact_wait_seconds)
             if args.json:
-                sys.stdout.write(_snapshot_json(snap) + "\n")
+                sys.stdout.write(_snapshot_json(snap, exact_missing=missing) + "\n")
                 return _EXIT_OK
             from rich.console import Console
 
             from ._top import build_table
 
-            Console().print(build_table(snap, sort_by=opts.sort_by, limit=opts.limit, live=False))
+            # Not a terminal (a pipe, a file): no width to fit, so whole values.
+            console = Console() if sys.stdout.isatty() else Console(width=_PIPE_WIDTH)
+            console.print(build_table(snap, sort_by=opts.sort_by, limit=opts.limit, live=False))
+            for line in missing_lines(missing):
+                console.print(line, highlight=False, markup=False)
             return _EXIT_OK
         from ._top import run_top
 
