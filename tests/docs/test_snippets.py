@@ -30,8 +30,8 @@ FOREIGN = {
     ("docs/vllm.md", "import torch.distributed as dist"):
         "an FSDP2 trainer on several GPUs (nccl) beside a vLLM server; tests/vllm drives the same calls on CPU",
     ("docs/security.md", "import ssl"):
-        "needs certificate files (sender.pem, receiver.pem, ca.pem and their keys) and a sender host at 10.0.0.5; "
-        "the tcp transport's TLS tests make their own",
+        "needs certificate files (sender.pem, receiver.pem, host-b.pem, ca.pem and their keys) and hosts at 10.0.0.5 and "
+        "10.0.0.6; the TLS tests (tests/transports/test_auth.py, test_relay_tls.py) make their own",
 }
 
 # Every block not run here, and why: (page, reason). Changing this set is

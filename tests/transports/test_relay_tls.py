@@ -12,8 +12,9 @@ and, where a relay dies, a real process:
 * a child checks a relay's certificate as it checks a sender's: one it does
   not trust, or a relay that wants a client certificate the child lacks, is
   an ``AuthenticationError``, not a silent fall back to the sender;
-* the relay faults of test_relay.py that TLS changes (a relay gone, one that
-  never answers, a killed relay process, kept connections, a lend ended by
+* the relay faults of test_relay.py and tests/hosts that TLS changes (a
+  relay gone, one that never answers, a relay process killed before its
+  child pulls and one killed mid-stream, kept connections, a lend ended by
   a closing relay, nixl's reads) behave the same over TLS.
 """
 
@@ -362,6 +363,62 @@ def test_a_killed_tls_relay_process_sends_its_child_back_to_the_sender(certs, re
         (child,) = receivers(1, stall_seconds=1.0, relay_reads="tcp", **_tls(certs, relay=False))
         assert_same(child.get(ticket), want)
         assert sender.stats()["bytes_sent"] == 2 * ticket.total_nbytes  # the relay's copy, then the child's
+        sender.wait_released(ticket, timeout=10.0)
+        assert wait_until(lambda: pool_empty(sender.pool), 5.0)
+
+
+_STREAMING_RELAY = r"""
+import sys, ssl, threading, time, tensorferry as tf
+from tensorferry.wire import Ticket
+ca, cert, key, token, after = sys.argv[1:6]
+client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT); client.load_verify_locations(ca)
+server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); server.load_cert_chain(cert, key)
+r = tf.Receiver("tcp", token=token, tls=client, relay=True, relay_tls=server, relay_reads="tcp", timeout=60.0)
+ticket = Ticket.from_bytes(bytes.fromhex(sys.stdin.readline()))
+threading.Thread(target=r.get, args=(ticket,), daemon=True).start()
+for what, key_, least in (("receiving", "relay_held_nbytes", 1), ("passing", "relay_bytes_sent", int(after))):
+    while r.stats()[key_] < least:
+        time.sleep(0.002)
+    print(what, r.stats()["relay_bytes_sent"], flush=True)
+sys.stdin.readline()  # held until the test kills it
+"""
+
+
+def test_a_tls_relay_process_killed_mid_stream_its_child_resumes_from_the_sender(certs, receivers):
+    """The relay's link from the sender is slowed (a proxy, 24 MiB/s), so
+    it is still receiving when it is SIGKILLed, after it passed 2 MiB on:
+    its child has part of the stream and takes the rest from the sender,
+    from the byte it reached."""
+    want = {"w": torch.randn(8 * MiB, generator=torch.Generator().manual_seed(10))}  # 32 MiB
+    env = {**os.environ, "PYTHONPATH": str(Path(tensorferry.__file__).parents[1])}
+    with Sender("tcp", capacity_nbytes=64 * MiB, token=TOKEN, tls=server_context(certs)) as sender, \
+            RecordingProxy(sender.address, rate_nbytes=24 * MiB) as slow:
+        ticket = msgspec.structs.replace(sender.put(want, readers=2, fanout=1), address=slow.address)
+        total = ticket.total_nbytes
+        proc = subprocess.Popen([sys.executable, "-c", _STREAMING_RELAY, str(certs.ca), str(certs.server_cert), str(certs.server_key),
+                                 TOKEN.decode(), str(2 * MiB)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out: list = []
+        try:
+            proc.stdin.write(ticket.to_bytes().hex() + "\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().startswith("receiving"), proc.stderr.read()  # it acquired: the child goes below it
+            (child,) = receivers(1, stall_seconds=2.0, relay_reads="tcp", **_tls(certs, relay=False))
+            t = threading.Thread(target=lambda: out.append(child.get(ticket)))
+            t.start()
+            line = proc.stdout.readline()
+            assert line.startswith("passing"), proc.stderr.read()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            t.join(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert not t.is_alive() and out, "the child's get did not finish"
+        assert_same(out[0], want)
+        streamed = child.stats()["relay_stream_nbytes"]
+        assert 2 * MiB <= streamed < total, streamed  # part from the relay, the rest from the sender
         sender.wait_released(ticket, timeout=10.0)
         assert wait_until(lambda: pool_empty(sender.pool), 5.0)
 
