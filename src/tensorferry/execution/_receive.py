@@ -454,8 +454,8 @@ class Fetcher:
                     from_sender(got[0])
                 else:
                     pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
-                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links, tls=self._tls,
-                         chunk_nbytes=chunk_nbytes)
+                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links,
+                         tls=self._tls, chunk_nbytes=chunk_nbytes)
             except (PeerGoneError, TransferTimeoutError, ProtocolError):
                 if not source or time.monotonic() > deadline:
                     raise
