@@ -51,6 +51,19 @@ def test_bytes_that_are_no_ticket_are_a_ticket_error():
                 r.get(data)
 
 
+@pytest.mark.parametrize("wrong", [None, "hex", 42, {"ticket": 1}])
+def test_what_is_no_ticket_is_a_ticket_error_saying_what_a_ticket_is(shm_ticket, wrong):
+    """get(None), get(ticket_bytes.hex()): a TicketError naming Ticket and to_bytes(), not an AttributeError."""
+    given = shm_ticket.to_bytes().hex() if wrong == "hex" else wrong
+    with Receiver(timeout=2.0) as r:
+        for call in (r.get, r.plan, lambda t: r.get([t])):
+            with pytest.raises(TicketError, match=r"a ticket is a Ticket \(what Sender.put returns\) or the bytes of its to_bytes\(\)") as info:
+                call(given)
+            if isinstance(given, str):
+                assert "bytes.fromhex(it)" in str(info.value)
+        assert r.gets == 0
+
+
 def test_a_ticket_of_another_transport_is_refused_before_connecting(shm_ticket):
     with Receiver("tcp", timeout=2.0) as r:
         with pytest.raises(TicketError, match="shm transport, this receiver speaks tcp"):

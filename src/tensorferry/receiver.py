@@ -399,7 +399,8 @@ class Receiver:
 
 
 def _decoded(ticket: Ticket | bytes | bytearray | memoryview) -> Ticket:
-    return Ticket.from_bytes(ticket) if isinstance(ticket, (bytes, bytearray, memoryview)) else ticket
+    # Anything else (None, a hex str) would fail later as an AttributeError.
+    return ticket if isinstance(ticket, Ticket) else Ticket.from_bytes(ticket)
 
 
 def _check_size(ticket: Ticket, packed_nbytes: int) -> None:

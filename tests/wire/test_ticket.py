@@ -133,8 +133,13 @@ def test_bad_magic_and_version():
 
 @pytest.mark.parametrize("wrong", ["TFTK\x01\x00...", None, 7, [1, 2]])
 def test_what_is_not_bytes_is_a_ticket_error_naming_it(wrong):
-    with pytest.raises(TicketError, match=f"takes bytes.*given a {type(wrong).__name__}"):
+    with pytest.raises(TicketError, match=rf"a ticket is a Ticket .* or the bytes of its to_bytes\(\); got a value of type {type(wrong).__name__}"):
         Ticket.from_bytes(wrong)
+
+
+def test_a_hex_str_is_told_how_to_become_bytes():
+    with pytest.raises(TicketError, match=r"pass bytes\.fromhex\(it\)"):
+        Ticket.from_bytes(VALID[0].hex())
 
 
 @pytest.mark.parametrize(
@@ -201,8 +206,25 @@ def test_oversized_ticket_rejected_before_decoding():
 
 def test_bad_layout_bytes_fail_on_access_as_a_ticket_error():
     t = Ticket.from_bytes(make_ticket(layout_bytes=b"TFLY" + b"\0" * 40).to_bytes())
-    with pytest.raises(TensorferryError):
+    with pytest.raises(TicketError, match=r"layout is truncated.*: pass the bytes Ticket\.to_bytes\(\) returned, unchanged"):
         t.layout
+
+
+def test_every_flipped_byte_is_refused_with_the_fix_or_decodes():
+    """A byte flipped anywhere: either a TicketError that names the fix, or a
+    ticket that still decodes (an altered id, address or lease, which the
+    sender refuses by the digest before it lends a slot)."""
+    data = VALID[4]
+    refused = 0
+    for at in range(len(data)):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x5A
+        try:
+            Ticket.from_bytes(bytes(flipped)).layout
+        except TicketError as exc:
+            refused += 1
+            assert "Ticket.to_bytes() returned, unchanged" in str(exc), (at, str(exc))
+    assert refused > len(data) // 2
 
 
 def _decode_only_tensorferry_errors(data: bytes) -> None:

@@ -125,8 +125,15 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
 
     @property
     def layout(self) -> Layout:
-        """The decoded, validated layout (decoded on every access)."""
-        return Layout.from_bytes(self.layout_bytes)
+        """The decoded, validated layout (decoded on every access).
+
+        Raises:
+            TicketError: the layout's bytes are corrupted (with the fix).
+        """
+        try:
+            return Layout.from_bytes(self.layout_bytes)
+        except TicketError as exc:
+            raise TicketError(f"ticket {self.id}'s {exc}: {_FIX}") from exc
 
     def to_bytes(self) -> bytes:
         # Optional sections at their defaults left out (msgspec would write
@@ -147,37 +154,36 @@ class Ticket(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_de
                 or not bytes at all.
         """
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TicketError(
-                f"Ticket.from_bytes takes bytes, bytearray or memoryview (what Ticket.to_bytes returned); "
-                f"it was given a {type(data).__name__}"
-                + (" (encode the ticket with to_bytes, not str())" if isinstance(data, str) else "")
-            )
+            raise TicketError(f"{_what_a_ticket_is(data)}; Ticket.from_bytes takes the bytes")
         data = bytes(data)
         if len(data) > MAX_TICKET_NBYTES:
             raise TicketError(f"ticket of {len(data):,} bytes exceeds the limit of {MAX_TICKET_NBYTES:,}")
         if len(data) < 6 or data[:4] != _MAGIC:
-            raise TicketError("not a tensorferry ticket (bad magic or truncated)")
+            raise TicketError(f"not a tensorferry ticket (bad magic or truncated): {_FIX}")
         version = int.from_bytes(data[4:6], "little")
         if version != _VERSION:
-            raise TicketError(f"ticket version {version} is not supported (this tensorferry reads {_VERSION})")
+            raise TicketError(
+                f"ticket version {version} is not supported (this tensorferry reads {_VERSION}): "
+                f"install the same tensorferry release on the sender and the receiver (or, if the ticket was altered on the way, {_FIX})"
+            )
         try:
             ticket = _DECODER.decode(data[6:])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TicketError(_malformed(str(exc))) from exc
         for off, n in ticket.blocks:
             if off < 0 or n <= 0 or off % 16:
-                raise TicketError(f"ticket has an invalid block (offset {off}, nbytes {n})")
+                raise TicketError(f"ticket has an invalid block (offset {off}, nbytes {n}): {_FIX}")
         if ticket.delta is not None:
             d = ticket.delta
             if any(off < 0 or n <= 0 or off % 16 for off, n in d.blocks) or sum(n for _, n in d.blocks) != d.nbytes \
                     or bool(d.blocks) != bool(d.ticket_id) or d.nbytes >= max(ticket.total_nbytes, 1):
-                raise TicketError(f"ticket has an invalid delta (blocks {d.blocks}, nbytes {d.nbytes}, of {ticket.total_nbytes} bytes)")
+                raise TicketError(f"ticket has an invalid delta (blocks {d.blocks}, nbytes {d.nbytes}, of {ticket.total_nbytes} bytes): {_FIX}")
         if ticket.num_pieces > 1 and ticket.piece_nbytes <= 0:
-            raise TicketError("a streamed ticket needs a positive piece size")
+            raise TicketError(f"a streamed ticket needs a positive piece size: {_FIX}")
         if ticket.num_pieces > 1 and -(-ticket.total_nbytes // ticket.piece_nbytes) != ticket.num_pieces:
             raise TicketError(
                 f"ticket says {ticket.num_pieces} pieces of {ticket.piece_nbytes:,} bytes for "
-                f"{ticket.total_nbytes:,} bytes"
+                f"{ticket.total_nbytes:,} bytes: {_FIX}"
             )
         return ticket
 
@@ -189,6 +195,17 @@ _FIX = "pass the bytes Ticket.to_bytes() returned, unchanged (a ticket cut or al
 _WRONG_TYPE = re.compile(r"Expected `(\w+)`, got `(\w+)`")
 _OUT_OF_RANGE = re.compile(r"Expected `(\w+)` ((?:>|<)=?) (\S+)")
 _LENGTH = re.compile(r"Expected `(\w+)` of (?:at (?:least|most) )?length")
+
+
+def _what_a_ticket_is(given: object) -> str:
+    """The message for a value given where a ticket belongs (receiver side)."""
+    hint = ""
+    if isinstance(given, str):
+        hint = " (a str: if it is ticket.to_bytes().hex(), pass bytes.fromhex(it); base64: base64.b64decode(it))"
+    return (
+        f"a ticket is a Ticket (what Sender.put returns) or the bytes of its to_bytes(); "
+        f"got a value of type {type(given).__name__}{hint}"
+    )
 
 
 def _malformed(decoder_message: str) -> str:
