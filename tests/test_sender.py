@@ -102,6 +102,24 @@ def test_an_unsupported_leaf_is_refused_and_holds_nothing():
 # -- put, release, discard, leases -----------------------------------------------------------
 
 
+def test_stats_count_the_tensors_bytes_and_the_pool_bytes_readers_read():
+    """last_put_nbytes: the tensors' bytes, as the receiver's delivered_nbytes;
+    bytes_moved: pool bytes read, each reader counted, alignment padding included."""
+    padded = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.ones(5), "c": torch.ones(1, dtype=torch.float64)}
+    tensor_nbytes = 3 + 5 * 4 + 8
+    with Sender("shm", capacity_nbytes=1 * MiB) as s, Receiver(timeout=10.0) as r1, Receiver(timeout=10.0) as r2:
+        t = s.put(padded, readers=2)
+        assert t.total_nbytes == 3 + 1 + 5 * 4 + 8  # one byte of padding puts b at a multiple of 4
+        for r in (r1, r2):
+            got = r.get(t)
+            assert all(torch.equal(got[k], v) for k, v in padded.items())
+            assert r.stats()["delivered_nbytes"] == tensor_nbytes
+        s.wait_released(t, timeout=10.0)
+        st = s.stats()
+        assert st["last_put_nbytes"] == tensor_nbytes
+        assert st["bytes_moved"] == 2 * t.total_nbytes
+
+
 def test_put_holds_the_bytes_until_discarded():
     with Sender("shm", capacity_nbytes=1 * MiB) as s:
         t = s.put(obj(), readers=None)

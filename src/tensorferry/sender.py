@@ -249,7 +249,10 @@ class Sender:
         ex = choose(plan, opts, self.servers.values())
         offer, delta_packed = offer_delta(plan, ex, opts)
         last = plan.delta.last if plan.delta is not None else None
-        self._last_put = (plan.total_nbytes, last.delta_nbytes, last.changed if last.compared else -1) if last else (plan.total_nbytes, 0, -1)
+        # The object's tensor bytes, as Receiver.stats()["delivered_nbytes"]
+        # counts them: not the packed size, whose alignment padding no tensor holds.
+        whole = plan.layout.total_nbytes
+        self._last_put = (whole, last.delta_nbytes, last.changed if last.compared else -1) if last else (whole, 0, -1)
         ticket = Ticket(
             id=ticket_id,
             transport=self.transport,
@@ -367,7 +370,8 @@ class Sender:
 
     def stats(self) -> dict[str, int]:
         """The pool's figures, the transfers served, and the last put's:
-        ``last_put_nbytes`` (the whole object), ``last_put_delta_nbytes`` (the
+        ``last_put_nbytes`` (the whole object's tensor bytes; ``bytes_moved``
+        counts pool bytes, alignment padding included), ``last_put_delta_nbytes`` (the
         delta a receiver holding its base read; 0 without one) and
         ``last_put_changed`` (elements a delta plan's compare found changed;
         -1 where no compare ran: not a delta plan, its first put, a refresh

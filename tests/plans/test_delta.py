@@ -140,7 +140,7 @@ def test_delta_syncs_are_bit_exact_and_small(transport, snapshot):
             s.wait_released(t, timeout=10)
             st_ = s.stats()
             assert st_["last_put_delta_nbytes"] == t.delta.nbytes and st_["last_put_changed"] == t.delta.changed
-            assert st_["last_put_nbytes"] == t.total_nbytes
+            assert st_["last_put_nbytes"] == t.layout.total_nbytes
         assert plan.total_nbytes <= s.stats()["delta_kept_nbytes"] < plan.total_nbytes + 16  # one copy (the pool rounds to 16)
         assert s.stats()["used_nbytes"] >= plan.total_nbytes  # the kept version is pool memory
 
