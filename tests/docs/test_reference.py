@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,9 @@ def test_the_error_tables_tested_cases() -> None:
         bad = bytearray(t.to_bytes())
         with pytest.raises(tf.TicketError, match="pass the bytes Ticket.to_bytes"):
             r.get(bytes(bad[:-2]))
+        for no_ticket in (None, t.to_bytes().hex()):
+            with pytest.raises(tf.TicketError, match=r"a ticket is a Ticket .* or the bytes of its to_bytes\(\)"):
+                r.get(no_ticket)
         planned = torch.ones(4)
         stale = s.plan({"w": planned})
         planned.resize_(100)  # moves its memory: the plan is stale
@@ -113,6 +117,10 @@ def test_the_error_tables_tested_cases() -> None:
             s.wait_released(s.put({"w": torch.ones(4)}), timeout=0.1)
         with pytest.raises(tf.UnsupportedTensorError):
             s.put({"w": torch.ones(4).to_sparse()})
+        with pytest.raises(tf.UnsupportedTensorError, match="is a int, not a tensor"):
+            s.put({"w": torch.ones(4), "step": 7})
+        got = r.get(s.put({"a": np.arange(3.0)}))  # numeric numpy arrays are sent, as torch tensors
+        assert torch.equal(got["a"], torch.arange(3.0, dtype=torch.float64))
     with pytest.raises(tf.PeerGoneError):
         with tf.Receiver("tcp", timeout=5.0) as r2:
             r2.get(t)  # its sender is closed
