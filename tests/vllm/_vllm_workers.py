@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import threading
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -126,7 +127,8 @@ def worker_main(conn: Any, rank: int, world: int, rendezvous: str, spec: Any, dt
                     return
                 conn.send(("ok", result))
             except Exception as exc:  # noqa: BLE001 - reported to the test, which raises it
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                where = "".join(traceback.format_tb(exc.__traceback__)[-3:])  # the frames that raised, for the failing test's report
+                conn.send(("error", f"{type(exc).__name__}: {exc}\n{where}"))
 
 
 class WorkerError(RuntimeError):

@@ -20,6 +20,15 @@ import _vllm_support
 
 _vllm_support.skip_without_vllm()
 
+from tensorferry.vllm._sources import installed_release  # noqa: E402
+
+if not installed_release().placements:
+    pytest.skip(
+        "this vLLM release's ParamMeta declares no placements (vLLM 0.32); its sharded trainers take torch's DTensor "
+        "placements instead (tests/vllm_engine/test_fsdp.py)",
+        allow_module_level=True,
+    )
+
 from vllm.distributed.weight_transfer import ParamMeta, Replicate, Shard  # noqa: E402
 
 from tensorferry.errors import ConfigurationError  # noqa: E402

@@ -35,13 +35,14 @@ __all__ = [
     "TensorferryTrainerWeightTransferEngine",
     "RoundReport",
     "LLMClient",
+    "EnginesClient",
 ]
 
 BACKEND = "tensorferry"
 """The name users select (``WeightTransferConfig(backend=...)``) and the key of both of vLLM's factories."""
 
 if TYPE_CHECKING:  # loaded on first use (__getattr__); named here for type checkers and the API reference
-    from ._client import LLMClient
+    from ._client import EnginesClient, LLMClient
     from ._infos import TensorferryInitInfo, TensorferryTrainerInitInfo, TensorferryUpdateInfo
     from ._trainer import RoundReport, TensorferryTrainerWeightTransferEngine
     from ._worker import TensorferryWeightTransferEngine
@@ -54,6 +55,7 @@ _LAZY = {
     "TensorferryTrainerWeightTransferEngine": "tensorferry.vllm._trainer",
     "RoundReport": "tensorferry.vllm._trainer",
     "LLMClient": "tensorferry.vllm._client",
+    "EnginesClient": "tensorferry.vllm._client",
 }
 
 

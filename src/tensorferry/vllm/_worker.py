@@ -115,14 +115,9 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
             self._stager = DeviceStager(self.device)
 
     def start_weight_update(self) -> None:
-        """Open vLLM's layerwise reload on the target model where it supports it (a model
-        vLLM's loader built records the metadata it needs); otherwise weights are loaded in place."""
+        """Note whether the target model takes vLLM's layerwise reload (a model vLLM's loader built
+        records the metadata it needs); the model is not touched until the round has arrived."""
         self._layerwise = _supports_layerwise(self.model)
-        if self._layerwise:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-            self.layerwise_sessions += 1
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """One round; the device is synchronized only where there is one (a CPU worker has none)."""
@@ -167,12 +162,8 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         self._load(kept.targets)
 
     def finish_weight_update(self) -> None:
-        """Close vLLM's layerwise reload (it processes what it deferred), then let the device copies go."""
-        if self._layerwise:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
-            self._layerwise = False
+        """Let the round's device copies go (the model was reloaded within ``update_weights``)."""
+        self._layerwise = False
         if self._stager is not None:
             self._stager.release()
 
@@ -206,6 +197,30 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         self._receiver.get(source, into=kept.plan, timeout=self._info.timeout_seconds)
 
     def _load(self, targets: dict) -> None:
+        """Hand the round to ``load_weights``; with layerwise reload, the whole reload session
+        (``initialize_layerwise_reload`` .. ``finalize_layerwise_reload``) lies inside this one call.
+
+        vLLM runs a worker's ``update_weights`` between two model steps, and a
+        reload session empties the layers (meta tensors) until it is
+        finalized: a session spanning ``start_weight_update`` to
+        ``finish_weight_update`` lets a request that the engine serves in
+        between (no ``/pause``) run on empty layers and kill the engine. Opened
+        and closed here, after the round has arrived, a step sees the old
+        weights or the new ones, never a layer of each.
+        """
+        if self._layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self.layerwise_sessions += 1
+            try:
+                self._load_weights(targets)
+            finally:  # a failed load still closes the session: layers with nothing loaded get their old tensors back
+                finalize_layerwise_reload(self.model, self.model_config)
+        else:
+            self._load_weights(targets)
+
+    def _load_weights(self, targets: dict) -> None:
         with _mtp_check_off():
             if self._stager is not None:
                 self._stager.load(targets.items(), self.model.load_weights)
