@@ -42,12 +42,23 @@ Measures (see docs/monitor.md for the reading):
      its 5 s interval. The tests check only that these loops end; their
      timing is measured here (medians over rounds, ratios to the interval).
 
+  6. node scale (``--scale``, alone): a ``tensorferry monitor`` process
+     watching 100, 1,000 and 3,000 idle processes at 1 s ticks with
+     ``--pattern``, ``--tree`` and ``--all``, fds counted, serving /metrics:
+     its CPU per tick and per process, RSS, tick wall time and scrape time;
+     a ``--per-process`` row per size whose scrape is parsed and summed, and
+     the issue's own ``monitor -k ... --json`` row at 1,000. ``--compare
+     SRC`` runs every row also from another tree's ``src`` (the code before
+     a change), interleaved. ``--plot PATH`` draws CPU against watched
+     processes.
+
 Sections 1, 2 and the tables are here; ``_monitor_targets.py`` holds the
 target processes, ``_monitor_exact.py`` section 4, ``_monitor_loops.py``
-sections 3 and 5.
+sections 3 and 5, ``_monitor_scale.py`` section 6.
 
 Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only] [--exact-rounds N] [--loops]
-Writes benchmarks/results/bench_monitor.json and prints a table.
+     [--scale [--scale-sizes 100,1000,3000] [--scale-seconds S] [--compare SRC] [--plot PATH]]
+Writes benchmarks/results/bench_monitor.json (bench_monitor_scale.json) and prints a table.
 """
 
 from __future__ import annotations
@@ -72,6 +83,7 @@ from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
 from _common import results_dir, write_json  # noqa: E402
 from _monitor_exact import exact_figures, exact_targets, print_exact  # noqa: E402
 from _monitor_loops import agent_self_cost, loop_timing  # noqa: E402
+from _monitor_scale import json_row, plot_scale, print_scale, scale  # noqa: E402
 from _monitor_targets import Target, per_call, pin_apart  # noqa: E402
 
 # $TENSORFERRY_BENCH_OUT (interleave.py) or benchmarks/results.
@@ -239,6 +251,29 @@ def print_tables(costs, interf, self_cost) -> None:
         )
 
 
+def run_scale(args: argparse.Namespace) -> int:
+    sizes = tuple(int(n) for n in args.scale_sizes.split(","))
+    modes = tuple(args.scale_modes.split(","))
+    if not set(modes) <= {"pattern", "tree", "all"} or min(sizes) < 1:
+        raise SystemExit(f"--scale-sizes {args.scale_sizes} / --scale-modes {args.scale_modes}: sizes >= 1, "
+                         "modes among pattern, tree, all")
+    doc = scale(sizes, modes, args.scale_seconds, args.compare)
+    json_sizes = [n for n in sizes if n == 1000] or [max(sizes)]
+    srcs = [ROOT / "src"] if args.compare is None else [args.compare, ROOT / "src"]
+    doc["json_rows"] = [json_row(n, src, args.scale_seconds) for n in json_sizes for src in srcs]
+    doc["load_average_at_end"] = os.getloadavg()
+    print_scale(doc)
+    for r in doc["json_rows"]:
+        print(f"monitor -k ... --json, {r['watched']} processes, {'new' if str(r['src']).startswith(str(ROOT)) else 'old'}: "
+              f"{r['core_percent']:.2f}% of a core ({r['cpu_us_per_process_tick']:.2f} µs/process/tick, load {r['load_1min']:.1f})")
+    out = write_json(RESULTS.with_name("bench_monitor_scale.json"), doc, indent=2)
+    print(f"wrote {out}", file=sys.stderr)
+    if args.plot is not None:
+        plot_scale(doc, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller targets, shorter phases (a smoke run)")
@@ -246,7 +281,15 @@ def main() -> int:
     ap.add_argument("--exact-rounds", type=int, default=3, metavar="N",
                     help="rounds of every section-4 row; the table gives medians (default 3)")
     ap.add_argument("--loops", action="store_true", help="only section 5 (the agent's and top's loops)")
+    ap.add_argument("--scale", action="store_true", help="only section 6 (the monitor at node scale)")
+    ap.add_argument("--scale-sizes", default="100,1000,3000", metavar="N,N,...", help="idle processes per row")
+    ap.add_argument("--scale-modes", default="pattern,tree,all", metavar="MODE,...", help="selections per size")
+    ap.add_argument("--scale-seconds", type=float, default=20.0, metavar="S", help="measured window per row")
+    ap.add_argument("--compare", type=Path, metavar="SRC", help="also run every scale row from this src tree")
+    ap.add_argument("--plot", type=Path, metavar="PATH", help="section 6: plot CPU against watched processes")
     args = ap.parse_args()
+    if args.scale:
+        return run_scale(args)
     if args.exact_rounds < 1:
         ap.error(f"--exact-rounds {args.exact_rounds}: must be at least 1")
     if args.loops:

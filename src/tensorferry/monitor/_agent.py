@@ -23,6 +23,7 @@ from __future__ import annotations
 
 __all__ = ["Agent", "AgentConfig", "AgentStats", "Selection", "Snapshot"]
 
+import operator
 import random
 import threading
 import time
@@ -38,6 +39,8 @@ from ._selection import Selection, Selector
 from ._snapshot import AgentStats, Snapshot
 from ._types import ProcessMemory
 
+# Snapshots list samples largest RSS first.
+_RSS = operator.itemgetter(ProcessMemory._fields.index("rss_bytes"))
 
 @dataclass
 class _Counters:
@@ -90,11 +93,11 @@ class Agent:
         self._selector = Selector(selection, self.backend, clock=clock, rescan_seconds=self.config.rescan_seconds)
         self._exact = ExactScheduler(self.config, self.backend, clock())
         self._fds: dict[int, int] = {}
-        # Linux: keep each process's stat/status open and skip status while
-        # stat shows RSS and VmSize unchanged (ProcfsBackend.cheap_reusing).
-        self._cheap_reusing = getattr(self.backend, "cheap_reusing", None)
+        # Linux: keep each process's stat/status open, skip status while stat
+        # shows RSS and VmSize unchanged, and hand out the last sample again
+        # while stat reads the same (ProcfsBackend.cheap_many).
+        self._cheap_many = getattr(self.backend, "cheap_many", None)
         self._retain = getattr(self.backend, "retain", None)
-        self._sampled: set[int] = set()
         self._counters = _Counters()
         self._cpu_start = time.process_time()
         self._latest: Snapshot | None = None
@@ -123,48 +126,26 @@ class Agent:
         tick_start = time.perf_counter()
         now = self._clock()
         c = self._counters
-        errors = {"vanished": 0, "zombie": 0, "denied": 0}
-        samples: list[ProcessMemory] = []
-        perf = time.perf_counter
         cfg = self.config
-        fds_every, fds_cache = cfg.fds_every_ticks, self._fds
-        reusing, status_age, sampled = self._cheap_reusing, cfg.status_max_age_seconds, self._sampled
-        cheap, observe = self.backend.cheap, self._selector.observe
-        for pid in self.select():
-            # Stagger fd counts over ticks; a new pid is counted at once.
-            t0 = perf()
-            try:
-                if reusing is not None:
-                    # The backend carries the last fd count between counts.
-                    count_fds = cfg.count_fds and ((c.ticks + pid) % fds_every == 0 or pid not in sampled)
-                    s = reusing(pid, count_fds=count_fds, max_status_age_seconds=status_age)
-                else:
-                    count_fds = cfg.count_fds and ((c.ticks + pid) % fds_every == 0 or pid not in fds_cache)
-                    s = cheap(pid, count_fds=count_fds)
-            except ZombieProcess:
-                errors["zombie"] += 1
-                continue
-            except NoSuchProcess:
-                errors["vanished"] += 1
-                continue
-            except AccessDenied:
-                errors["denied"] += 1
-                continue
-            finally:
-                c.sample_seconds += perf() - t0
-                c.samples += 1
-            if not observe(s):
-                continue
-            if reusing is None:
-                if count_fds and s.num_fds is not None:
-                    fds_cache[pid] = s.num_fds
-                elif cfg.count_fds and pid in fds_cache:
-                    s = s._replace(num_fds=fds_cache[pid])
-            samples.append(s)
-        alive = self._sampled = {s.pid for s in samples}
+        pids = self.select()
+        t0 = time.perf_counter()
+        if self._cheap_many is not None:
+            # Linux: one loop in the backend; a process whose stat reads as
+            # last tick costs one pread.
+            samples, errors = self._cheap_many(
+                pids, count_fds=cfg.count_fds, max_status_age_seconds=cfg.status_max_age_seconds,
+                fds_every_calls=cfg.fds_every_ticks, call=c.ticks,
+            )
+        else:
+            samples, errors = self._sample_each(pids)
+        c.sample_seconds += time.perf_counter() - t0
+        c.samples += len(pids)
+        samples = self._selector.observe_all(samples)
+        alive = {s.pid for s in samples}
         if self._retain is not None:
             # Close the files of processes no longer sampled (gone, zombies, deselected).
             self._retain(alive)
+        fds_cache = self._fds
         if len(fds_cache) > 2 * len(samples) + 64:
             for pid in [p for p in fds_cache if p not in alive]:
                 del fds_cache[pid]
@@ -173,7 +154,7 @@ class Agent:
         stall_skipped = exact.run(samples, now) if self.config.exact else set()
         attach = exact.attach
         out = [attach(s, now) for s in samples]
-        out.sort(key=lambda s: s.rss_bytes, reverse=True)
+        out.sort(key=_RSS, reverse=True)
         for k, v in errors.items():
             c.errors[k] += v
         c.ticks += 1
@@ -195,6 +176,32 @@ class Agent:
         )
         self._latest = snap
         return snap
+
+    def _sample_each(self, pids: list[int]) -> tuple[list[ProcessMemory], dict[str, int]]:
+        """A backend without ``cheap_many`` (psutil): one ``cheap`` per process,
+        fds counted staggered over ticks (a new pid at once) and carried here."""
+        cfg, ticks, fds_cache, cheap = self.config, self._counters.ticks, self._fds, self.backend.cheap
+        errors = {"vanished": 0, "zombie": 0, "denied": 0}
+        samples: list[ProcessMemory] = []
+        for pid in pids:
+            count_fds = cfg.count_fds and ((ticks + pid) % cfg.fds_every_ticks == 0 or pid not in fds_cache)
+            try:
+                s = cheap(pid, count_fds=count_fds)
+            except ZombieProcess:
+                errors["zombie"] += 1
+                continue
+            except NoSuchProcess:
+                errors["vanished"] += 1
+                continue
+            except AccessDenied:
+                errors["denied"] += 1
+                continue
+            if count_fds and s.num_fds is not None:
+                fds_cache[pid] = s.num_fds
+            elif cfg.count_fds and pid in fds_cache:
+                s = s._replace(num_fds=fds_cache[pid])
+            samples.append(s)
+        return samples, errors
 
     def stats(self) -> AgentStats:
         """The agent's own cost so far."""

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 __all__ = ["ProcfsBackend"]
 
+import math
 import os
 import re
 import time
 import warnings
 from collections.abc import Iterable
+from typing import NamedTuple
 
-from ..errors import NoSuchProcess, ZombieProcess
-from ._checks import check_number
+from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
+from ._checks import check_int, check_number
 from ._fds import FdCounter
 from ._oserror import translate as _translate
 from ._procfs_exact import ExactReads
@@ -30,6 +32,9 @@ from ._types import ExactMemory, ProcessMemory
 CMDLINE_REFRESH_SECONDS = 10.0
 # One read covers status (~1.5 KiB) or stat.
 _READ_NBYTES = 16384
+# Where cheap_many puts a new fd count and status age into a sample it hands out again.
+_FDS = ProcessMemory._fields.index("num_fds")
+_STATUS_AGE = ProcessMemory._fields.index("status_age_seconds")  # the last field
 
 
 def _is_kernel_proc(proc_root: str) -> bool:
@@ -38,6 +43,35 @@ def _is_kernel_proc(proc_root: str) -> bool:
         return os.readlink(f"{proc_root}/self") == str(os.getpid())
     except OSError:
         return False
+
+
+class _Held(NamedTuple):
+    """What :meth:`ProcfsBackend.cheap_reusing` keeps per process between calls."""
+
+    start: int
+    """stat's starttime (ticks since boot): a reused pid has another."""
+    vsize: bytes
+    """stat's VmSize and RSS when status was last read: status is carried while they stand."""
+    rss: bytes
+    figures: tuple[int, ...]
+    """status's figures (``_status_figures``)."""
+    read_at: float
+    """When status was read (monotonic)."""
+    num_fds: int | None
+    """The last fd count."""
+    stat: bytes
+    """The whole of stat as last read."""
+    sample: ProcessMemory
+    """The sample built from it."""
+    reuse_until: float
+    """Until when (monotonic) ``sample`` may be handed out again while stat reads the same bytes:
+    status and the command line are then due again."""
+
+
+def _exec_identity(f: list[bytes]) -> bytes:
+    """startstack (stat field 28): every exec gets a new, randomized stack;
+    0 where stat hides it (another user's process without ptrace rights)."""
+    return f[25]
 
 
 class ProcfsBackend(ExactReads):
@@ -93,16 +127,17 @@ class ProcfsBackend(ExactReads):
         self._page_nbytes = os.sysconf("SC_PAGE_SIZE")
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
         self._boot_time: float | None = None
-        # (pid, starttime ticks) -> cmdline; pid reuse changes the start time.
-        self._cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float]] = {}
+        # (pid, starttime ticks) -> (cmdline, monotonic time read, comm, startstack):
+        # pid reuse changes the start time; an exec keeps it but gives the
+        # process a new comm and a new stack (see _exec_identity).
+        self._cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float, bytes, bytes]] = {}
         self._warned: set[str] = set()
         # cheap_reusing's state. pid -> (stat fd, status fd): a /proc/PID file
         # stays bound to its process, so a reused pid reads ESRCH, never the
         # newcomer's figures.
         self._handles: dict[int, tuple[int, int]] = {}
-        # pid -> (starttime ticks, stat vsize, stat rss, status figures,
-        # monotonic time status was read, fd count)
-        self._last: dict[int, tuple[int, bytes, bytes, tuple[int, ...], float, int | None]] = {}
+        # pid -> _Held: what the last sample read, and the sample itself.
+        self._last: dict[int, _Held] = {}
         try:
             import resource
 
@@ -238,16 +273,31 @@ class ProcfsBackend(ExactReads):
         """
         if starttime_ticks is None:
             return self._read_cmdline(pid)
-        key = (pid, starttime_ticks)
-        now = time.monotonic()
+        cached = self._cmdline_cache.get((pid, starttime_ticks))
+        if cached is not None and time.monotonic() - cached[1] <= CMDLINE_REFRESH_SECONDS:
+            return cached[0]
+        return self._cached_cmdline(pid, starttime_ticks, b"", b"", time.monotonic())[0]
+
+    def _cached_cmdline(
+        self, pid: int, start: int, comm: bytes, identity: bytes, now: float
+    ) -> tuple[tuple[str, ...], float, bytes, bytes]:
+        """The cache entry of (pid, start): read now unless it is fresh and
+        the process has not exec'd since (same comm, same stack)."""
+        key = (pid, start)
         cached = self._cmdline_cache.get(key)
-        if cached is None or now - cached[1] > CMDLINE_REFRESH_SECONDS:
-            if len(self._cmdline_cache) > 65536:
-                # Bounded: a long-lived agent on a busy node sees pids come and go.
-                self._cmdline_cache.clear()
-            cached = (self._read_cmdline(pid), now)
-            self._cmdline_cache[key] = cached
-        return cached[0]
+        if (
+            cached is not None and now - cached[1] <= CMDLINE_REFRESH_SECONDS
+            and cached[2] == comm and cached[3] == identity
+        ):
+            return cached
+        if len(self._cmdline_cache) > 65536:
+            # Bounded: a long-lived agent on a busy node sees pids come and go.
+            self._cmdline_cache.clear()
+        argv = self._read_cmdline(pid)
+        if cached is not None and cached[0] == argv:
+            argv = cached[0]  # the same object: a caller may compare by identity
+        entry = self._cmdline_cache[key] = (argv, now, comm, identity)
+        return entry
 
     def _read_cmdline(self, pid: int) -> tuple[str, ...]:
         raw = self._read(pid, "cmdline")
@@ -294,6 +344,80 @@ class ProcfsBackend(ExactReads):
                      "must be >= 0 seconds (0 re-reads status every call)")
         return self._cheap(pid, self.count_fds if count_fds is None else count_fds, max_status_age_seconds)
 
+    def cheap_many(
+        self, pids: Iterable[int], *, count_fds: bool | None = None, max_status_age_seconds: float = 10.0,
+        fds_every_calls: int = 1, call: int = 0,
+    ) -> tuple[list[ProcessMemory], dict[str, int]]:
+        """:meth:`cheap_reusing` of every pid in ``pids``: the agent's tick.
+
+        One loop over the processes, with the same figures :meth:`cheap_reusing`
+        gives. Most processes of a node stand still between ticks: where a
+        process's stat reads the same bytes as at its last sample, nothing
+        in that sample can differ (stat holds its state, CPU, threads, RSS
+        and VmSize; status is carried while RSS and VmSize stand), so that
+        sample is handed out again with a new timestamp and status age, for
+        one ``pread``, until status or the command line are due again.
+
+        Args:
+            pids: the processes.
+            count_fds: count fds at all; None: as configured.
+            max_status_age_seconds: as :meth:`cheap_reusing`.
+            fds_every_calls: with ``count_fds``, count a process's fds when
+                ``(call + pid) % fds_every_calls == 0`` (staggered) and on its
+                first sample; the last count is carried in between.
+            call: the caller's call number (the agent's tick).
+
+        Returns:
+            The samples of the processes that could be read, and how many
+            could not: ``{"vanished": n, "zombie": n, "denied": n}``.
+
+        Raises:
+            ConfigurationError: ``max_status_age_seconds`` is negative or
+                ``fds_every_calls`` is below 1.
+        """
+        check_number("cheap_many(max_status_age_seconds)", max_status_age_seconds, lambda v: v >= 0,
+                     "must be >= 0 seconds (0 re-reads status every call)")
+        check_int("cheap_many(fds_every_calls)", fds_every_calls, 1, "must be an int >= 1 (1: count every call)")
+        errors = {"vanished": 0, "zombie": 0, "denied": 0}
+        out: list[ProcessMemory] = []
+        append = out.append
+        lasts, handles, pread, monotonic, wall = self._last, self._handles, os.pread, time.monotonic, time.time
+        fds, read = self._fds, self._read
+        if count_fds is None:
+            count_fds = self.count_fds
+        new = tuple.__new__
+        for pid in pids:
+            last = lasts.get(pid)
+            count = count_fds and (last is None or (call + pid) % fds_every_calls == 0)
+            raw = handle = None
+            if last is not None:
+                handle = handles.get(pid)
+                try:
+                    raw = pread(handle[0], _READ_NBYTES, 0) if handle is not None else read(pid, "stat")
+                except (OSError, NoSuchProcess, AccessDenied):
+                    raw = handle = None  # _cheap reopens, or raises what it was
+                else:
+                    now = monotonic()
+                    if raw == last.stat and now <= last.reuse_until:
+                        s = last.sample
+                        if count:
+                            s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_FDS] + (fds.count(pid),)
+                                    + s[_FDS + 1:_STATUS_AGE] + (now - last.read_at,))
+                            lasts[pid] = last._replace(sample=s, num_fds=s[_FDS])
+                        else:
+                            s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_STATUS_AGE] + (now - last.read_at,))
+                        append(s)
+                        continue
+            try:
+                append(self._cheap(pid, count, max_status_age_seconds, raw, handle))
+            except ZombieProcess:
+                errors["zombie"] += 1
+            except NoSuchProcess:
+                errors["vanished"] += 1
+            except AccessDenied:
+                errors["denied"] += 1
+        return out, errors
+
     def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
         if not self.keep_open:
             return self._read(pid, "stat"), None
@@ -327,30 +451,29 @@ class ProcfsBackend(ExactReads):
             )
         return figures
 
-    def _cheap(self, pid: int, count_fds: bool, reuse_age: float | None) -> ProcessMemory:
-        # This runs for every process every tick: plain bytes operations, no
-        # file objects, no per-line splitting (see benchmarks/bench_monitor.py).
+    def _cheap(
+        self, pid: int, count_fds: bool, reuse_age: float | None, raw: bytes | None = None,
+        handle: tuple[int, int] | None = None,
+    ) -> ProcessMemory:
+        # This runs for every process whose stat changed since the last tick:
+        # plain bytes operations, no file objects, no per-line splitting (see
+        # benchmarks/bench_monitor.py). ``raw``/``handle``: stat as cheap_many
+        # just read it through its held-open file.
         reuse = reuse_age is not None
-        if reuse:
-            raw, handle = self._read_stat(pid)
-        else:
-            handle = None
-            try:
-                fd = os.open(f"{self.proc_root}/{pid}/stat", os.O_RDONLY)
-                try:
-                    raw = os.read(fd, _READ_NBYTES)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                raise _translate(exc, pid) from exc
+        if raw is None:
+            if reuse:
+                raw, handle = self._read_stat(pid)
+            else:
+                raw = self._read(pid, "stat")
         close = raw.rfind(b")")
         if close < 0:
             raise NoSuchProcess(pid, msg=f"pid {pid}: {self.proc_root}/{pid}/stat is empty")
         # comm may hold spaces and parentheses; the last ')' ends it. Field n
         # of proc(5) is f[n - 3] once pid and comm are cut off (f[20] vsize,
-        # f[21] rss); nothing past rss is split.
-        f = raw[close + 1:].split(None, 22)
-        name = raw[raw.find(b"(") + 1:close].decode("utf-8", "replace")
+        # f[21] rss, f[25] startstack); nothing past startstack is split.
+        f = raw[close + 1:].split(None, 26)
+        comm = raw[raw.find(b"(") + 1:close]
+        name = comm.decode("utf-8", "replace")
         state = f[0]
         if state == b"Z" or state == b"X":
             raise ZombieProcess(pid, name)
@@ -358,15 +481,15 @@ class ProcfsBackend(ExactReads):
         start = int(f[19])
         now = time.monotonic()
         last = self._last.get(pid) if reuse else None
-        if last is not None and last[0] != start:
+        if last is not None and last.start != start:
             last = None
         if (
-            last is not None and reuse_age and self.carry_status and last[1] == f[20] and last[2] == f[21]
-            and now - last[4] <= reuse_age
+            last is not None and reuse_age and self.carry_status and last.vsize == f[20] and last.rss == f[21]
+            and now - last.read_at <= reuse_age
         ):
             # stat's RSS and VmSize are status's VmRSS and VmSize (the same
             # counters); while both stand still the split is carried over.
-            figures, read_at = last[3], last[4]
+            figures, read_at = last.figures, last.read_at
         else:
             if handle is not None:
                 try:
@@ -374,34 +497,23 @@ class ProcfsBackend(ExactReads):
                 except OSError as exc:
                     raise _translate(exc, pid) from exc
             else:
-                try:
-                    fd = os.open(f"{self.proc_root}/{pid}/status", os.O_RDONLY)
-                    try:
-                        status = os.read(fd, _READ_NBYTES)
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    raise _translate(exc, pid) from exc
+                status = self._read(pid, "status")
             figures = status_block_figures(status) or self._status_figures(pid, status, kthread)
             read_at = now
         if count_fds:
             num_fds = self._fds.count(pid)
         else:
-            num_fds = last[5] if last is not None else None
-        if reuse:
-            self._last[pid] = (start, f[20], f[21], figures, read_at, num_fds)
+            num_fds = last.num_fds if last is not None else None
         if kthread:
             cmdline: tuple[str, ...] = ()
+            cmdline_until = math.inf
         else:
-            cached = self._cmdline_cache.get((pid, start))
-            if cached is not None and now - cached[1] <= CMDLINE_REFRESH_SECONDS:
-                cmdline = cached[0]
-            else:
-                cmdline = self.cmdline(pid, start)
+            cmdline, cmdline_at = self._cached_cmdline(pid, start, comm, _exec_identity(f), now)[:2]
+            cmdline_until = cmdline_at + CMDLINE_REFRESH_SECONDS
         tick = self._clock_ticks
         rss, anon, file_, shmem, swap, peak, vms, pte = figures
         # Positional: keyword construction of a 25-field tuple costs ~1 µs more.
-        return ProcessMemory(
+        sample = ProcessMemory(
             pid,
             int(f[1]),
             name,
@@ -428,6 +540,13 @@ class ProcfsBackend(ExactReads):
             None,
             now - read_at,
         )
+        if reuse:
+            # The same stat bytes mean the same sample until status or the
+            # command line are due again (cheap_many); never where status is
+            # read every call.
+            until = min(read_at + reuse_age, cmdline_until) if reuse_age and self.carry_status else -math.inf
+            self._last[pid] = _Held(start, f[20], f[21], figures, read_at, num_fds, raw, sample, until)
+        return sample
 
     def self_rss_bytes(self) -> int:
         """This process's own RSS (the agent's self-cost), from the real /proc."""

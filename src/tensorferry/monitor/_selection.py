@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = ["Selection", "Selector"]
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -52,10 +53,15 @@ class Selection:
 class Selector:
     """Resolves a :class:`Selection` to pids, tick after tick, with what it learned cached.
 
-    Command-line matches are kept per pid (a miss re-matched every
+    Command-line matches are kept per process (a miss re-matched every
     ``rescan_seconds``: processes retitle), parents per pid (to build the
     tree), and kernel threads seen while scanning are skipped until their pid
-    is gone. The agent tells it each sample's parent through :meth:`observe`.
+    is gone. The agent hands it each tick's samples through
+    :meth:`observe_all`: their parents, and their command lines, which the
+    backend re-reads after an exec and every few seconds; a match is made
+    again whenever a process's command line or start time (a reused pid)
+    differs from the one it was made on. While /proc lists the same pids and
+    nothing of that changed, a tick's selection is the last one.
     """
 
     def __init__(
@@ -68,35 +74,95 @@ class Selector:
         self._pattern = re.compile(selection.pattern) if selection.pattern else None
         self._own_pid = os.getpid()
         self._ppids: dict[int, int] = {}
-        # Bumped when a known pid's parent changes (reparenting), which
-        # invalidates _tree_cache: (root, version, listed pids, descendants).
+        # Bumped when a known pid's parent changes (reparenting, a reused
+        # pid), which invalidates _tree_cache: (root, version, listed pids,
+        # descendants).
         self._ppids_version = 0
         self._tree_cache: tuple[int, int, list[int], set[int]] | None = None
-        self._matches: dict[int, tuple[bool, float]] = {}
+        # pid -> (create_time, None before the first sample; the argv matched; matched; when)
+        self._matches: dict[int, tuple[float | None, tuple[str, ...], bool, float]] = {}
         self._kthreads: set[int] = set()
+        # The last selection and what it was made from: /proc's listing,
+        # the parents' version, the first miss due for a re-match.
+        self._selected: list[int] = []
+        self._selected_from: tuple[list[int], int] | None = None
+        self._next_rescan_at = math.inf
+        # Chosen by pids, the tree or all: a process that stops matching the
+        # pattern stays selected.
+        self._chosen_otherwise: set[int] = set()
 
     def observe(self, sample: ProcessMemory) -> bool:
-        """Learn ``sample``'s parent; False for a kernel thread that was not
-        named by pid (it is skipped from now on and must not be reported)."""
-        pid = sample.pid
-        if sample.kernel_thread and pid not in self.selection.pids:
-            self._kthreads.add(pid)
-            return False
-        if self._ppids.get(pid) != sample.ppid:
-            self._ppids[pid] = sample.ppid
-            self._ppids_version += 1
-        return True
+        """Learn ``sample``'s parent (and check its match); False for a sample
+        that must not be reported: a kernel thread that was not named by pid
+        (it is skipped from now on), or a process selected by the pattern
+        alone whose command line no longer matches it."""
+        return bool(self.observe_all([sample]))
+
+    def observe_all(self, samples: list[ProcessMemory]) -> list[ProcessMemory]:
+        """:meth:`observe` each sample; returns those to report, in order."""
+        out: list[ProcessMemory] = []
+        named, ppids, matches, pattern = self.selection.pids, self._ppids, self._matches, self._pattern
+        for s in samples:
+            pid = s.pid
+            if s.kernel_thread and pid not in named:
+                if pid not in self._kthreads:
+                    self._kthreads.add(pid)
+                    self._selected_from = None  # --all leaves it out from now on
+                continue
+            if ppids.get(pid) != s.ppid:
+                ppids[pid] = s.ppid
+                self._ppids_version += 1
+            if pattern is not None:
+                m = matches.get(pid)
+                if m is not None and (m[1] is not s.cmdline or m[0] != s.create_time):
+                    if m[0] == s.create_time or m[0] is None:
+                        if m[1] == s.cmdline:
+                            # The same argv read twice (the scan's read, the backend's): the same match.
+                            matches[pid] = (s.create_time, s.cmdline, m[2], m[3])
+                            m = None
+                    if m is not None:
+                        # Another process under this pid, or an exec or a retitle: match again.
+                        matched = self._match(pattern, pid, s.cmdline)
+                        matches[pid] = (s.create_time, s.cmdline, matched, self._clock())
+                        if matched != m[2]:
+                            self._selected_from = None
+                        if not matched and pid not in self._chosen_otherwise and pid not in named:
+                            continue
+            out.append(s)
+        return out
+
+    def _match(self, pattern: re.Pattern[str], pid: int, argv: tuple[str, ...]) -> bool:
+        # The agent's own command line holds the pattern: never match itself.
+        return pid != self._own_pid and bool(argv) and pattern.search(" ".join(argv)) is not None
 
     def _matches_pattern(self, pattern: re.Pattern[str], pid: int, now: float) -> bool:
         cached = self._matches.get(pid)
-        if cached is not None and (cached[0] or now - cached[1] < self._rescan_seconds):
-            return cached[0]
+        if cached is not None and (cached[2] or cached[3] == math.inf or now - cached[3] < self._rescan_seconds):
+            if not cached[2]:
+                self._next_rescan_at = min(self._next_rescan_at, cached[3] + self._rescan_seconds)
+            return cached[2]
         try:
             argv = self._backend.cmdline(pid)
         except (NoSuchProcess, AccessDenied):
             argv = ()
-        matched = bool(argv) and pattern.search(" ".join(argv)) is not None
-        self._matches[pid] = (matched, now)
+        if not argv:
+            # Kernel threads have no command line, and neither has a process
+            # caught in an exec (the kernel lets a vfork parent run on before
+            # the new image's arguments are in place) or exiting: only the
+            # first kind is a lasting miss; the others are looked at next tick.
+            try:
+                kthread = self._backend.cheap(pid, count_fds=False).kernel_thread
+            except (NoSuchProcess, AccessDenied):
+                kthread = False
+            if not kthread:
+                self._next_rescan_at = now
+                return False
+            self._matches[pid] = (None, argv, False, math.inf)
+            return False
+        matched = self._match(pattern, pid, argv)
+        self._matches[pid] = (None, argv, matched, now)
+        if not matched:
+            self._next_rescan_at = min(self._next_rescan_at, now + self._rescan_seconds)
         return matched
 
     def _descendants(self, root: int, listed: list[int]) -> set[int]:
@@ -125,26 +191,32 @@ class Selector:
         return out
 
     def select(self) -> list[int]:
-        """The pids selected now, sorted."""
+        """The pids selected now, sorted (the caller must not change the list)."""
         sel = self.selection
-        chosen: set[int] = set(sel.pids)
-        if sel.all_processes or sel.pattern or sel.tree_root_pid:
-            listed = self._backend.pids()
-            alive = set(listed)
-            # Forget what we learned about pids that are gone (they get reused).
-            for cache in (self._ppids, self._matches):
-                for pid in [p for p in cache if p not in alive]:
-                    del cache[pid]
-            self._kthreads &= alive
-            if sel.all_processes:
-                chosen.update(p for p in listed if p not in self._kthreads)
-            pattern = self._pattern
-            if pattern is not None:
-                now = self._clock()
-                # The agent's own command line holds the pattern: never match itself.
-                chosen.update(
-                    p for p in listed if p != self._own_pid and self._matches_pattern(pattern, p, now)
-                )
-            if sel.tree_root_pid:
-                chosen.update(self._descendants(sel.tree_root_pid, listed) & (alive | {sel.tree_root_pid}))
-        return sorted(chosen)
+        if not (sel.all_processes or sel.pattern or sel.tree_root_pid):
+            return sorted(set(sel.pids))
+        listed = self._backend.pids()
+        now = self._clock() if self._pattern is not None else 0.0
+        last = self._selected_from
+        if last is not None and last[1] == self._ppids_version and now < self._next_rescan_at and last[0] == listed:
+            return self._selected
+        alive = set(listed)
+        # Forget what we learned about pids that are gone (they get reused).
+        for cache in (self._ppids, self._matches):
+            for pid in [p for p in cache if p not in alive]:
+                del cache[pid]
+        self._kthreads &= alive
+        other: set[int] = set(sel.pids)
+        if sel.all_processes:
+            other.update(p for p in listed if p not in self._kthreads)
+        if sel.tree_root_pid:
+            other.update(self._descendants(sel.tree_root_pid, listed) & (alive | {sel.tree_root_pid}))
+        chosen = set(other)
+        pattern = self._pattern
+        if pattern is not None:
+            self._next_rescan_at = math.inf
+            chosen.update(p for p in listed if p not in other and self._matches_pattern(pattern, p, now))
+        self._chosen_otherwise = other
+        self._selected = sorted(chosen)
+        self._selected_from = (listed, self._ppids_version)
+        return self._selected

@@ -1,0 +1,280 @@
+"""bench_monitor's section 6 (``--scale``): the monitor's own cost at node
+scale. 100, 1,000 and 3,000 idle processes (``sleep`` children of one
+parent, started here and ended by pid), watched by a real ``tensorferry
+monitor`` process at a 1 s tick with ``--pattern``, ``--tree`` and
+``--all`` selection, fds counted, serving ``/metrics``; its CPU (utime +
+stime of its /proc/PID/stat over the window) per tick and per process, its
+RSS, its tick's wall time (from the tick's start to the snapshot a scrape
+renders), and scrapes of ``/metrics`` (group labels; one ``--per-process``
+row per size, whose exposition is parsed and whose per-process series are
+checked to sum to the group's). With ``--compare SRC`` every row also runs
+the monitor from another tree's ``src`` (the code before a change),
+interleaved with this one's, so both see the same load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from _monitor_targets import ROOT
+
+# The fleet's parent: N `sleep` children whose argv[0] is the tag (so the
+# pattern matches them and nothing else), their pids on one line, then it
+# waits for stdin to close.
+FLEET_CODE = r"""
+import os, sys
+n, tag = int(sys.argv[1]), sys.argv[2]
+pids = [os.posix_spawn("/bin/sleep", [tag, "infinity"], os.environ) for _ in range(n)]
+print(" ".join(map(str, pids)), flush=True)
+sys.stdin.read()
+"""
+
+WARM_SECONDS = 6.0  # start-up: every process's first sample, first exact walks, the first full listing
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Fleet:
+    """N idle processes under one parent; ended by pid (children, then the parent)."""
+
+    def __init__(self, n: int, tag: str) -> None:
+        self.tag = tag
+        self.proc = subprocess.Popen([sys.executable, "-c", FLEET_CODE, str(n), tag],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the fleet of {n} failed to start (rc {self.proc.poll()})")
+        self.pids = [int(p) for p in line.split()]
+        self.root = self.proc.pid
+
+    def close(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.stdin.close()  # the parent reaps nothing: it exits, and init reaps the children
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def _stop(mon: subprocess.Popen) -> None:
+    """End a monitor as Ctrl-C does; by its pid if it does not go."""
+    mon.send_signal(signal.SIGINT)
+    try:
+        mon.wait(20)
+    except subprocess.TimeoutExpired:
+        mon.kill()
+        mon.wait(10)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _scrape(url: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        body = resp.read().decode()
+    return time.perf_counter() - t0, body
+
+
+def _metric(body: str, name: str) -> float:
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _selection(mode: str, fleet: Fleet) -> list[str]:
+    return {"pattern": ["-k", f"^{fleet.tag} "], "tree": ["-t", str(fleet.root)], "all": ["-a"]}[mode]
+
+
+def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_process: bool = False) -> dict[str, object]:
+    """One monitor process from ``src`` watching ``fleet`` by ``mode`` for ``seconds`` after the warm-up."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    cmd = [sys.executable, "-m", "tensorferry", "monitor", *_selection(mode, fleet), "-i", "1", "-P", "0"]
+    if per_process:
+        cmd.append("--per-process")
+    mon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = mon.stderr.readline()  # "serving http://127.0.0.1:PORT/metrics and ..."
+        if "serving" not in line:
+            raise RuntimeError(f"monitor did not start: {line!r}")
+        url = line.split()[1]
+        time.sleep(WARM_SECONDS)
+        _, body = _scrape(url)
+        ticks0, tick_s0 = _metric(body, "tensorferry_monitor_tick_seconds_count"), _metric(
+            body, "tensorferry_monitor_tick_seconds_sum")
+        cpu0, t0 = _cpu_seconds(mon.pid), time.monotonic()
+        time.sleep(seconds)
+        cpu1, t1 = _cpu_seconds(mon.pid), time.monotonic()
+        rss = _rss_bytes(mon.pid)
+        scrapes = [_scrape(url) for _ in range(5)]
+        body = scrapes[-1][1]
+        ticks = _metric(body, "tensorferry_monitor_tick_seconds_count") - ticks0
+        tick_s = _metric(body, "tensorferry_monitor_tick_seconds_sum") - tick_s0
+        watched = sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines() if ln.startswith("tensorferry_processes{"))
+        row: dict[str, object] = {
+            "mode": mode, "src": str(src), "per_process": per_process, "fleet": len(fleet.pids),
+            "watched": watched, "seconds": t1 - t0, "cpu_seconds": cpu1 - cpu0,
+            "core_percent": (cpu1 - cpu0) / (t1 - t0) * 100, "ticks": ticks,
+            "cpu_ms_per_tick": (cpu1 - cpu0) / max(ticks, 1) * 1e3,
+            "cpu_us_per_process_tick": (cpu1 - cpu0) / max(ticks, 1) / max(watched, 1) * 1e6,
+            "tick_wall_ms": tick_s / max(ticks, 1) * 1e3, "rss_mib": rss / 2**20,
+            "scrape_ms": statistics.median(s for s, _ in scrapes) * 1e3, "scrape_bytes": len(body),
+            "load_1min": os.getloadavg()[0],
+        }
+        if per_process:
+            row.update(check_exposition(body))
+        return row
+    finally:
+        _stop(mon)
+
+
+def check_exposition(body: str) -> dict[str, object]:
+    """Parse a ``--per-process`` scrape (prometheus_client's own parser) and
+    check that each name's per-process resident series sum to what the
+    group figures would be: every series has a name, a pid and a kind, and
+    no pid appears twice in one family."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = 0
+    by_name: dict[tuple[str, str], float] = {}
+    pids_seen: set[tuple[str, str]] = set()
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            series += 1
+            if s.name == "tensorferry_process_resident_bytes":
+                key = (s.labels["pid"], s.labels["kind"])
+                if key in pids_seen:
+                    raise AssertionError(f"pid {key} twice in one scrape")
+                pids_seen.add(key)
+                by_name[(s.labels["name"], s.labels["kind"])] = by_name.get((s.labels["name"], s.labels["kind"]), 0.0) + s.value
+    return {"exposition_series": series, "exposition_valid": True,
+            "resident_sum_bytes": sum(by_name.values()), "resident_series": len(pids_seen)}
+
+
+def scale(sizes: tuple[int, ...], modes: tuple[str, ...], seconds: float, compare: Path | None) -> dict[str, object]:
+    """Every (size, mode) row, with this tree's src and ``compare``'s interleaved (alternating which goes first)."""
+    here = ROOT / "src"
+    srcs = [here] if compare is None else [compare, here]
+    rows: list[dict[str, object]] = []
+    load_start = os.getloadavg()
+    for n in sizes:
+        fleet = Fleet(n, f"tfscale{os.getpid()}x{n}")
+        try:
+            for i, mode in enumerate(modes):
+                order = srcs if i % 2 == 0 else srcs[::-1]
+                for src in order:
+                    rows.append(monitor_row(fleet, mode, src, seconds))
+                    _log(rows[-1])
+            rows.append(monitor_row(fleet, "pattern", here, seconds, per_process=True))
+            _log(rows[-1])
+        finally:
+            fleet.close()
+    return {"rows": rows, "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
+            "cpus": os.cpu_count(), "kernel": os.uname().release, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _log(r: dict[str, object]) -> None:
+    print(f"  {r['fleet']:>5} {r['mode']:<8}{' per-process' if r['per_process'] else ''} "
+          f"{'new' if str(r['src']).startswith(str(ROOT)) else 'old'}: {r['core_percent']:.2f}% "
+          f"({r['cpu_us_per_process_tick']:.1f} µs/process/tick, {r['watched']:.0f} watched, "
+          f"load {r['load_1min']:.1f})", file=sys.stderr, flush=True)
+
+
+def print_scale(doc: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="monitor at node scale: 1 s ticks, fds counted, serving /metrics (CPU of the monitor process)")
+    for h in ("idle procs", "selection", "code", "watched", "% of a core", "ms CPU / tick", "µs / process / tick",
+              "tick wall ms", "RSS MiB", "scrape ms", "load"):
+        t.add_column(h, justify="right")
+    for r in doc["rows"]:
+        code = "new" if str(r["src"]).startswith(str(ROOT)) else "old"
+        t.add_row(str(r["fleet"]), r["mode"] + (" --per-process" if r["per_process"] else ""), code,
+                  f"{r['watched']:.0f}", f"{r['core_percent']:.2f}", f"{r['cpu_ms_per_tick']:.2f}",
+                  f"{r['cpu_us_per_process_tick']:.2f}", f"{r['tick_wall_ms']:.1f}", f"{r['rss_mib']:.1f}",
+                  f"{r['scrape_ms']:.1f}", f"{r['load_1min']:.1f}")
+    Console(width=200).print(t)
+
+
+def plot_scale(doc: dict[str, object], path: Path) -> None:
+    """CPU of one core against watched processes, one line per selection and code."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in doc["rows"]:
+        if r["per_process"]:
+            continue
+        code = "new" if str(r["src"]).startswith(str(ROOT)) else "before"
+        lines.setdefault((r["mode"], code), []).append((r["watched"], r["core_percent"]))
+    style = {"pattern": "o", "tree": "s", "all": "^"}
+    for (mode, code), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=style.get(mode, "o"),
+                ls="-" if code == "new" else "--", color="tab:blue" if code == "new" else "tab:gray",
+                label=f"{code}: --{mode}")
+    ax.axhline(1.0, color="tab:red", lw=1, ls=":", label="1% of one core")
+    ax.set_xlabel("watched processes (idle)")
+    ax.set_ylabel("monitor CPU, % of one core (1 s ticks)")
+    ax.set_title(f"tensorferry monitor at node scale, {doc['date']}, load "
+                 f"{doc['load_average_at_start'][0]:.1f}-{doc['load_average_at_end'][0]:.1f} on {doc['cpus']} CPUs",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def json_row(fleet_n: int, src: Path, seconds: float) -> dict[str, object]:
+    """``monitor -k ... --json`` (one JSON object per tick to a pipe): the issue's own measurement."""
+    fleet = Fleet(fleet_n, f"tfjson{os.getpid()}x{fleet_n}")
+    env = dict(os.environ, PYTHONPATH=str(src))
+    mon = subprocess.Popen([sys.executable, "-m", "tensorferry", "monitor", "-k", f"^{fleet.tag} ", "-i", "1", "-j"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        t_end = time.monotonic() + WARM_SECONDS
+        while time.monotonic() < t_end:
+            mon.stdout.readline()
+        cpu0, t0 = _cpu_seconds(mon.pid), time.monotonic()
+        lines = 0
+        while time.monotonic() < t0 + seconds:
+            last = mon.stdout.readline()
+            lines += 1
+        cpu1, t1 = _cpu_seconds(mon.pid), time.monotonic()
+        watched = len(json.loads(last)["processes"])
+        return {"mode": "pattern --json", "src": str(src), "fleet": fleet_n, "watched": watched,
+                "core_percent": (cpu1 - cpu0) / (t1 - t0) * 100, "ticks": lines,
+                "cpu_us_per_process_tick": (cpu1 - cpu0) / max(lines, 1) / max(watched, 1) * 1e6,
+                "load_1min": os.getloadavg()[0]}
+    finally:
+        _stop(mon)
+        fleet.close()
