@@ -270,3 +270,27 @@ def test_raw_reads_refuse_records_that_disagree_with_the_columns(monkeypatch):
     monkeypatch.setattr(_raw, "_SIZE_BY_UINT8", np.full(256, 3, np.int64))
     rec = tm.Recorded(ts)
     assert rec._raw is None and rec.first_changed(ts) == -1
+
+
+@pytest.mark.skipif(not tm._RAW, reason="raw reads are off in this torch: nothing to turn off")
+def test_a_layout_that_cannot_be_proved_turns_raw_reads_off_with_one_warning(monkeypatch):
+    # Another torch (2.14 and later) may lay a TensorImpl out differently:
+    # where the offsets do not fit, bind() says so once and kept plans check
+    # through torch's calls, with the same results.
+    def no_fit():
+        raise _raw._NoFit("dtype: no field fits")
+
+    monkeypatch.setattr(_raw, "_learn", no_fit)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"could not be proved: dtype: no field fits") as seen:
+            assert _raw.bind(tm._native, tm._PREFETCH[0]) is False
+        assert len(seen) == 1
+        monkeypatch.setattr(tm, "_RAW", False)
+        ts = [torch.ones(4), torch.zeros(2, 3)]
+        rec = tm.Recorded(ts)
+        assert rec.first_changed(ts) == -1
+        ts[1].t_()
+        assert rec.first_changed(ts) == 1
+    finally:
+        monkeypatch.undo()
+        assert _raw.bind(tm._native, tm._PREFETCH[0]) is True  # raw reads back on for the tests after this one

@@ -132,9 +132,16 @@ def bind(native: object, storage_at: int) -> bool:
         native.bind_raw(*_learn())  # type: ignore[attr-defined]
         if _probe(native):
             return True
-    except (_NoFit, ValueError, TypeError, AttributeError, RuntimeError):
-        pass
+        why = "a probe's change went unseen"
+    except (_NoFit, ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        why = str(exc) or type(exc).__name__
     native.bind_raw(-1, 0, 0, 0, 0)  # type: ignore[attr-defined]
+    warnings.warn(
+        f"tensorferry: kept plans check tensors through torch's calls on torch {torch.__version__}, not by raw reads "
+        f"(its TensorImpl layout could not be proved: {why}); results are the same, checks of many tensors slower",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return False
 
 
