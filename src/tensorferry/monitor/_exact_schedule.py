@@ -166,10 +166,23 @@ class ExactScheduler:
         due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
         states, estimate, is_due = self._states, self.estimate, self._due
         max_stall = math.inf if cfg.force_exact else cfg.max_stall_seconds
+        pagemap = self._start_walk is not None
+        frac, budget, base_cost = cfg.rss_change_fraction, cfg.cpu_budget_fraction, cfg.walk_base_seconds
         for s in samples:
             if s.kernel_thread or s.uss_source != "none":
                 continue
             state = states.get((s.pid, s.create_time))
+            if pagemap and state is not None and state.walk is None and not state.rollup_only:
+                # _due without the estimate, for the many processes read
+                # recently whose RSS stands (a node's processes, most ticks).
+                if state.denied:
+                    continue
+                r = state.rss_at_read
+                if not (r and abs(s.rss_bytes - r) > frac * r):
+                    since = state.tried_at if state.tried_at is not None else state.read_at
+                    cost = state.exact.cost_seconds if state.exact is not None else base_cost
+                    if now - since < cost / budget:
+                        continue
             est = estimate(s, state)
             if state is not None and state.walk is not None:
                 left = max(est - state.walk.cost_seconds, cfg.walk_base_seconds)

@@ -18,7 +18,6 @@ import re
 import time
 import warnings
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
 from ._checks import check_int, check_number
@@ -45,27 +44,31 @@ def _is_kernel_proc(proc_root: str) -> bool:
         return False
 
 
-class _Held(NamedTuple):
+class _Held:
     """What :meth:`ProcfsBackend.cheap_reusing` keeps per process between calls."""
 
-    start: int
-    """stat's starttime (ticks since boot): a reused pid has another."""
-    vsize: bytes
-    """stat's VmSize and RSS when status was last read: status is carried while they stand."""
-    rss: bytes
-    figures: tuple[int, ...]
-    """status's figures (``_status_figures``)."""
-    read_at: float
-    """When status was read (monotonic)."""
-    num_fds: int | None
-    """The last fd count."""
-    stat: bytes
-    """The whole of stat as last read."""
-    sample: ProcessMemory
-    """The sample built from it."""
-    reuse_until: float
-    """Until when (monotonic) ``sample`` may be handed out again while stat reads the same bytes:
-    status and the command line are then due again."""
+    __slots__ = ("start", "vsize", "rss", "figures", "read_at", "num_fds", "stat", "sample", "reuse_until")
+
+    def __init__(self, start: int, vsize: bytes, rss: bytes, figures: tuple[int, ...], read_at: float,
+                 num_fds: int | None, stat: bytes, sample: ProcessMemory, reuse_until: float) -> None:
+        self.start = start
+        """stat's starttime (ticks since boot): a reused pid has another."""
+        self.vsize = vsize
+        """stat's VmSize and RSS when status was last read: status is carried while they stand."""
+        self.rss = rss
+        self.figures = figures
+        """status's figures (``_status_figures``)."""
+        self.read_at = read_at
+        """When status was read (monotonic)."""
+        self.num_fds = num_fds
+        """The last fd count."""
+        self.stat = stat
+        """The whole of stat as last read."""
+        self.sample = sample
+        """The sample built from it."""
+        self.reuse_until = reuse_until
+        """Until when (monotonic) ``sample`` may be handed out again while stat reads the same bytes:
+        status and the command line are then due again."""
 
 
 def _exec_identity(f: list[bytes]) -> bytes:
@@ -132,10 +135,10 @@ class ProcfsBackend(ExactReads):
         # process a new comm and a new stack (see _exec_identity).
         self._cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float, bytes, bytes]] = {}
         self._warned: set[str] = set()
-        # cheap_reusing's state. pid -> (stat fd, status fd): a /proc/PID file
+        # cheap_reusing's state. pid -> (stat fd, status fd, cmdline fd): a /proc/PID file
         # stays bound to its process, so a reused pid reads ESRCH, never the
         # newcomer's figures.
-        self._handles: dict[int, tuple[int, int]] = {}
+        self._handles: dict[int, tuple[int, int, int]] = {}
         # pid -> _Held: what the last sample read, and the sample itself.
         self._last: dict[int, _Held] = {}
         try:
@@ -146,9 +149,10 @@ class ProcfsBackend(ExactReads):
                 soft = 1 << 20
         except (ImportError, OSError, ValueError):
             soft = 1024
-        # Two fds per process, at most a quarter of the fd limit in all; past
-        # that, processes are read with open/read/close as cheap() does.
-        self.max_open_processes = max(0, min(4096, soft // 8))
+        # Three fds per process (stat, status, cmdline), at most a quarter of
+        # the fd limit in all; past that, processes are read with
+        # open/read/close as cheap() does.
+        self.max_open_processes = max(0, min(4096, soft // 12))
         self._fds = FdCounter(proc_root)
 
     # -- raw reads ---------------------------------------------------------------
@@ -164,20 +168,19 @@ class ProcfsBackend(ExactReads):
         except OSError as exc:
             raise _translate(exc, pid) from exc
 
-    def _open_handle(self, pid: int) -> tuple[int, int] | None:
+    def _open_handle(self, pid: int) -> tuple[int, int, int] | None:
         if len(self._handles) >= self.max_open_processes:
             return None
         base = f"{self.proc_root}/{pid}/"
+        fds: list[int] = []
         try:
-            stat_fd = os.open(base + "stat", os.O_RDONLY | os.O_CLOEXEC)
+            for name in ("stat", "status", "cmdline"):
+                fds.append(os.open(base + name, os.O_RDONLY | os.O_CLOEXEC))
         except OSError as exc:
+            for fd in fds:
+                os.close(fd)
             raise _translate(exc, pid) from exc
-        try:
-            status_fd = os.open(base + "status", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            os.close(stat_fd)
-            raise _translate(exc, pid) from exc
-        handle = self._handles[pid] = (stat_fd, status_fd)
+        handle = self._handles[pid] = (fds[0], fds[1], fds[2])
         return handle
 
     def _close_handle(self, pid: int) -> None:
@@ -300,7 +303,18 @@ class ProcfsBackend(ExactReads):
         return entry
 
     def _read_cmdline(self, pid: int) -> tuple[str, ...]:
-        raw = self._read(pid, "cmdline")
+        # The agent re-reads a watched process's command line every
+        # CMDLINE_REFRESH_SECONDS: through the file it holds open (a tenth of
+        # an open/read/close of 1,000 processes' cmdline is ~0.5 ms a tick).
+        handle = self._handles.get(pid)
+        try:
+            raw = None if handle is None else os.pread(handle[2], _READ_NBYTES, 0)
+        except ProcessLookupError:
+            raw = None  # the files of a process gone; the pid may be another's now
+        except OSError as exc:
+            raise _translate(exc, pid) from exc
+        if raw is None:
+            raw = self._read(pid, "cmdline")
         return tuple(a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0") if a)
 
     # -- samples -----------------------------------------------------------------
@@ -403,7 +417,7 @@ class ProcfsBackend(ExactReads):
                         if count:
                             s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_FDS] + (fds.count(pid),)
                                     + s[_FDS + 1:_STATUS_AGE] + (now - last.read_at,))
-                            lasts[pid] = last._replace(sample=s, num_fds=s[_FDS])
+                            last.sample, last.num_fds = s, s[_FDS]
                         else:
                             s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_STATUS_AGE] + (now - last.read_at,))
                         append(s)
@@ -418,7 +432,7 @@ class ProcfsBackend(ExactReads):
                 errors["denied"] += 1
         return out, errors
 
-    def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
+    def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int, int] | None]:
         if not self.keep_open:
             return self._read(pid, "stat"), None
         for _ in range(2):
@@ -453,7 +467,7 @@ class ProcfsBackend(ExactReads):
 
     def _cheap(
         self, pid: int, count_fds: bool, reuse_age: float | None, raw: bytes | None = None,
-        handle: tuple[int, int] | None = None,
+        handle: tuple[int, int, int] | None = None,
     ) -> ProcessMemory:
         # This runs for every process whose stat changed since the last tick:
         # plain bytes operations, no file objects, no per-line splitting (see
