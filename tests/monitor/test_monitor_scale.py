@@ -281,3 +281,68 @@ def test_metrics_over_hundreds_of_processes_parse_and_sum_to_the_groups(sleepers
     assert sums == group_resident == {(sleepers.tag, k): pytest.approx(v) for (_, k), v in sums.items()}
     count = {s.labels["name"]: s.value for s in groups["tensorferry_processes"].samples}
     assert count == {sleepers.tag: len(pids)}
+
+
+def test_fast_exposition_writes_the_bytes_prometheus_client_writes(sleepers: Sleepers) -> None:
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.exposition import choose_encoder
+    from prometheus_client.openmetrics import exposition as om
+
+    from tensorferry.monitor import register_pool_source, unregister_pool_source
+    from tensorferry.monitor._exposition import Exposition, fast_format
+    from tensorferry.monitor._prometheus import MonitorCollector
+
+    sleepers.start(20)
+    agent = Agent(Selection(pattern=f"^{sleepers.tag} "), AgentConfig(cgroups=True))
+    wait_until(lambda: len(agent.tick().samples) == 20, what="every sleeper selected")
+    agent.tick()
+    # Label values that need escaping, and text that is not ASCII.
+    odd = 'w"ei\\ghts\nü'
+    register_pool_source(odd, lambda: {"capacity_nbytes": 1 << 30, "used_nbytes": 5, "largest_free_nbytes": 7,
+                                       "transfers": 3, "bytes_moved": 1 << 40}, role="sender")
+    try:
+        for labels in ("group", "process"):
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(MonitorCollector(agent, labels=labels))
+            fast = Exposition()
+            for _ in range(2):  # the second from the label text kept
+                assert fast.render(registry, "text") == generate_latest(registry)
+                assert fast.render(registry, "openmetrics") == om.generate_latest(registry)
+            # What Prometheus 3 and 2 ask for, and what curl gets.
+            for accept in ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+                           "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+                           "application/openmetrics-text; version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                           "*/*"):
+                encoder, _ = choose_encoder(accept)
+                fmt = fast_format(encoder)
+                assert fmt is not None
+                assert fast.render(registry, fmt) == encoder(registry)
+    finally:
+        unregister_pool_source(odd)
+    # Formats it does not write are left to prometheus_client.
+    assert fast_format(partial(om.generate_latest, escaping="dots", version="1.0.0")) is None
+    assert fast_format(partial(generate_latest, escaping="values")) is None
+
+
+def test_metrics_endpoint_answers_openmetrics_and_gzip_as_prometheus_asks(sleepers: Sleepers) -> None:
+    import gzip
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_families
+
+    pids = sleepers.start(50)
+    agent = Agent(Selection(pattern=f"^{sleepers.tag} "), AgentConfig(exact=False))
+    wait_until(lambda: len(agent.tick().samples) == len(pids), what="every sleeper selected")
+    with serve_prometheus(agent, port=0, labels="process") as server:
+        req = urllib.request.Request(server.url, headers={
+            "Accept": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,*/*;q=0.2",
+            "Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.headers["Content-Encoding"] == "gzip"
+            assert resp.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+            body = gzip.decompress(resp.read()).decode()
+    assert body.endswith("# EOF\n")
+    threads = {f.name: f for f in om_families(body)}["tensorferry_process_threads"]
+    assert sorted(int(s.labels["pid"]) for s in threads.samples) == sorted(pids)
+    assert all(s.value == 1 for s in threads.samples)  # sleep has one thread
