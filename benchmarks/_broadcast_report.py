@@ -7,6 +7,8 @@ from pathlib import Path
 from _common import MIB, med
 
 TARGET_CHAIN_VS_ONE = 1.3
+# Issue 47: at 16 receivers and more, the chain within 1.1x of one receiver.
+TARGET_CHAIN_VS_ONE_AT_16 = 1.1
 TARGET_FAULT_VS_FREE = 2.0
 
 # -- summary, table, plot ------------------------------------------------------------------
@@ -41,6 +43,8 @@ def summarize(doc: dict) -> None:
                 "star_bound_seconds": n * line,
                 "vs_line": s / line,
                 "sender_copies": med([r.get("sender_copies", n) for r in rounds]),
+                "receiver_cpu_seconds_per_gib": med([r["receiver_cpu_seconds_per_gib"] for r in rounds])
+                if all("receiver_cpu_seconds_per_gib" in r for r in rounds) else None,
                 "raw_star_seconds": raw,
                 "raw_vs_one_receiver": raw / raw1 if raw and raw1 else None,
                 "verified": all(r.get("verified", True) for r in rounds) and any("verified" in r for r in rounds),
@@ -50,12 +54,29 @@ def summarize(doc: dict) -> None:
     chain = {r["receivers"]: r for r in rows.get("chain", [])}
     if 1 in chain and len(chain) > 1:
         n = max(chain)
-        targets[f"chain: {n} receivers vs 1 (at most {TARGET_CHAIN_VS_ONE}x)"] = (chain[n]["vs_one_receiver"], TARGET_CHAIN_VS_ONE)
+        limit = TARGET_CHAIN_VS_ONE_AT_16 if n >= 16 else TARGET_CHAIN_VS_ONE
+        targets[f"chain: {n} receivers vs 1 (at most {limit}x)"] = (chain[n]["vs_one_receiver"], limit)
     if doc["fault"]:
         worst = max(r["seconds"] / r["fault_free_seconds"] for r in doc["fault"])
         targets[f"chain, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(doc['fault'])})"] = (
             worst, TARGET_FAULT_VS_FREE)
     doc["targets"] = {k: {"ratio": v, "target": t, "met": v <= t} for k, (v, t) in targets.items()}
+
+
+def ratios(doc: dict) -> dict[str, float | None]:
+    """The flat ratios interleave.py compares (after :func:`summarize`):
+    each strategy and N against one copy at the line rate and against one
+    receiver, and the receivers' CPU a GiB (seconds, not a ratio: B/A of
+    it says whether a change costs CPU)."""
+    out: dict[str, float | None] = {}
+    for strategy, rows in doc["rows"].items():
+        for r in rows:
+            n = r["receivers"]
+            out[f"{strategy} x{n} vs line"] = r["vs_line"]
+            if n > 1:
+                out[f"{strategy} x{n} vs 1 receiver"] = r["vs_one_receiver"]
+            out[f"{strategy} x{n} receiver CPU s/GiB"] = r["receiver_cpu_seconds_per_gib"]
+    return out
 
 
 def repeats_text(env: dict) -> str:
@@ -84,6 +105,7 @@ def print_table(doc: dict) -> None:
         t.add_column(f"{k} s", justify="right")
         t.add_column(f"{k} vs 1", justify="right")
         t.add_column(f"{k} sender copies", justify="right")
+        t.add_column(f"{k} CPU s/GiB", justify="right")
     t.add_column("one copy at line rate", justify="right")
     t.add_column("N copies (star bound)", justify="right")
     t.add_column("raw TCP star s", justify="right")
@@ -96,8 +118,9 @@ def print_table(doc: dict) -> None:
         cells = [str(n)]
         for k in strategies:
             r = by_n[n].get(k)
+            cpu = r.get("receiver_cpu_seconds_per_gib") if r else None
             cells += [f"{r['seconds']:.2f}", f"{r['vs_one_receiver']:.2f}x" if r["vs_one_receiver"] else "-",
-                      f"{r['sender_copies']:.2f}"] if r else ["-", "-", "-"]
+                      f"{r['sender_copies']:.2f}", f"{cpu:.2f}" if cpu is not None else "-"] if r else ["-", "-", "-", "-"]
         any_row = next(iter(by_n[n].values()))
         raw = by_n[n].get("star", {}).get("raw_star_seconds")
         cells += [f"{any_row['line_seconds']:.2f}", f"{any_row['star_bound_seconds']:.2f}", f"{raw:.2f}" if raw else "-",

@@ -10,6 +10,7 @@ import ctypes
 import hashlib
 import json
 import os
+import resource
 import socket
 import sys
 import threading
@@ -158,6 +159,9 @@ def receiver_worker(args: argparse.Namespace) -> None:
                     t0 = time.monotonic()
                     ctypes.memmove(dst.data_ptr(), src.data_ptr(), args.nbytes)
                     _say(t_start=t0, t_done=time.monotonic())
+                elif cmd["cmd"] == "cpu":
+                    use = resource.getrusage(resource.RUSAGE_SELF)  # every thread's: the relay's server too
+                    _say(cpu_seconds=use.ru_utime + use.ru_stime)
                 elif cmd["cmd"] == "sink":
                     _sink(args.host, cmd["nbytes"], args.timeout)
                 elif cmd["cmd"] == "stop":

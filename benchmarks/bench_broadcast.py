@@ -113,9 +113,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _broadcast_report import plot, print_table, summarize
+from _broadcast_report import plot, print_table, ratios, summarize
 from _broadcast_workers import receiver_worker, sender_worker
-from _common import MIB, log, med, package_version, write_json  # benchmarks/_common.py (this script's folder)
+from _common import MIB, log, med, package_version, results_dir, write_json, write_result  # benchmarks/_common.py (this script's folder)
 from _harness import namespace_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,8 +153,12 @@ class Worker:
         # nixl: UCX by TCP over the host's eth0, so that its bytes cross the
         # shaped links (its shared-memory transports would go around them:
         # the hosts share one kernel).
-        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0") if args.transport == "nixl" else None
-        self.proc = hosts.python(i, *argv, prefix=prefix, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = dict(os.environ, UCX_TLS="tcp", UCX_NET_DEVICES="eth0") if args.transport == "nixl" else dict(os.environ)
+        # The tensorferry of an inherited PYTHONPATH first (interleave.py's
+        # tree), else this checkout's.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT / "src")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = hosts.run(i, [*prefix, sys.executable, *argv], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def send(self, **cmd: Any) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -193,6 +197,7 @@ def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, v
     ``stagger`` apart); ``victim`` SIGKILLed ``kill_after`` seconds after its
     get was sent. The time is to the last surviving receiver's bytes."""
     fanout = STRATEGIES[strategy]
+    cpu0 = [r.call(timeout, cmd="cpu")["cpu_seconds"] for r in receivers]
     put = sender.call(timeout, cmd="put", readers=len(receivers), fanout=fanout)
     kill_at = None
     for k, r in enumerate(receivers):
@@ -206,6 +211,8 @@ def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, v
         victim.kill()
     got = [r.recv(timeout) for r in receivers if r is not victim]
     released = sender.call(timeout, cmd="wait", ticket=put["ticket"], timeout=timeout)
+    # Every reader released: every relay has served its children.
+    cpu = sum(r.call(timeout, cmd="cpu")["cpu_seconds"] - c for r, c in zip(receivers, cpu0) if r is not victim)
     done = [g["t_done"] for g in got]
     total = put["total_nbytes"]
     if put["transport"] == "nixl":
@@ -221,6 +228,8 @@ def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, v
         "gets_seconds": max(done) - min(g["t_start"] for g in got),
         "first_done_seconds": min(done) - put["t_put"],
         "sender_copies": sender_copies,
+        # The receivers' CPU (user and system, every thread) per GiB each received.
+        "receiver_cpu_seconds_per_gib": cpu / (len(got) * total / (1 << 30)),
         "pool_empty": released["used_nbytes"] == 0,
         "digests": [g["digest"] for g in got] if verify else None,
     }
@@ -254,7 +263,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="100mbit, 16 MiB (smoke run)")
     ap.add_argument("--transport", choices=["tcp", "nixl"], default="tcp",
                     help="the sender's and receivers' transport (nixl: UCX by TCP over each host's link)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results, or $TENSORFERRY_BENCH_OUT)")
     ap.add_argument("--replot", type=Path, default=None, metavar="JSON", help="only redraw the table and plot")
     # internal: what the workers are started with
     ap.add_argument("--worker", choices=["sender", "receiver"], help=argparse.SUPPRESS)
@@ -262,6 +271,7 @@ def main() -> int:
     ap.add_argument("--token", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.out = args.out or results_dir(RESULTS)
     if args.worker == "sender":
         sender_worker(args)
         return 0
@@ -357,7 +367,7 @@ def main() -> int:
     summarize(doc)
     default = args.rate == "1gbit" and args.nbytes == 512 * MIB
     suffix = ("_quick" if args.quick else "" if default else f"_{args.rate}_{args.nbytes // MIB}MiB") + ("_nixl" if args.transport == "nixl" else "")
-    path = write_json(args.out / f"bench_broadcast{suffix}.json", doc)
+    path = write_result(args.out / f"bench_broadcast{suffix}.json", doc, ratios(doc))
     print_table(doc)
     if doc["rows"]:
         plot(doc, path.with_suffix(".png"))
