@@ -9,9 +9,10 @@ relay of the next). Mixed in, at seeded random syncs:
 
 * a receiver killed (SIGKILL) at a random point of its get, then restarted
   (in the chain, a relay: its children resume from the sender);
-* a receiver stopped (SIGSTOP) mid-get for longer than the sender's lease
-  while the others go on syncing (the sender reuses its blocks), then
-  resumed: its get must be bit-exact or a typed error, never other bytes;
+* a receiver stopped (SIGSTOP) mid-get, or before its get, for longer than
+  the sender's lease while the others go on syncing (the sender reuses its
+  blocks), then resumed: its get must be bit-exact or a typed error, never
+  other bytes;
 * garbage connections to the sender: random bytes, an HTTP request, or a
   connection that says nothing until the sync is over.
 
@@ -303,15 +304,20 @@ class Soak:
         self.pids_ever.add(self.workers[victim].pid)
         self.faults["receiver killed mid-get" + (" (a relay of the chain)" if self.chain else "")] += 1
 
-    def stop_past_the_lease(self) -> None:
+    def stop_past_the_lease(self, before_its_get: bool) -> None:
+        """Stop a receiver at a random point of its get, or before it reads
+        the ticket (its get then starts after the lease ran out)."""
         victim = self.rng.randrange(1, RECEIVERS)
         others = [w for i, w in enumerate(self.workers) if i != victim]
+        stopped = self.workers[victim]
         version, hexed = self.put(RECEIVERS)
+        if before_its_get:
+            os.kill(stopped.pid, signal.SIGSTOP)
         for w in self.workers:
             w.send(cmd="get", ticket=hexed, version=version)
-        time.sleep(self.rng.uniform(0.0, self.get_seconds()))
-        stopped = self.workers[victim]
-        os.kill(stopped.pid, signal.SIGSTOP)
+        if not before_its_get:
+            time.sleep(self.rng.uniform(0.0, self.get_seconds()))
+            os.kill(stopped.pid, signal.SIGSTOP)
         try:
             for w in others:
                 self.check(w, version)
@@ -325,8 +331,9 @@ class Soak:
             os.kill(stopped.pid, signal.SIGCONT)
         exact = self.exact
         self.check(stopped, version)
-        self.stopped_outcomes["bit-exact" if self.exact > exact else "typed error"] += 1
-        self.faults[f"receiver stopped past the {LEASE_SECONDS:g} s lease, then resumed"] += 1
+        when = "before its get" if before_its_get else "mid-get"
+        self.stopped_outcomes[f"{'bit-exact' if self.exact > exact else 'typed error'} ({when})"] += 1
+        self.faults[f"receiver stopped {when} past the {LEASE_SECONDS:g} s lease, then resumed"] += 1
 
     def garbage(self, address: str) -> None:
         if address.startswith("@"):
@@ -379,7 +386,7 @@ class Soak:
 def _schedule(rng: random.Random, syncs: int) -> dict[int, str]:
     """At which sync each fault starts: none in the first tenth (the baseline)."""
     scale = syncs / 500
-    kinds = ["kill"] * max(1, round(KILLS * scale)) + ["stop"] * max(1, round(STOPS * scale)) + ["garbage"] * max(1, round(GARBAGE * scale))
+    kinds = ["kill"] * max(1, round(KILLS * scale)) + ["stop"] * max(2, round(STOPS * scale)) + ["garbage"] * max(1, round(GARBAGE * scale))
     at = rng.sample(range(syncs // 10 + 1, syncs), len(kinds))
     return dict(zip(sorted(at), rng.sample(kinds, len(kinds))))
 
@@ -405,7 +412,7 @@ def test_soak(transport: str, chain: bool, capsys: pytest.CaptureFixture[str]) -
             if fault == "kill":
                 soak.kill_mid_get()
             elif fault == "stop":
-                soak.stop_past_the_lease()
+                soak.stop_past_the_lease(before_its_get=sum(soak.stopped_outcomes.values()) % 3 == 1)
             else:
                 if fault == "garbage":
                     soak.garbage(soak.address)
