@@ -66,7 +66,7 @@ MODEL_SYNC_METHODS = (("nixl", "Ray nixl"), ("tf", "tensorferry WeightSync"), ("
 # object plus alignment.
 RECV_POOL_NBYTES = TOTAL_NBYTES + (64 << 20)
 # Ray's own nixl transport loads the UCX of nixl's wheel in the actors:
-# ucx_environment() keeps its EFA module out, or every actor crashes at exit
+# ucx_environment() keeps its EFA module out, or every actor crashed at exit
 # on a host with rdma-core (see tensorferry.transports._nixl_load).
 LO_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo", **ucx_environment()}
 

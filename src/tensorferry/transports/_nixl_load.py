@@ -57,30 +57,30 @@ _warned = False
 def ucx_environment() -> dict[str, str]:
     """The variables a process must have before it loads the wheel's UCX.
 
-    For processes tensorferry does not start itself that load NIXL another
-    way (Ray's own nixl transport, a raw NIXL agent): give them to the
-    process's environment (e.g. a Ray ``runtime_env``'s ``env_vars``). Empty
-    where this process's environment already sets ``UCX_MODULES``.
+    For processes that load NIXL without tensorferry (Ray's own nixl
+    transport, a raw NIXL agent): give them to the process's environment
+    (e.g. a Ray ``runtime_env``'s ``env_vars``). This process's own
+    ``UCX_MODULES``, where it has one, is passed on instead of ours.
     """
-    return {} if "UCX_MODULES" in os.environ else {"UCX_MODULES": UCX_MODULES}
+    return {"UCX_MODULES": os.environ.get("UCX_MODULES", UCX_MODULES)}
 
 
 def import_nixl() -> Any:
     """Import ``nixl._api`` (only it: importing ``nixl_cu12`` too in one process fails),
-    after setting :func:`ucx_environment` in this process.
+    after setting ``UCX_MODULES`` in this process where it is unset.
 
     Raises:
         BackendUnavailableError: NIXL is not installed or cannot be imported.
     """
-    missing = ucx_environment()
-    if missing and _mapped("libucs"):
-        log.warning(
-            "UCX was loaded in this process before tensorferry could set UCX_MODULES=%s; on a host with rdma-core "
-            "(libibverbs1) the process may crash at exit (SIGSEGV in rtnl_tc_unregister): set UCX_MODULES=%s "
-            "in the environment before the process starts",
-            UCX_MODULES, UCX_MODULES,
-        )
-    os.environ.update(missing)
+    if "UCX_MODULES" not in os.environ:
+        if _mapped("libucs"):
+            log.warning(
+                "UCX was loaded in this process before tensorferry could set UCX_MODULES=%s; on a host with rdma-core "
+                "(libibverbs1) the process may crash at exit (SIGSEGV in rtnl_tc_unregister): set UCX_MODULES=%s "
+                "in the environment before the process starts",
+                UCX_MODULES, UCX_MODULES,
+            )
+        os.environ["UCX_MODULES"] = UCX_MODULES
     try:
         from nixl import _api  # type: ignore[import-not-found]
     except ImportError as exc:
