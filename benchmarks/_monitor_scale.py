@@ -2,9 +2,9 @@
 scale. 100, 1,000 and 3,000 idle processes (``sleep`` children of one
 parent, started here and ended by pid), watched by a real ``tensorferry
 monitor`` process at a 1 s tick with ``--pattern``, ``--tree`` and
-``--all`` selection, fds counted, serving ``/metrics``; its CPU (utime +
-stime of its /proc/PID/stat over the window) per tick and per process, its
-RSS, its tick's wall time (from the tick's start to the snapshot a scrape
+``--all`` selection, fds counted, serving ``/metrics``; its CPU (its
+threads' run time in their schedstat, over the window) per tick and per
+process, its RSS, its tick's wall time (from the tick's start to the snapshot a scrape
 renders), and scrapes of ``/metrics`` (group labels; one ``--per-process``
 row per size, whose exposition is parsed and whose per-process series are
 checked to sum to the group's). With ``--compare SRC`` every row also runs
@@ -14,6 +14,7 @@ interleaved with this one's, so both see the same load.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -37,8 +38,8 @@ print(" ".join(map(str, pids)), flush=True)
 sys.stdin.read()
 """
 
-WARM_SECONDS = 6.0  # start-up: every process's first sample, first exact walks, the first full listing
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+WARM_SECONDS = 6.0  # start-up: every process's first sample, first exact walks, the first full listing
 
 
 class Fleet:
@@ -79,9 +80,23 @@ def _stop(mon: subprocess.Popen) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
+    """CPU time of all of ``pid``'s threads, from their schedstat (ns; stat's
+    utime + stime count 10 ms ticks, too coarse for 100 processes' 0.1%)."""
+    total_ns = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total_ns += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile (a scrape's): none run in the measured windows
+    return total_ns / 1e9
+
+
+def _user_system_seconds(pid: int) -> tuple[float, float]:
+    """utime and stime of ``pid`` (10 ms ticks): where its CPU went, Python or the kernel's /proc reads."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rpartition(b")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return int(fields[11]) / _CLOCK_TICKS, int(fields[12]) / _CLOCK_TICKS
 
 
 def _rss_bytes(pid: int) -> int:
@@ -92,11 +107,23 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+# What Prometheus 3 sends with a scrape: OpenMetrics first, gzip.
+PROMETHEUS_HEADERS = {
+    "Accept": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+              "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+              "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "Accept-Encoding": "gzip",
+}
+
+
 def _scrape(url: str) -> tuple[float, str]:
+    """One scrape as Prometheus makes it: seconds until the whole body is in, and the body."""
     t0 = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        body = resp.read().decode()
-    return time.perf_counter() - t0, body
+    with urllib.request.urlopen(urllib.request.Request(url, headers=PROMETHEUS_HEADERS), timeout=30) as resp:
+        raw = resp.read()
+        gzipped = resp.headers.get("Content-Encoding") == "gzip"
+    seconds = time.perf_counter() - t0
+    return seconds, (gzip.decompress(raw) if gzipped else raw).decode()
 
 
 def _metric(body: str, name: str) -> float:
@@ -126,9 +153,9 @@ def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_proce
         _, body = _scrape(url)
         ticks0, tick_s0 = _metric(body, "tensorferry_monitor_tick_seconds_count"), _metric(
             body, "tensorferry_monitor_tick_seconds_sum")
-        cpu0, t0 = _cpu_seconds(mon.pid), time.monotonic()
+        cpu0, t0, us0 = _cpu_seconds(mon.pid), time.monotonic(), _user_system_seconds(mon.pid)
         time.sleep(seconds)
-        cpu1, t1 = _cpu_seconds(mon.pid), time.monotonic()
+        cpu1, t1, us1 = _cpu_seconds(mon.pid), time.monotonic(), _user_system_seconds(mon.pid)
         rss = _rss_bytes(mon.pid)
         scrapes = [_scrape(url) for _ in range(5)]
         body = scrapes[-1][1]
@@ -139,6 +166,7 @@ def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_proce
             "mode": mode, "src": str(src), "per_process": per_process, "fleet": len(fleet.pids),
             "watched": watched, "seconds": t1 - t0, "cpu_seconds": cpu1 - cpu0,
             "core_percent": (cpu1 - cpu0) / (t1 - t0) * 100, "ticks": ticks,
+            "user_percent": (us1[0] - us0[0]) / (t1 - t0) * 100, "system_percent": (us1[1] - us0[1]) / (t1 - t0) * 100,
             "cpu_ms_per_tick": (cpu1 - cpu0) / max(ticks, 1) * 1e3,
             "cpu_us_per_process_tick": (cpu1 - cpu0) / max(ticks, 1) / max(watched, 1) * 1e6,
             "tick_wall_ms": tick_s / max(ticks, 1) * 1e3, "rss_mib": rss / 2**20,
@@ -153,11 +181,11 @@ def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_proce
 
 
 def check_exposition(body: str) -> dict[str, object]:
-    """Parse a ``--per-process`` scrape (prometheus_client's own parser) and
+    """Parse a ``--per-process`` scrape (prometheus_client's OpenMetrics parser) and
     check that each name's per-process resident series sum to what the
     group figures would be: every series has a name, a pid and a kind, and
     no pid appears twice in one family."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
     series = 0
     by_name: dict[tuple[str, str], float] = {}
@@ -200,6 +228,7 @@ def scale(sizes: tuple[int, ...], modes: tuple[str, ...], seconds: float, compar
 def _log(r: dict[str, object]) -> None:
     print(f"  {r['fleet']:>5} {r['mode']:<8}{' per-process' if r['per_process'] else ''} "
           f"{'new' if str(r['src']).startswith(str(ROOT)) else 'old'}: {r['core_percent']:.2f}% "
+          f"(user {r['user_percent']:.2f}%, kernel {r['system_percent']:.2f}%) "
           f"({r['cpu_us_per_process_tick']:.1f} µs/process/tick, {r['watched']:.0f} watched, "
           f"load {r['load_1min']:.1f})", file=sys.stderr, flush=True)
 
@@ -209,13 +238,15 @@ def print_scale(doc: dict[str, object]) -> None:
     from rich.table import Table
 
     t = Table(title="monitor at node scale: 1 s ticks, fds counted, serving /metrics (CPU of the monitor process)")
-    for h in ("idle procs", "selection", "code", "watched", "% of a core", "ms CPU / tick", "µs / process / tick",
+    for h in ("idle procs", "selection", "code", "watched", "% of a core", "user %", "kernel %", "ms CPU / tick",
+              "µs / process / tick",
               "tick wall ms", "RSS MiB", "scrape ms", "load"):
         t.add_column(h, justify="right")
     for r in doc["rows"]:
         code = "new" if str(r["src"]).startswith(str(ROOT)) else "old"
         t.add_row(str(r["fleet"]), r["mode"] + (" --per-process" if r["per_process"] else ""), code,
-                  f"{r['watched']:.0f}", f"{r['core_percent']:.2f}", f"{r['cpu_ms_per_tick']:.2f}",
+                  f"{r['watched']:.0f}", f"{r['core_percent']:.2f}", f"{r['user_percent']:.2f}",
+                  f"{r['system_percent']:.2f}", f"{r['cpu_ms_per_tick']:.2f}",
                   f"{r['cpu_us_per_process_tick']:.2f}", f"{r['tick_wall_ms']:.1f}", f"{r['rss_mib']:.1f}",
                   f"{r['scrape_ms']:.1f}", f"{r['load_1min']:.1f}")
     Console(width=200).print(t)

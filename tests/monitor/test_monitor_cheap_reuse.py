@@ -229,9 +229,9 @@ def test_held_files_close_when_the_process_goes_and_on_retain_and_stop() -> None
         baseline = open_fds()
         for p in procs:
             b.cheap_reusing(p.pid)
-        assert len(open_fds() - baseline) == 6  # stat + status + cmdline per process
+        assert len(open_fds() - baseline) == 4  # stat + status per process
         b.retain({procs[0].pid})
-        assert len(open_fds() - baseline) == 3
+        assert len(open_fds() - baseline) == 2
         procs[0].stdin.close()
         procs[0].wait(10)
         with pytest.raises(NoSuchProcess):
@@ -241,7 +241,7 @@ def test_held_files_close_when_the_process_goes_and_on_retain_and_stop() -> None
         baseline = open_fds()
         agent = Agent(Selection(pids=(procs[1].pid,)), AgentConfig(exact=False), backend=b)
         agent.tick()
-        assert len(open_fds() - baseline) == 3
+        assert len(open_fds() - baseline) == 2
         agent.stop()
         assert open_fds() == baseline
         assert agent.tick().samples[0].pid == procs[1].pid  # reopens

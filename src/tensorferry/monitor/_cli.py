@@ -25,9 +25,9 @@ _EXIT_OK, _EXIT_FAILURE, _EXIT_USAGE = 0, 1, 2
 _PIPE_WIDTH = 1000
 # 65535: the largest TCP port; 0 lets the OS pick a free one.
 _MAX_PORT = 65535
-# ProcfsBackend holds at most 4,096 processes' 3 files each open, within a
-# quarter of the soft limit: 4 x 3 x 4096.
-_HELD_OPEN_FILES = 4 * 3 * 4096
+# ProcfsBackend holds at most 4,096 processes' 2 files each open, within a
+# quarter of the soft limit: 4 x 2 x 4096.
+_HELD_OPEN_FILES = 4 * 2 * 4096
 
 
 class _Options(NamedTuple):
@@ -184,10 +184,10 @@ def _error(exc: BaseException) -> None:
 def _raise_open_file_limit() -> None:
     """Raise this process's soft open-file limit toward the hard one.
 
-    The backend holds three /proc files open per watched process, within a
+    The backend holds two /proc files open per watched process, within a
     quarter of the soft limit; past that it opens, reads and closes them
     every tick (three syscalls for one). A soft limit of 1024 (many
-    distributions' default) holds 85 processes; the monitor is a process
+    distributions' default) holds 128 processes; the monitor is a process
     of its own, so it takes what the hard limit allows, up to what 4,096
     held processes need.
     """

@@ -135,10 +135,10 @@ class ProcfsBackend(ExactReads):
         # process a new comm and a new stack (see _exec_identity).
         self._cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float, bytes, bytes]] = {}
         self._warned: set[str] = set()
-        # cheap_reusing's state. pid -> (stat fd, status fd, cmdline fd): a /proc/PID file
+        # cheap_reusing's state. pid -> (stat fd, status fd): a /proc/PID file
         # stays bound to its process, so a reused pid reads ESRCH, never the
         # newcomer's figures.
-        self._handles: dict[int, tuple[int, int, int]] = {}
+        self._handles: dict[int, tuple[int, int]] = {}
         # pid -> _Held: what the last sample read, and the sample itself.
         self._last: dict[int, _Held] = {}
         try:
@@ -149,10 +149,11 @@ class ProcfsBackend(ExactReads):
                 soft = 1 << 20
         except (ImportError, OSError, ValueError):
             soft = 1024
-        # Three fds per process (stat, status, cmdline), at most a quarter of
-        # the fd limit in all; past that, processes are read with
-        # open/read/close as cheap() does.
-        self.max_open_processes = max(0, min(4096, soft // 12))
+        # Two fds per process, at most a quarter of the fd limit in all; past
+        # that, processes are read with open/read/close as cheap() does. The
+        # command line, read every CMDLINE_REFRESH_SECONDS, is not held: a
+        # third file would leave a third fewer processes held under a limit.
+        self.max_open_processes = max(0, min(4096, soft // 8))
         self._fds = FdCounter(proc_root)
 
     # -- raw reads ---------------------------------------------------------------
@@ -168,19 +169,20 @@ class ProcfsBackend(ExactReads):
         except OSError as exc:
             raise _translate(exc, pid) from exc
 
-    def _open_handle(self, pid: int) -> tuple[int, int, int] | None:
+    def _open_handle(self, pid: int) -> tuple[int, int] | None:
         if len(self._handles) >= self.max_open_processes:
             return None
         base = f"{self.proc_root}/{pid}/"
-        fds: list[int] = []
         try:
-            for name in ("stat", "status", "cmdline"):
-                fds.append(os.open(base + name, os.O_RDONLY | os.O_CLOEXEC))
+            stat_fd = os.open(base + "stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            for fd in fds:
-                os.close(fd)
             raise _translate(exc, pid) from exc
-        handle = self._handles[pid] = (fds[0], fds[1], fds[2])
+        try:
+            status_fd = os.open(base + "status", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            os.close(stat_fd)
+            raise _translate(exc, pid) from exc
+        handle = self._handles[pid] = (stat_fd, status_fd)
         return handle
 
     def _close_handle(self, pid: int) -> None:
@@ -303,18 +305,7 @@ class ProcfsBackend(ExactReads):
         return entry
 
     def _read_cmdline(self, pid: int) -> tuple[str, ...]:
-        # The agent re-reads a watched process's command line every
-        # CMDLINE_REFRESH_SECONDS: through the file it holds open (a tenth of
-        # an open/read/close of 1,000 processes' cmdline is ~0.5 ms a tick).
-        handle = self._handles.get(pid)
-        try:
-            raw = None if handle is None else os.pread(handle[2], _READ_NBYTES, 0)
-        except ProcessLookupError:
-            raw = None  # the files of a process gone; the pid may be another's now
-        except OSError as exc:
-            raise _translate(exc, pid) from exc
-        if raw is None:
-            raw = self._read(pid, "cmdline")
+        raw = self._read(pid, "cmdline")
         return tuple(a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0") if a)
 
     # -- samples -----------------------------------------------------------------
@@ -432,7 +423,7 @@ class ProcfsBackend(ExactReads):
                 errors["denied"] += 1
         return out, errors
 
-    def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int, int] | None]:
+    def _read_stat(self, pid: int) -> tuple[bytes, tuple[int, int] | None]:
         if not self.keep_open:
             return self._read(pid, "stat"), None
         for _ in range(2):
@@ -467,7 +458,7 @@ class ProcfsBackend(ExactReads):
 
     def _cheap(
         self, pid: int, count_fds: bool, reuse_age: float | None, raw: bytes | None = None,
-        handle: tuple[int, int, int] | None = None,
+        handle: tuple[int, int] | None = None,
     ) -> ProcessMemory:
         # This runs for every process whose stat changed since the last tick:
         # plain bytes operations, no file objects, no per-line splitting (see

@@ -23,7 +23,9 @@ class Selection:
     pids: tuple[int, ...] = ()
     """These process ids (a pid that is gone is counted as vanished each tick)."""
     pattern: str | None = None
-    """A regular expression searched in each process's command line (argv joined by spaces)."""
+    """A regular expression searched in each process's command line (argv joined by spaces),
+    as it is now: a process chosen by the pattern alone leaves the selection when its command
+    line stops matching (the tick after an exec, within 10 s of a retitle)."""
     tree_root_pid: int | None = None
     """This process and all its descendants (a raylet's workers, a trainer's ranks)."""
     all_processes: bool = False
