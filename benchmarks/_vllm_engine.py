@@ -10,7 +10,9 @@ same run on the same engine:
 
 * ``tensorferry``: ``send_weights()`` (shm, ``dtype="bfloat16"``): the
   first round (plans made) apart from later rounds; then a trainer with
-  ``delta=True`` and a round where 1% of the elements changed;
+  ``delta=True`` over tcp and rounds where 1% of the elements changed (the
+  worker's part split into its get and its ``load_weights``, read from
+  our worker engine's ``stats()`` through ``collective_rpc``);
 * ``write + reload``: the trainer writes a bf16 safetensors checkpoint
   (``save_pretrained``) and the engine reloads it in place with vLLM's own
   ``reload_weights`` (a ``collective_rpc``, as vLLM's snapshot server does);
@@ -114,14 +116,21 @@ def _close(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def _tf_round(engine: Any, client: _TimedClient) -> dict:
+def _worker_figures(worker: Any) -> dict:
+    """Run in vLLM's worker (``collective_rpc``): our engine's figures of the last round."""
+    return worker.weight_transfer_engine.stats()
+
+
+def _tf_round(engine: Any, client: _TimedClient, llm: Any) -> dict:
     client.blocked_seconds = 0.0
     t0 = time.perf_counter()
     engine.send_weights()
     seconds = time.perf_counter() - t0
     rep = engine.last_round
+    (worker,) = llm.collective_rpc(_worker_figures)
     return {"seconds": seconds, "blocked_seconds": client.blocked_seconds, "put_seconds": rep.put_seconds,
-            "delta_nbytes": rep.delta_nbytes, "nbytes": rep.nbytes}
+            "delta_nbytes": rep.delta_nbytes, "nbytes": rep.nbytes, "bytes_sent": rep.bytes_sent,
+            "worker_get_seconds": worker["last_get_seconds"], "worker_load_seconds": worker["last_load_seconds"]}
 
 
 def _save_bf16(model: Any, folder: Path) -> None:
@@ -154,6 +163,10 @@ def run(args: Any) -> None:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # The benchmark reads its worker's figures with a function sent through
+    # collective_rpc, which vLLM pickles only when allowed (this process and
+    # its own engine, nothing from a network).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     config = QUICK_CONFIG if args.quick else FULL_CONFIG
     repeats = 2 if args.quick else args.repeats
     started = time.monotonic()
@@ -175,11 +188,11 @@ def run(args: Any) -> None:
                                                            client=client, source=ModuleSource(model))  # fmt: skip
         tf_rounds, reloads = [], []
         _perturb(model, 0)
-        tf_first = _tf_round(engine, client)
+        tf_first = _tf_round(engine, client, llm)
         log(f"tensorferry first round {tf_first['seconds']:.3f} s")
         for r in range(repeats):  # interleaved: a tensorferry round, then a write + reload, each of new weights
             _perturb(model, 1 + 2 * r)
-            tf_rounds.append(_tf_round(engine, client))
+            tf_rounds.append(_tf_round(engine, client, llm))
             _perturb(model, 2 + 2 * r)
             reloads.append(_write_reload(llm, model, work / "ckpt"))
             log(f"round {r}: tensorferry {tf_rounds[-1]['seconds']:.3f} s, write + reload {reloads[-1]['seconds']:.3f} s")
@@ -188,12 +201,13 @@ def run(args: Any) -> None:
         tf_answer = _answer(llm)
         engine.shutdown()
         delta_engine = WeightTransferTrainerFactory.trainer_init(
-            TensorferryTrainerInitInfo(rank=0, dtype="bfloat16", delta=True), client=client, source=ModuleSource(model))
-        delta_first = _tf_round(delta_engine, client)
+            # tcp: on one host a shm sender offers only deltas under 1% of the bytes (docs/delta.md)
+            TensorferryTrainerInitInfo(rank=0, transport="tcp", dtype="bfloat16", delta=True), client=client, source=ModuleSource(model))
+        delta_first = _tf_round(delta_engine, client, llm)
         deltas = []
         for r in range(repeats):
             _sparse_change(model, r)
-            deltas.append(_tf_round(delta_engine, client))
+            deltas.append(_tf_round(delta_engine, client, llm))
             log(f"delta round {r}: {deltas[-1]['seconds']:.3f} s, {deltas[-1]['delta_nbytes'] / MIB:.1f} MiB")
         delta_engine.shutdown()
         _close(llm)
@@ -250,6 +264,11 @@ def _print(con: Any, doc: dict) -> None:
         return statistics.median(r[key] for r in rows)
 
     tf, rl, d = doc["tensorferry"], doc["write_reload"], doc["delta"]
+    split = table("where a tensorferry round goes (seconds, medians of later rounds)",
+                  ["way", "round", "trainer put", "worker get", "worker load_weights", "bytes sent"],
+                  [[name, f"{m(rs):.3f}", f"{m(rs, 'put_seconds'):.3f}", f"{m(rs, 'worker_get_seconds'):.3f}",
+                    f"{m(rs, 'worker_load_seconds'):.3f}", f"{m(rs, 'bytes_sent') / MIB:.1f} MiB"]
+                   for name, rs in (("full (shm)", tf["rounds"]), ("delta 1% (tcp)", d["rounds"]))])
     rows = [
         ["tensorferry (shm, bf16 on the wire)", f"{tf['first']['seconds']:.3f}", f"{m(tf['rounds']):.3f}", f"{m(tf['rounds'], 'blocked_seconds'):.3f}", ""],
         ["tensorferry, delta (1% of elements)", f"{d['first']['seconds']:.3f}", f"{m(d['rounds']):.3f}", f"{m(d['rounds'], 'blocked_seconds'):.3f}",
@@ -258,6 +277,7 @@ def _print(con: Any, doc: dict) -> None:
          f"write {m(rl['rounds'], 'write_seconds'):.3f} s"],
         ["a new engine on the checkpoint", "", f"{doc['new_engine_seconds']:.1f}", f"{doc['new_engine_seconds']:.1f}", "until its first answer"],
     ]
+    con.print(split)
     con.print(table(f"a round into a real vLLM engine (vllm-cpu), {doc['nbytes'] / MIB:.0f} MiB bf16 (seconds, medians)",
                     ["way", "first round", "later rounds", "engine blocked", "note"], rows, left=("note",)))
     con.print(table("ratios (medians, same run)", ["ratio", "value"], [[k, f"{v:.3f}"] for k, v in doc["ratios_detail"].items()]))

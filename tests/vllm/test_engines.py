@@ -91,7 +91,9 @@ def test_rounds_over_shm_are_exact_and_replay_the_plan(workers) -> None:
     assert [report.round for report, _ in out] == [1, 2, 3]
     # loaded in place: the workers' parameters are the same memory every round
     assert out[0][1] == out[-1][1]
-    assert [(s["rounds"], s["layerwise_sessions"]) for s in group.call("stats")] == [(3, 0)] * 2  # no reload metadata: in place
+    figures = group.call("stats")
+    assert [(s["rounds"], s["layerwise_sessions"]) for s in figures] == [(3, 0)] * 2  # no reload metadata: in place
+    assert all(s["last_get_seconds"] > 0 and s["last_load_seconds"] > 0 for s in figures), figures  # the last round, timed
 
 
 def test_fp32_trainer_to_bf16_engine_over_tcp(workers) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -91,6 +92,10 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         """Rounds received since the handshake."""
         self.layerwise_sessions = 0
         """Sessions wrapped in vLLM's layerwise reload since the handshake."""
+        self.last_get_seconds = 0.0
+        """The last round's receipt: tickets decoded, planned where needed, the get."""
+        self.last_load_seconds = 0.0
+        """The last round's ``load_weights`` (vLLM's layerwise reload included)."""
 
     # -- vLLM's parse hooks: a ConfigurationError (a ValueError, as vLLM's own) naming the fields
 
@@ -145,6 +150,7 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
                 f"round {update_info.round} carries {len(tickets)} tickets, the handshake said {self._info.sources} trainer "
                 "ranks: every rank must take part in every send_weights (init again after changing world_size)"
             )
+        started = time.perf_counter()
         layouts = tuple(t.layout_bytes for t in tickets)
         kept = self._kept.get(self.model)
         if kept is None or kept.layouts != layouts:
@@ -159,7 +165,9 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
             kept = self._plan(tickets, layouts)
             self._get(kept, tickets)
         self.rounds += 1
+        received = time.perf_counter()
         self._load(kept.targets)
+        self.last_get_seconds, self.last_load_seconds = received - started, time.perf_counter() - received
 
     def finish_weight_update(self) -> None:
         """Let the round's device copies go (the model was reloaded within ``update_weights``)."""
@@ -167,11 +175,14 @@ class TensorferryWeightTransferEngine(WeightTransferEngine[TensorferryInitInfo, 
         if self._stager is not None:
             self._stager.release()
 
-    def stats(self) -> dict[str, int]:
-        """``rounds`` received and ``layerwise_sessions`` since the handshake, and the receiver's figures
-        (``bytes_received``, ``gets``, ...; ``Receiver.stats``)."""
+    def stats(self) -> dict[str, float]:
+        """``rounds`` received and ``layerwise_sessions`` since the handshake; the last round's
+        ``last_get_seconds`` (its tickets decoded, planned where needed, received) and
+        ``last_load_seconds`` (``load_weights``, vLLM's layerwise reload included); and the
+        receiver's figures (``bytes_received``, ``gets``, ...; ``Receiver.stats``)."""
         figures = {} if self._receiver is None else dict(self._receiver.stats())
-        return {"rounds": self.rounds, "layerwise_sessions": self.layerwise_sessions, **figures}
+        return {"rounds": self.rounds, "layerwise_sessions": self.layerwise_sessions, "last_get_seconds": self.last_get_seconds,
+                "last_load_seconds": self.last_load_seconds, **figures}
 
     def shutdown(self) -> None:
         """Close the receiver and drop the plans and their tensors; the worker goes on serving."""
