@@ -110,3 +110,12 @@ def test_importing_the_package_imports_no_vllm() -> None:
     code = "import sys, tensorferry, tensorferry.vllm; print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_installed_release_is_read_from_its_classes():
+    # vLLM 0.33: the trainer engine takes the rank, ParamMeta declares placements
+    # (tests/vllm_engine/test_sources.py reads 0.32's, in vLLM's CPU build).
+    from tensorferry.vllm._sources import installed_release, trainer_base_kwargs
+
+    assert installed_release() == (True, True)
+    assert trainer_base_kwargs(3) == {"rank": 3}
