@@ -431,3 +431,36 @@ def test_a_hosts_relay_killed_halfway_its_same_host_children_resume(crowded, tim
     # than none: from the start, it would be exactly one copy).
     assert 0 < sender1 - sender0 < t, (sender1 - sender0) / t
     g.replace(1)
+
+
+# Sixteen receivers (issue 47): 17 hosts' links busy at once, at a rate two
+# shared cores forward (16 links at 250 Mbit/s: 4 Gbit/s through veths and
+# Python relays). The bytes and counts only; the times are the benchmark's.
+RATE_16 = "250mbit"
+
+
+@pytest.fixture(scope="module")
+def sixteen(need_hosts):
+    """The sender in host 0 and a relay in each of hosts 1 to 16."""
+    with Hosts(17, rate=RATE_16) as hosts:
+        g = Group(hosts, relays=range(1, 17))
+        yield g
+        g.stop()
+
+
+def test_a_chain_of_sixteen_hosts_delivers_the_bytes_with_one_copy_from_the_sender(sixteen):
+    workers = list(sixteen.relays.values())
+    r = sixteen.broadcast(workers, fanout=1)
+    t = r["total"]
+    # Group.finish checked every receiver's SHA-256 and the sender's empty pool.
+    assert r["sender_sent"] == t
+    assert sorted(r["relay_sent"][w] for w in workers) == [0] + [t] * 15
+
+
+def test_a_tree_of_sixteen_hosts_delivers_the_bytes_each_relay_serving_two(sixteen):
+    workers = list(sixteen.relays.values())
+    r = sixteen.broadcast(workers, fanout=2)
+    t = r["total"]
+    assert r["sender_sent"] == 2 * t
+    # The sender serves 2, the first 7 relays 2 each: 16 receivers.
+    assert sorted(r["relay_sent"][w] for w in workers) == [0] * 9 + [2 * t] * 7
