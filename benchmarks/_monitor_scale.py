@@ -145,8 +145,12 @@ def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_proce
         cmd.append("--per-process")
     mon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        line = mon.stderr.readline()  # "serving http://127.0.0.1:PORT/metrics and ..."
-        if "serving" not in line:
+        line = ""
+        for _ in range(20):  # "serving http://127.0.0.1:PORT/metrics and ...", after any warnings
+            line = mon.stderr.readline()
+            if not line or line.startswith("serving"):
+                break
+        if not line.startswith("serving"):
             raise RuntimeError(f"monitor did not start: {line!r}")
         url = line.split()[1]
         time.sleep(WARM_SECONDS)
