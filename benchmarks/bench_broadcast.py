@@ -10,9 +10,10 @@ Strategies:
   carries every copy: N receivers take about N times as long as one.
 * ``chain``: ``put(obj, readers=N, fanout=1)``, receivers made with
   ``relay=True``: the sender serves the first, each later one pulls from the
-  one before, which passes on each 4 MiB chunk as it arrives. Every link
-  carries the object about once in and once out, so N receivers should take
-  about as long as one (plus a chunk's time per hop).
+  one before, which passes on each chunk as it arrives (the object's size
+  over 32 times its readers, 64 KiB to 1 MiB). Every link carries the
+  object about once in and once out, so N receivers should take about as
+  long as one (plus a chunk's time and a relay's latency per hop).
 * ``tree``: ``fanout=2``, the same receivers: the sender and each relay serve
   two, so each sending link carries two copies (about 2x one receiver),
   depth about log2(N).
@@ -79,7 +80,13 @@ memory reads go through a mapping of the relay's memfd
 
 Targets (issue 16), checked in the table: 8 receivers with fanout=1 in at
 most 1.3x the time of 1 receiver; with a relay killed halfway, every other
-receiver done in at most 2x the fault-free time.
+receiver done in at most 2x the fault-free time. Issue 47: 16 receivers
+with fanout=1 in at most 1.1x (``--receivers 1 4 16 --rate 250mbit
+--nbytes 32MiB``: 16 links at once that two shared cores forward). Each
+round also records the receivers' CPU (user and system, every thread) per
+GiB each received. The JSON's flat ``ratios`` (each strategy and N against
+the line rate and against one receiver) are what ``interleave.py`` compares;
+the workers import the tensorferry of an inherited ``PYTHONPATH`` first.
 
 This script is the controller; ``_broadcast_workers.py`` holds the workers
 it starts in the hosts (``--worker``), ``_broadcast_report.py`` the summary,
