@@ -8,7 +8,17 @@ same run.
 * ``torch.save`` of a state dict into a buffer, sent over a loopback socket
   (the one socket tuning of ``_common.tune``), ``torch.load`` on the other
   side, as 1, 10k and 100k tensors (100k costs about a minute a round trip
-  at 1 GiB: one timed run, no warm-up).
+  at 1 GiB: one timed run, no warm-up);
+* Mooncake's transfer engine (``mooncake-transfer-engine-non-cuda``: its
+  Python ``TransferEngine``, tcp, loopback, a P2P handshake), the peer
+  checkpoint-engine uses for host-to-host moves: the receiver registers
+  one destination buffer (once, outside the timing, as a user keeps it)
+  and reads the sender's registered tensors one-sided, as 100 and 10k
+  segments (``batch_transfer_sync_read`` in batches of at most
+  ``MOONCAKE_BATCH`` segments: one batch of 10k fails over tcp with "TCP
+  lane queue-full") and as one contiguous read of the same bytes
+  (``transfer_sync_read``). Skipped, with the reason in the JSON, where
+  its wheel does not import (it needs the system's ``libibverbs.so.1``).
 
 Timed from the sender's first step to the receiver holding the tensors;
 the last run of each is verified bit for bit; the receiver's peak RSS growth
@@ -36,6 +46,10 @@ from _pair import Peer, Workers, job, verify, views_of
 
 QUEUE_COUNTS = (1, 10_000)
 SAVE_COUNTS = (1, 10_000, 100_000)
+MOONCAKE_COUNTS = (100, 10_000)
+# Segments per batch_transfer_sync_read: 10k in one fail over tcp ("TCP
+# lane queue-full"); 1,000 go through.
+MOONCAKE_BATCH = 1000
 LIMITS = ("memcpy_libc",)
 
 
@@ -122,6 +136,79 @@ def tsave(p: Peer, job: dict) -> dict:
             "problem": problem}
 
 
+def mooncake_missing() -> str | None:
+    """Why Mooncake's engine cannot be used here, or None."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # an ImportError, or an OSError of a missing libibverbs.so.1
+        return f"mooncake.engine does not import ({type(exc).__name__}: {exc}); pip install mooncake-transfer-engine-non-cuda (needs libibverbs.so.1)"
+    return None
+
+
+def _mooncake_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize(127.0.0.1, P2PHANDSHAKE, tcp) failed")
+    return engine
+
+
+@job
+def mooncake(p: Peer, job: dict) -> dict:
+    """Mooncake's transfer engine: the receiver reads the sender's
+    registered tensors one-sided into its registered buffer, as
+    ``count`` segments (``job["contiguous"]``: one read of the same bytes)."""
+    import torch
+
+    count, total = job["count"], job["warmup"] + job["repeats"]
+    engine = _mooncake_engine()
+    if p.sends:
+        src = p.data.view(torch.uint8)
+        if engine.register_memory(src.data_ptr(), src.numel()) != 0:
+            raise RuntimeError("Mooncake register_memory of the sender's tensors failed")
+        p.send((f"127.0.0.1:{engine.get_rpc_port()}", src.data_ptr()))
+        if p.recv() != "done":
+            raise RuntimeError("out of step with the receiver")
+        engine.unregister_memory(src.data_ptr())
+        return {}
+    peer, base = p.recv()
+    ref = views_of(p.data, count)
+    dest = torch.empty_like(p.data)
+    here = dest.view(torch.uint8)
+    if engine.register_memory(here.data_ptr(), here.numel()) != 0:
+        raise RuntimeError("Mooncake register_memory of the receiver's buffer failed")
+    got = views_of(dest, count)
+    offsets = [t.data_ptr() - p.data.data_ptr() for t in ref]
+    lengths = [t.numel() * t.element_size() for t in ref]
+    times, growths, problem = [], [], "not verified"
+    try:
+        for r in range(total):
+            here.zero_()  # every read writes every byte anew (faulted in: not timed)
+            gc.collect()
+            reset = reset_peak_rss()
+            t0 = time.monotonic()
+            if job["contiguous"]:
+                rc = engine.transfer_sync_read(peer, here.data_ptr(), base, here.numel())
+            else:
+                rc = 0
+                for lo in range(0, count, MOONCAKE_BATCH):
+                    part = slice(lo, lo + MOONCAKE_BATCH)
+                    rc = rc or engine.batch_transfer_sync_read(peer, [here.data_ptr() + o for o in offsets[part]],
+                                                               [base + o for o in offsets[part]], lengths[part])
+            times.append(time.monotonic() - t0)
+            growths.append(peak_rss() - reset)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake read returned {rc}")
+            if r == total - 1:
+                problem = verify(got, ref)
+    finally:
+        engine.unregister_memory(here.data_ptr())
+        p.send("done")
+    w = job["warmup"]
+    return {"seconds": times[w:], "receiver_rss_growth_nbytes": growths[w:], "verified": problem is None, "problem": problem}
+
+
 def measure(w: Workers, doc: dict, repeats: int) -> None:
     for count in QUEUE_COUNTS:
         _, r = w.run({"job": "tmpq", "count": count, "warmup": 1, "repeats": repeats})
@@ -133,6 +220,17 @@ def measure(w: Workers, doc: dict, repeats: int) -> None:
                      timeout=900)
         doc["peers"].append({"peer": "torch.save/socket/torch.load", "count": count, "kind": "views", **r})
         log(f"torch.save {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
+    missing = mooncake_missing()
+    if missing is not None:
+        doc.setdefault("skipped", {})["mooncake"] = missing
+        log(f"Mooncake skipped: {missing}")
+        return
+    for count in MOONCAKE_COUNTS:
+        for contiguous in (False, True):
+            _, r = w.run({"job": "mooncake", "count": count, "contiguous": contiguous, "warmup": 1, "repeats": repeats}, timeout=900)
+            name = "Mooncake one contiguous read" if contiguous else f"Mooncake batch read ({MOONCAKE_BATCH} segments a batch)"
+            doc["peers"].append({"peer": name, "count": count, "kind": "views", **r})
+            log(f"{name} {count}: {med(r['seconds']):.3f} s verified {r['verified']}")
 
 
 def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
@@ -153,6 +251,8 @@ def summarize(doc: dict, nbytes: int) -> dict[str, float | None]:
 
 
 def print_table(con: Any, doc: dict) -> None:
+    for name, why in doc.get("skipped", {}).items():
+        con.print(f"peer {name} skipped: {why}")
     if not doc["peers"]:
         return
     con.print(table("peers (what a user would otherwise do), the same bytes, separate processes",
