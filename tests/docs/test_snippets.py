@@ -24,11 +24,11 @@ from _snippets import REPO, Program, all_programs, blocks, pages, programs
 # here are named by (page, first line) with the reason.
 FOREIGN = {
     ("docs/vllm.md", "from vllm import LLM"):
-        "loads Qwen/Qwen2.5-0.5B into a vLLM engine (a download and a GPU); tests/vllm drives the same calls on CPU",
+        "loads Qwen/Qwen2.5-0.5B into a vLLM engine (a download); tests/vllm_engine/test_offline.py runs the same calls in a real CPU engine",
     ("docs/vllm.md", "from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory"):
-        "needs a running vLLM server at 127.0.0.1:8000 and a policy model; tests/vllm drives the same calls on CPU",
+        "needs a running vLLM server at 127.0.0.1:8000 and a policy model; tests/vllm_engine/test_server.py runs the same calls against real servers",
     ("docs/vllm.md", "import torch.distributed as dist"):
-        "an FSDP2 trainer on several GPUs (nccl) beside a vLLM server; tests/vllm drives the same calls on CPU",
+        "an FSDP2 trainer on several GPUs (nccl) beside a vLLM server; tests/vllm_engine/test_fsdp.py runs it with gloo ranks into a real CPU server",
     ("docs/security.md", "import ssl"):
         "needs certificate files (sender.pem, receiver.pem, host-b.pem, ca.pem and their keys) and hosts at 10.0.0.5 and "
         "10.0.0.6; the TLS tests (tests/transports/test_auth.py, test_relay_tls.py) make their own",
