@@ -9,7 +9,8 @@ folder skips with the import error as the reason.
 
 Engines are started once a session, two at a time (they take 30-90 s each
 on 2 cores), and stopped in ``finally`` blocks: no test leaves one behind,
-failed or not.
+failed or not, and the shared-memory files they made are removed when the
+session ends.
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(skip)
+
+
+# What vLLM's engines leave in /dev/shm when their processes end: its TP
+# groups' shared-memory buffers, its message queues (multiprocessing's
+# shared_memory) and their semaphores. vLLM does not unlink them when its
+# workers are killed, and they outlive the session.
+_ENGINE_SHM_PREFIXES = ("vllm_dist_", "psm_", "sem.mp-")
+_SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_shm_removed():
+    """Remove the shared-memory files vLLM's engines made during this session, once they have all ended."""
+    before = set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+    yield
+    if not _SHM.is_dir():
+        return
+    for name in set(os.listdir(_SHM)) - before:
+        if name.startswith(_ENGINE_SHM_PREFIXES):
+            try:
+                (_SHM / name).unlink()
+            except OSError:
+                pass  # another's, or gone already
 
 
 @pytest.fixture(scope="session")
