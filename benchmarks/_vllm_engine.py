@@ -74,22 +74,15 @@ class _TimedClient:
         self.inner = LLMClient(llm)
         self.blocked_seconds = 0.0
 
-    def _timed(self, name: str, *args: Any) -> None:
-        t0 = time.perf_counter()
-        getattr(self.inner, name)(*args)
-        self.blocked_seconds += time.perf_counter() - t0
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)  # the four calls of vLLM's weight-sync client
 
-    def init_weight_transfer_engine(self, info: dict) -> None:
-        self._timed("init_weight_transfer_engine", info)
+        def timed(*args: Any) -> None:
+            t0 = time.perf_counter()
+            method(*args)
+            self.blocked_seconds += time.perf_counter() - t0
 
-    def start_weight_update(self) -> None:
-        self._timed("start_weight_update")
-
-    def update_weights(self, info: Any) -> None:
-        self._timed("update_weights", info)
-
-    def finish_weight_update(self, version: str | None = None) -> None:
-        self._timed("finish_weight_update", version)
+        return timed
 
 
 def _answer(llm: Any) -> list[float]:

@@ -95,7 +95,7 @@ class EnginesClient:
             return
         with ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="tensorferry-engines") as pool:
             futures = [pool.submit(getattr(client, method), *args) for client in self.clients]
-            errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+        errors = [(i, e) for i, e in enumerate(f.exception() for f in futures) if e is not None]
         if errors:
             named = "; ".join(f"engine {i}: {type(e).__name__}: {e}" for i, e in errors)
             error = TransferError(f"{method} failed on {len(errors)} of {len(self.clients)} engines ({named}); the others completed it")

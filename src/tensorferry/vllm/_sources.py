@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 import tensorferry as tf
-from tensorferry.shards import local_box
+from tensorferry.shards import is_shard, local_box
 
 from ..errors import ConfigurationError
 from ._placements import rank_state
@@ -113,8 +113,6 @@ def _first_owner(param: Any) -> int:
 def _module_shards(module: torch.nn.Module, rank: int) -> dict[str, Any]:
     """Every parameter's piece on ``rank``: DTensors as boxes of their local shard,
     plain tensors and wholly replicated DTensors by their first owner only."""
-    from tensorferry.shards import is_shard
-
     state: dict[str, Any] = {}
     for name, param in module.named_parameters():
         if not is_shard(param):
