@@ -138,10 +138,9 @@ class ExactScheduler:
         self._last_refill = now
         self.tokens = min(self._bucket_cap, self.tokens + elapsed * self._config.cpu_budget_fraction)
 
-    def _due(self, sample: ProcessMemory, state: _ExactState | None, now: float, est: float) -> tuple[int, float] | None:
-        """``(priority, order)`` if the process should be read now, else None."""
-        if state is None:
-            return (0, est)
+    def _due(self, sample: ProcessMemory, state: _ExactState, now: float) -> tuple[int, float] | None:
+        """``(priority, order)`` if a process read (or tried) before should be read now, else None.
+        Needs no cost estimate: most of a node's processes stand still and are not due."""
         if state.denied:
             return None
         age = now - (state.tried_at if state.tried_at is not None else state.read_at)
@@ -166,33 +165,28 @@ class ExactScheduler:
         due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
         states, estimate, is_due = self._states, self.estimate, self._due
         max_stall = math.inf if cfg.force_exact else cfg.max_stall_seconds
-        pagemap = self._start_walk is not None
-        frac, budget, base_cost = cfg.rss_change_fraction, cfg.cpu_budget_fraction, cfg.walk_base_seconds
+        pagemap = self._start_walk is not None  # _uses_pagemap, hoisted: this loop runs per process per tick
         for s in samples:
             if s.kernel_thread or s.uss_source != "none":
                 continue
             state = states.get((s.pid, s.create_time))
-            if pagemap and state is not None and state.walk is None and not state.rollup_only:
-                # _due without the estimate, for the many processes read
-                # recently whose RSS stands (a node's processes, most ticks).
-                if state.denied:
-                    continue
-                r = state.rss_at_read
-                if not (r and abs(s.rss_bytes - r) > frac * r):
-                    since = state.tried_at if state.tried_at is not None else state.read_at
-                    cost = state.exact.cost_seconds if state.exact is not None else base_cost
-                    if now - since < cost / budget:
-                        continue
-            est = estimate(s, state)
             if state is not None and state.walk is not None:
-                left = max(est - state.walk.cost_seconds, cfg.walk_base_seconds)
+                left = max(estimate(s, state) - state.walk.cost_seconds, cfg.walk_base_seconds)
                 due.append(((-1, -(now - (state.tried_at or 0.0))), s, left))
                 continue
+            if state is not None and pagemap and not state.rollup_only:
+                # A pagemap walk stalls its target a slice at a time: no stall
+                # check, and the estimate only for those due.
+                when = is_due(s, state, now)
+                if when is not None:
+                    due.append((when, s, estimate(s, state)))
+                continue
+            est = estimate(s, state)
             if not self._uses_pagemap(state) and est > max_stall:
                 stall_skipped.add(s.pid)
                 self.counters.exact_skipped_stall += 1
                 continue
-            when = is_due(s, state, now, est)
+            when = (0, est) if state is None else is_due(s, state, now)
             if when is not None:
                 due.append((when, s, est))
         due.sort(key=lambda d: d[0])
