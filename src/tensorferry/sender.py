@@ -180,6 +180,7 @@ class Sender:
         one_shot: bool = False,
         snapshot: bool = True,
         fanout: int | None = None,
+        trees: bool = False,
     ) -> Ticket:
         """Execute a plan of ``obj`` (a one-shot plan of a fresh object, or
         the kept plan given) and return its ticket at once.
@@ -215,6 +216,15 @@ class Sender:
                 for 1, a tree for more. The object must fit in one block of
                 the free pool (it is not streamed). ``None``: every
                 receiver pulls from the sender.
+            trees: a broadcast in two complementary binary trees (tcp or
+                nixl; ``fanout`` is 2, said or not): the object is split in
+                two halves, each relaying receiver pulls one half from its
+                parent in one tree and the other from its parent in the
+                other at once, and passes each on as it arrives. Each relay
+                is interior in at most one tree, so it sends about one
+                object in all (as in a chain), the sender sends one, and
+                the depth is about log2(readers) instead of a chain's
+                readers. Needs a number of ``readers`` (the trees' places).
 
         Raises:
             UnsupportedTensorError: a leaf cannot be sent (named, with the fix).
@@ -224,7 +234,8 @@ class Sender:
                 the plan is still being read.
             ConfigurationError: ``readers`` below 1, ``lease_seconds`` not a
                 positive number of seconds, ``snapshot=False`` without a plan
-                or on nixl, the sender closed.
+                or on nixl, the sender closed; ``trees`` with a ``fanout``
+                other than 2 or with ``readers=None``.
         """
         self._check_open()
         readers = reader_count(readers)
@@ -233,6 +244,16 @@ class Sender:
             raise ConfigurationError("put(snapshot=False) needs a plan: put(sender.plan(obj), snapshot=False)")
         if fanout is not None and (isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1):
             raise ConfigurationError(f"put(fanout={fanout!r}): expected a whole number of receivers from 1 (a chain) up, or None")
+        if not isinstance(trees, bool):
+            raise ConfigurationError(f"put(trees={trees!r}): expected True (two complementary trees) or False")
+        if trees:
+            if fanout not in (None, 2):
+                raise ConfigurationError(f"put(trees=True, fanout={fanout}): the two trees are binary (fanout 2); leave fanout out or pass 2, "
+                                         "or drop trees for a tree of that fanout")
+            if readers is None:
+                raise ConfigurationError("put(trees=True, readers=None): the two trees lay out a known number of receivers; "
+                                         "put with readers=N (every receiver that will get it)")
+            fanout = 2
         ticket_id = secrets.randbits(63)
         deadline = time.monotonic() + lease
         if readers is None:
@@ -245,7 +266,7 @@ class Sender:
             plan.check(self.ledger, tensors=not (snapshot and plan.total_nbytes))
         else:
             plan = SendPlan(self.pool, obj, kept=False, owner=self.ledger)
-        opts = PutOptions(readers, one_shot, snapshot, fanout, self.piece_nbytes)
+        opts = PutOptions(readers, one_shot, snapshot, fanout, trees, self.piece_nbytes)
         ex = choose(plan, opts, self.servers.values())
         offer, delta_packed = offer_delta(plan, ex, opts)
         last = plan.delta.last if plan.delta is not None else None
@@ -278,7 +299,7 @@ class Sender:
         try:
             self.ledger.add(entry)
             if delta_packed is not None:
-                self.ledger.add(delta_entry(ticket, delta_packed, readers, deadline, fanout))
+                self.ledger.add(delta_entry(ticket, delta_packed, readers, deadline, fanout, trees))
         except BaseException:
             self.ledger.discard(ticket_id)
             for piece in ex.pieces:

@@ -19,7 +19,7 @@ Each prints one JSON line per fact on stdout and exits; times are
 * ``bc_sender HOST TOKEN CAPACITY [TRANSPORT]``: a ``Sender`` (tcp, or
   ``TRANSPORT``: nixl) that takes JSON
   commands on stdin, one a line, and answers each with one line: ``put``
-  (``nbytes``, ``seed``, ``readers``, ``fanout``) answers ``{"ticket",
+  (``nbytes``, ``seed``, ``readers``, ``fanout``, ``trees``) answers ``{"ticket",
   "checksum", "total_nbytes", "t_put"}``; ``wait`` (``ticket``, ``timeout``)
   waits for the release and answers ``{"bytes_sent", "used_nbytes",
   "live_tickets"}`` (the sender's ``stats()``), as ``stats`` does at once;
@@ -203,7 +203,7 @@ def bc_sender(host: str, token: str, capacity_nbytes: int, transport: str = "tcp
                         objects[key] = (obj, checksum(obj))
                     obj, digest = objects[key]
                     t0 = time.monotonic()
-                    ticket = sender.put(obj, readers=cmd["readers"], fanout=cmd["fanout"])
+                    ticket = sender.put(obj, readers=cmd["readers"], fanout=cmd["fanout"], trees=cmd.get("trees", False))
                     say(ticket=ticket.to_bytes().hex(), checksum=digest, total_nbytes=ticket.total_nbytes, t_put=t0)
                 elif cmd["cmd"] in ("wait", "stats"):
                     if cmd["cmd"] == "wait":

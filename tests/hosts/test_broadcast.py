@@ -129,11 +129,11 @@ class Group:
         live = [w for w in self.everyone if w.proc.poll() is None]
         return self.sender.call(cmd="stats")["bytes_sent"], {w: w.call(cmd="stats")["relay_bytes_sent"] for w in live}
 
-    def start(self, workers: list[Worker], *, fanout: int, readers: int | None = None, stagger: float = 0.0) -> dict:
-        """Put the object for ``readers`` (default: one per worker) and send
-        each worker its get, ``stagger`` seconds apart. Returns the put,
-        with when each get was sent."""
-        put = self.sender.call(cmd="put", nbytes=NBYTES, seed=SEED, readers=readers or len(workers), fanout=fanout)
+    def start(self, workers: list[Worker], *, fanout: int, readers: int | None = None, stagger: float = 0.0, trees: bool = False) -> dict:
+        """Put the object for ``readers`` (default: one per worker; in two
+        trees with ``trees``) and send each worker its get, ``stagger``
+        seconds apart. Returns the put, with when each get was sent."""
+        put = self.sender.call(cmd="put", nbytes=NBYTES, seed=SEED, readers=readers or len(workers), fanout=fanout, trees=trees)
         put["sent_at"] = {}
         for k, w in enumerate(workers):
             if k and stagger:
@@ -149,11 +149,11 @@ class Group:
         done = self.sender.call(cmd="wait", ticket=put["ticket"], timeout=60)
         assert done["used_nbytes"] == 0 and done["live_tickets"] == 0, done
 
-    def broadcast(self, workers: list[Worker], *, fanout: int, stagger: float = 0.0) -> dict:
+    def broadcast(self, workers: list[Worker], *, fanout: int, stagger: float = 0.0, trees: bool = False) -> dict:
         """One checked broadcast; its time (put to the last get), the gets,
         and the bytes the sender and each relay sent for it."""
         sender0, relays0 = self.sent()
-        put = self.start(workers, fanout=fanout, stagger=stagger)
+        put = self.start(workers, fanout=fanout, stagger=stagger, trees=trees)
         gets = [w.fact() for w in workers]
         self.finish(put, gets)
         sender1, relays1 = self.sent()
@@ -464,3 +464,43 @@ def test_a_tree_of_sixteen_hosts_delivers_the_bytes_each_relay_serving_two(sixte
     assert r["sender_sent"] == 2 * t
     # The sender serves 2, the first 7 relays 2 each: 16 receivers.
     assert sorted(r["relay_sent"][w] for w in workers) == [0] * 9 + [2 * t] * 7
+
+
+def test_two_trees_of_sixteen_hosts_deliver_the_bytes_each_relay_sending_one_object(sixteen):
+    """``put(trees=True)``: each half down a binary tree of its own, every
+    relay interior in at most one (two half-copies out) and the sender
+    sending each half once."""
+    workers = list(sixteen.relays.values())
+    r = sixteen.broadcast(workers, fanout=2, trees=True)
+    t = r["total"]
+    assert r["sender_sent"] == t
+    sent = sorted(r["relay_sent"][w] for w in workers)
+    assert sum(sent) == 15 * t
+    # Two half-copies at most each (the halves differ by under a page).
+    assert sent[-1] <= t + 8192 and sent.count(0) <= 2, [s / t for s in sent]
+
+
+def test_two_trees_of_sixteen_hosts_with_a_relay_killed_halfway(sixteen):
+    """SIGKILL of an interior relay of tree A (the first to acquire after the
+    root: it serves half 0 to two children) about 40% through its receive:
+    its children resume half 0 from another source in tree A, the others
+    finish untouched, every other get holds the exact bytes and the
+    sender's pool empties."""
+    workers = list(sixteen.relays.values())
+    victim = workers[1]
+    ref = sixteen.broadcast(workers, fanout=2, trees=True, stagger=0.05)
+    t = ref["total"]
+    assert ref["relay_sent"][victim] >= t - 8192, "the second relay to acquire was not interior in tree A"
+    victim_seconds = ref["gets"][victim]["t_done"] - ref["gets"][victim]["t_start"]
+    sender0, _ = sixteen.sent()
+    put = sixteen.start(workers, fanout=2, trees=True, stagger=0.05)
+    time.sleep(max(0.0, put["sent_at"][victim] + 0.4 * victim_seconds - time.monotonic()))
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+    gets = [w.fact() for w in workers if w is not victim]
+    sixteen.finish(put, gets)
+    sender1, _ = sixteen.sent()
+    # The orphans' half 0 came from the sender or other relays: at most
+    # one more copy from the sender.
+    assert t <= sender1 - sender0 < 2 * t, (sender1 - sender0) / t
+    sixteen.replace(victim.host)

@@ -112,27 +112,37 @@ def broadcast_object(seed: int = 0) -> dict[str, Any]:
     return {"w": torch.randn(3_000_000, generator=g), "steps": torch.arange(999), **state_dict(seed)}
 
 
-def get_all(receivers: list[Any], ticket: Any, **kw: Any) -> list[Any]:
-    """Every receiver gets ``ticket`` at once (a thread each); their results
-    in order. The first error any of them raised is raised."""
+def in_threads(fn: Any, count: int) -> None:
+    """``fn(i)`` for every ``i`` below ``count`` at once (a thread each);
+    the first error any of them raised is raised once all have ended."""
     import threading
 
-    out: list = [None] * len(receivers)
     errors: list = []
 
     def run(i: int) -> None:
         try:
-            out[i] = receivers[i].get(ticket, **kw)
+            fn(i)
         except BaseException as exc:  # noqa: BLE001 - raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(receivers))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     if errors:
         raise errors[0]
+
+
+def get_all(receivers: list[Any], ticket: Any, **kw: Any) -> list[Any]:
+    """Every receiver gets ``ticket`` at once (a thread each); their results
+    in order. The first error any of them raised is raised."""
+    out: list = [None] * len(receivers)
+
+    def run(i: int) -> None:
+        out[i] = receivers[i].get(ticket, **kw)
+
+    in_threads(run, len(receivers))
     return out
 
 

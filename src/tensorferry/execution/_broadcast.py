@@ -90,10 +90,11 @@ class Tree:
         local = [r for r in self.relays if r not in self.failed and r not in exclude and _host_of(r) == host]
         return min(local, key=lambda r: self.children.get(r, 0)) if local else ""
 
-    def reassign(self, relay: str, failed: str) -> str:
+    def reassign(self, relay: str, failed: str, stripe: int = 0) -> str:
         """The receiver (serving at ``relay``, or ``""``) lost its source
         ``failed``: mark that one failed and pick another source that is
-        not below the receiver (it would wait for bytes only it brings)."""
+        not below the receiver (it would wait for bytes only it brings).
+        ``stripe``: always 0 (one tree carries the whole object)."""
         if failed and failed != SENDER and failed not in self.failed:
             self.failed.add(failed)
             self.children.pop(failed, None)

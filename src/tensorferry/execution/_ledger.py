@@ -22,6 +22,7 @@ from ..memory import MemoryPool, Packed
 from ..transports import Holdings
 from ..wire import protocol as P
 from ._broadcast import SENDER, Tree
+from ._trees import Trees, relay_tree
 
 if TYPE_CHECKING:
     from ..transports import Held
@@ -70,7 +71,7 @@ class Entry:
     source: object = None
     # A broadcast ticket (put with fanout=): who pulls from whom; the
     # readers of the same byte ranges (sharded gets), a tree for each range set.
-    tree: Tree | None = None
+    tree: Tree | Trees | None = None
     ranged: dict[bytes, Tree] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -203,7 +204,7 @@ class Ledger(Holdings):
                 tree = _tree(entry, msg.ranges, make=False)
                 if tree is None or not conn.holds.get(key) or piece.packed is None:
                     return P.Failure(kind="not-held", message=f"ticket {msg.ticket_id} piece {msg.piece} is not held on this connection, or is no broadcast")
-                source = tree.reassign(msg.relay, msg.failed_source)
+                source = tree.reassign(msg.relay, msg.failed_source, msg.stripe)
                 return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
             if piece.unclaimed == 0:
                 return P.Failure(kind="consumed", message=f"all {entry.readers} reader slots of ticket {msg.ticket_id} piece {msg.piece} are taken; put it with more readers")
@@ -221,8 +222,12 @@ class Ledger(Holdings):
             # Only readers of a broadcasting server join the tree: shm
             # readers on the sender's host map its pool.
             tree = _tree(entry, msg.ranges)
+            stripes: list[str] = []
             if tree is None or not conn.server.broadcasts:
                 source = SENDER
+            elif isinstance(tree, Trees):
+                stripes = self._place_halves(tree, msg, conn.remote_host, deadline, entry)
+                source = stripes[0]
             else:
                 # Only a group of a broadcast to as many readers: a sync like this one.
                 group, readers = self._groups.get(msg.relay, ((), 0))
@@ -238,7 +243,24 @@ class Ledger(Holdings):
                     self._cond.wait(left)
                 source = tree.join(msg.relay, conn.remote_host, planned=planned)
                 self._cond.notify_all()  # relays waiting for this one to join
-            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source, sourced=entry.sourced)
+            return P.Located(blocks=[(b.offset, b.nbytes) for b in piece.packed.blocks], virtual_offset=piece.voffset, source=source,
+                             sourced=entry.sourced, stripes=stripes)
+
+    def _place_halves(self, trees: Trees, msg: P.Acquire, host: str, deadline: float, entry: Entry) -> list[str]:
+        """Under the condition: a two-tree broadcast's reader's source of
+        each half. Its parent in a tree may be a relay yet to join: waited
+        for a moment (the relays of a broadcast acquire at about the same
+        time), then any source with room in that tree."""
+        place = trees.join(msg.relay, host)
+        self._cond.notify_all()  # relays waiting for this one to join
+        wait_until = min(deadline, time.monotonic() + PLACE_WAIT_SECONDS)
+        while None in place and not self._closed and self._entries.get(msg.ticket_id) is entry:
+            left = wait_until - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+            trees.resolve(msg.relay, place)
+        return trees.settle(msg.relay, place)
 
     def held(self, conn: Any, ticket_id: int, piece_idx: int) -> Any:
         """What holds the bytes of a piece ``conn`` acquired (a ``Held``): a
@@ -374,11 +396,12 @@ class Ledger(Holdings):
         return None
 
 
-def _tree(entry: Entry, ranges: bytes, make: bool = True) -> Tree | None:
+def _tree(entry: Entry, ranges: bytes, make: bool = True) -> Tree | Trees | None:
     """The relay tree a reader joins: the broadcast's own (the whole piece),
     or, for a sharded get's reader, the tree of its range set (made, if
     ``make``, as the first of them acquires: at most one a reader slot).
-    None: no broadcast, or no such range set."""
+    None: no broadcast, or no such range set. The range sets of a
+    two-tree broadcast are plain binary trees (their streams are not split)."""
     if entry.tree is None or not ranges:
         return entry.tree
     tree = entry.ranged.get(ranges)
@@ -387,13 +410,13 @@ def _tree(entry: Entry, ranges: bytes, make: bool = True) -> Tree | None:
     return tree
 
 
-def delta_entry(ticket: "Ticket", packed: Packed, readers: int, deadline: float, fanout: int | None) -> Entry:
+def delta_entry(ticket: "Ticket", packed: Packed, readers: int, deadline: float, fanout: int | None, trees: bool = False) -> Entry:
     """The ledger entry of a delta plan's delta bytes (``plans/_delta_put.py``
     offers them): the ticket's readers and lease (a receiver reading the
     whole object gives its delta slot back, and one reading the delta its
-    slots of the whole); a broadcast's (``fanout``) has a tree of its own,
-    so relays pass the delta on. Sender side."""
+    slots of the whole); a broadcast's (``fanout``, ``trees``) has a tree
+    (or two) of its own, so relays pass the delta on. Sender side."""
     sub = ticket.delta_ticket()
     piece = Piece(voffset=0, nbytes=packed.blocks[0].nbytes, readers=readers, packed=packed)
     return Entry(sub.id, readers, ticket.lease_seconds, deadline, [piece], streamed=False, digest=sub.digest,
-                 tree=Tree(fanout) if fanout else None)
+                 tree=relay_tree(fanout, trees, readers))

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from ..errors import ConfigurationError, PoolExhaustedError
 from ..plans import SendPlan
 from ._broadcast import Tree
+from ._trees import Trees, relay_tree
 from ._ledger import Piece
 
 __all__ = ["Execution", "PutOptions", "choose"]
@@ -43,6 +44,8 @@ class PutOptions:
     """Copy into the pool (``True``) or serve the tensors' own memory."""
     fanout: int | None
     """A broadcast: the most receivers the sender (and each relay) serves."""
+    trees: bool
+    """A broadcast in two complementary binary trees, each carrying half."""
     piece_nbytes: int
     """Size of streamed and sourced pieces."""
 
@@ -56,7 +59,7 @@ class Execution:
     blocks: list[tuple[int, int]]  # the ticket's blocks (resident)
     piece_nbytes: int  # the ticket's piece size (0: resident)
     pack: Callable[[int, int], Any] | None = None  # streamed: packs a piece later
-    tree: Tree | None = None
+    tree: Tree | Trees | None = None
 
     @property
     def num_pieces(self) -> int:
@@ -122,4 +125,4 @@ def choose(plan: SendPlan, opts: PutOptions, servers: Iterable[Any]) -> Executio
         return Execution("streamed", pieces, [], size, pack=plan.piece_packer())
     blocks = [(b.offset, b.nbytes) for b in packed.blocks]
     piece = Piece(voffset=0, nbytes=sum(n for _, n in blocks), readers=opts.readers, packed=packed)
-    return Execution("resident", [piece], blocks, 0, tree=Tree(opts.fanout) if opts.fanout else None)
+    return Execution("resident", [piece], blocks, 0, tree=relay_tree(opts.fanout, opts.trees, opts.readers))

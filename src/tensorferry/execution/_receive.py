@@ -34,18 +34,13 @@ import numpy as np
 import torch
 
 from ..copy import CopyPlan, StagedCopy, executor, finish
-from ..errors import (
-    ConfigurationError,
-    PeerGoneError,
-    PoolExhaustedError,
-    ProtocolError,
-    TicketError,
-    TransferTimeoutError,
-)
+from ..errors import ConfigurationError, PoolExhaustedError, TicketError
 from ..memory import ReceiveCache
 from ..plans import RecvPlan, SourceDelta, reads_delta, receive_delta, settle, version_of
-from ..transports import CHUNK_NBYTES, Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads, chunk_nbytes_for, pull
+from ..transports import Channel, ReceiveContext, RelayBook, RelayLinks, Releaser, SameHostReads
 from ..wire import Ticket, packing
+from ._relayed import Relayed, _left
+from ._stripes import Source
 
 __all__ = ["Route", "Fetcher", "route"]
 
@@ -97,7 +92,7 @@ def route(plan: RecvPlan, ch: Channel, block_nbytes: tuple[int, ...], *, zero_co
     return "staged"
 
 
-class Fetcher:
+class Fetcher(Relayed):
     """A receiver's means of moving bytes: its destinations, its scratch,
     its relays. Executes plans over channels; holds no get's state.
 
@@ -362,16 +357,16 @@ class Fetcher:
 
     # -- reader slots ------------------------------------------------------------------
 
-    def _acquire_resident(self, ch: Channel, ticket: Ticket, deadline: float, ranges: bytes = b"") -> tuple[list[tuple[int, int]], str]:
+    def _acquire_resident(self, ch: Channel, ticket: Ticket, deadline: float, ranges: bytes = b"") -> tuple[list[tuple[int, int]], Source]:
         """Take a reader slot: the blocks, and where to pull them from
         (``""``: the sender; a broadcast may name a relay, of the same
-        ``ranges`` for a sharded get's reader)."""
+        ``ranges`` for a sharded get's reader; a two-tree one, one a half)."""
         located = ch.acquire(ticket.id, 0, timeout=_left(deadline), digest=ticket.digest, relay=self._relay_address, ranges=ranges)
         blocks = [tuple(b) for b in located.blocks]
         if blocks != [tuple(b) for b in ticket.blocks]:
             ch.release(ticket.id, 0, timeout=_left(deadline))
             raise TicketError(f"sender locates ticket {ticket.id} at {blocks}, the ticket says {ticket.blocks}")
-        return blocks, located.source
+        return blocks, tuple(located.stripes) if located.stripes else located.source
 
     def _acquire_piece(self, ch: Channel, ticket: Ticket, piece: int, deadline: float) -> tuple[list[tuple[int, int]], int]:
         located = ch.acquire(ticket.id, piece, timeout=_left(deadline), digest=ticket.digest)
@@ -383,101 +378,11 @@ class Fetcher:
             raise TicketError(f"sender located piece {piece} as {blocks} at {voff}, expected {want:,} bytes at {piece * ticket.piece_nbytes:,}")
         return blocks, voff
 
-    # -- broadcasts --------------------------------------------------------------------
-
-    def _receive_broadcast(self, ch: Channel, ticket: Ticket, blocks: list, source: str, plan: RecvPlan, deadline: float) -> torch.Tensor:
-        """The one block of a ticket, chunk by chunk, from ``source`` (a
-        relay, or ``""``: the sender), into memory of its own; published to
-        this receiver's children as it arrives if it relays. The chunk
-        follows the block's size and the ticket's readers (the longest
-        chain it can make), the same in every relay of it."""
-        if len(blocks) != 1:
-            raise TicketError(f"a broadcast ticket has one block; this one has {len(blocks)}")
-        chunk = chunk_nbytes_for(blocks[0][1], ticket.readers, most=ch.relay_chunk_nbytes, least=ch.relay_min_chunk_nbytes)
-
-        def from_sender(buf: memoryview, start: int, progress: Any) -> None:
-            ch.receive_range(ticket.id, 0, blocks, buf, start, progress, deadline=deadline, chunk_nbytes=chunk)
-
-        return self._receive_stream(ch, ticket, blocks[0][1], ticket.digest, source, from_sender, deadline, chunk_nbytes=chunk)
-
-    def _receive_stream(self, ch: Channel, ticket: Ticket, total: int, digest: bytes, source: str,
-                        from_sender: Callable[[memoryview, int, Any], None], deadline: float, group: object = None,
-                        arrived: Callable[[torch.Tensor, int, int], None] | None = None, *, chunk_nbytes: int = CHUNK_NBYTES) -> torch.Tensor:
-        """A stream of ``total`` bytes of ``ticket`` (``digest``: the
-        ticket's, or a sharded get's ranges of it) into memory of its own,
-        from ``source`` (a relay; ``""``: the sender, ``from_sender(buf,
-        start, progress)``); published to this receiver's children as it
-        arrives if it relays (``group``: see :meth:`RelayBook.add`), then
-        ``arrived(stream, lo, hi)`` for each new part, in order; a relay's
-        stream ``chunk_nbytes`` at a time (as the sender's). A relay
-        that fails or stalls is reported to the sender, which names another
-        source; the receive resumes from the bytes it has."""
-        if self._book is not None:
-            # Shareable: children on this host map its file (the receive
-            # pool, if any, is left to other gets). The streams this one
-            # replaces go first, so their memory (faulted in) is reused.
-            self._book.make_room(group)
-            stream, _, fd = self._cache.take_shared(total)
-        else:
-            stream, fd = self.destination([total])[0][0], -1
-        buf = memoryview(stream.numpy())
-        held = self._book.add(ticket.id, digest, buf, fd, group) if self._book is not None else None
-        got = [0]
-
-        def progress(end: int) -> None:
-            lo, got[0] = got[0], end
-            if held is not None:
-                held.progress(end)
-            if arrived is not None and end > lo:
-                arrived(stream, lo, end)
-
-        ok = False
-        try:
-            with ch.registered(stream):
-                self._pull(ch, ticket, source, buf, got, functools.partial(from_sender, buf, progress=progress), progress, digest, deadline,
-                           chunk_nbytes)
-            ok = True
-        finally:
-            if held is not None:
-                held.finish(ok)
-        return stream
-
-    def _pull(self, ch: Channel, ticket: Ticket, source: str, buf: memoryview, got: list[int], from_sender: Callable[[int], None],
-              progress: Any, digest: bytes, deadline: float, chunk_nbytes: int) -> None:
-        """Fill ``buf`` (the stream of ``digest``: the ticket's, or a sharded
-        get's ranges of it) from ``got[0]`` on: from the sender
-        (``source`` "": ``from_sender(start)``), else from relays, as the
-        sender names them (a relay's stream ``chunk_nbytes`` at a time)."""
-        while got[0] < len(buf):
-            try:
-                if not source:
-                    from_sender(got[0])
-                else:
-                    pull(source, token=self._token, ticket_id=ticket.id, digest=digest, buf=buf, start=got[0], progress=progress,
-                         stall_seconds=self._stall_seconds, deadline=deadline, reads=self._reads, nixl=ch.relay_endpoint, links=self._links,
-                         tls=self._tls, chunk_nbytes=chunk_nbytes)
-            except (PeerGoneError, TransferTimeoutError, ProtocolError):
-                if not source or time.monotonic() > deadline:
-                    raise
-                # The relay died or stalled: the sender names another
-                # source (or itself); resume from what has arrived.
-                located = ch.acquire(ticket.id, 0, timeout=_left(deadline), digest=ticket.digest,
-                                     relay=self._relay_address, failed_source=source, ranges=digest if digest != ticket.digest else b"")
-                source = located.source
-
-
 def _stream_digest(ticket: Ticket, ranges: bytes) -> bytes:
     """What names a sharded get's ranges of ``ticket`` (``ranges``: their
     digest) to the sender and to relays: readers of the same ranges of the
     same ticket share it."""
     return hashlib.blake2b(ticket.digest + ranges, digest_size=16).digest()
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransferTimeoutError("the get ran out of time")
-    return left
 
 
 def _split(base: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -86,10 +86,12 @@ def receive_delta(ch: Channel, plan: RecvPlan, ticket: Ticket, destination: Call
             if blocks != [tuple(b) for b in sub.blocks]:
                 raise ProtocolError(f"sender locates the delta of ticket {ticket.id} at {blocks}, the ticket says {sub.blocks}")
             # As a whole object's get decides it (Fetcher._move): from a relay, or relayed on.
-            relayed = bool(located.source) or (bool(relay_address) and ch.relays)
+            # A two-tree broadcast names a source for each half.
+            source: Any = tuple(located.stripes) if located.stripes else located.source
+            relayed = any(located.stripes) or bool(located.source) or (bool(relay_address) and ch.relays)
             with plan.writing():
                 if relayed and broadcast is not None:
-                    src = broadcast(sub, blocks, located.source)
+                    src = broadcast(sub, blocks, source)
                 elif ch.maps_sender_memory:
                     src = ch.remote_views(blocks)[0]
                 else:

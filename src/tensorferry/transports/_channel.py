@@ -157,18 +157,22 @@ class Channel:
         return reply
 
     def acquire(self, ticket_id: int, piece: int, *, timeout: float, digest: bytes, relay: str = "", failed_source: str = "",
-                ranges: bytes = b"") -> P.Located:
+                ranges: bytes = b"", stripe: int = 0) -> P.Located:
         """Take a reader slot of a ticket's piece: where its blocks are
         (checked against the sender's pool), and for a broadcast whom to
         pull from (``relay``: this receiver's relay address, if it relays;
         ``failed_source``: a relay that failed us; ``ranges``: the digest
         of the byte ranges a sharded get reads, whose readers relay to
-        each other)."""
+        each other; ``stripe``: the half of a two-tree broadcast whose
+        ``failed_source`` failed). A two-tree broadcast's Located names
+        two sources (``stripes``), distinct from this receiver's relay."""
         # The sender waits up to `timeout` for a streamed piece; our socket
         # waits a little longer so its answer (or its Failure) gets here.
         msg = self.session.sign(P.Acquire(ticket_id=ticket_id, piece=piece, timeout_seconds=timeout, digest=digest, relay=relay,
-                                          failed_source=failed_source, ranges=ranges))
+                                          failed_source=failed_source, ranges=ranges, stripe=stripe))
         located = self.request(msg, P.Located, timeout=timeout + 5.0)
+        if located.stripes and (len(located.stripes) != 2 or (relay and relay in located.stripes)):
+            raise ProtocolError(f"sender named {located.stripes!r:.200} as the sources of a two-tree broadcast's halves (relaying at {relay!r})")
         pool_n = self.welcome.pool_nbytes
         for off, n in located.blocks:
             if off < 0 or n <= 0 or off + n > pool_n:

@@ -136,6 +136,9 @@ class Acquire(msgspec.Struct, frozen=True):
     # the whole piece). Of a broadcast ticket, the readers of the same
     # ranges pull from each other, in a relay tree of their own.
     ranges: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    # A two-tree broadcast (put(trees=True)), with failed_source: the half
+    # (0 or 1) whose source failed; each half has a tree of its own.
+    stripe: Annotated[int, msgspec.Meta(ge=0, le=1)] = 0
     # This connection's count of Acquires and the session key's HMAC of this
     # message (with mac=b""): a copy replayed on any connection is refused.
     seq: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -152,6 +155,10 @@ class Located(msgspec.Struct, frozen=True):
     # The piece is the sender's tensors themselves (a plan put with
     # snapshot=False), not its pool: shm readers ask for SourceRuns.
     sourced: bool = False
+    # A two-tree broadcast (put(trees=True)): the source of each half of
+    # the block (transports._relay.stripe_bounds), its parent in each tree;
+    # empty for any other ticket.
+    stripes: Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=2)] = []
 
 
 class Fetch(msgspec.Struct, frozen=True):

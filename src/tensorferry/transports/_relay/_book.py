@@ -14,7 +14,7 @@ from ...errors import PeerGoneError
 from ...wire import protocol as P
 from .._base import Holdings
 
-__all__ = ["CHUNK_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "chunk_nbytes_for"]
+__all__ = ["CHUNK_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "chunk_nbytes_for", "stripe_bounds"]
 
 # Bytes a relay receives before it passes them on: each hop of a chain
 # adds one chunk's time (1 MiB: 8.4 ms at 1 Gbit/s; 4 MiB made a chain of 8
@@ -53,6 +53,18 @@ def chunk_nbytes_for(total_nbytes: int, hops: int, *, most: int = CHUNK_NBYTES, 
     return max(least, min(most, fair))
 
 
+def stripe_bounds(total_nbytes: int, stripes: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[lo, hi)`` of a stream's ``stripes`` parts (a
+    two-tree broadcast's halves, each of which flows down a tree of its
+    own): as equal as whole pages allow, the last one taking the rest.
+    Every receiver of a ticket computes the same."""
+    if stripes < 1:
+        raise ValueError(f"stripes={stripes}: expected 1 or more")
+    step = total_nbytes // stripes // _CHUNK_ALIGNMENT * _CHUNK_ALIGNMENT
+    cuts = [k * step for k in range(stripes)] + [total_nbytes]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 class _Held:
     """One ticket's stream in a relay, and how much of it has arrived."""
 
@@ -66,7 +78,9 @@ class _Held:
         self.total = len(buf)
         # Where same-host children read it: ``buf`` (held here) keeps it there.
         self.address = int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if self.total else 0
-        self.arrived = 0
+        # Where each run that arrives in order starts -> how far it has
+        # arrived: one run from 0, or one a stripe (put(trees=True)).
+        self.runs: dict[int, int] = {}
         self.state = "receiving"  # then "complete" or "failed"
         self.pulls = 0
         self.idle_since = time.monotonic()
@@ -75,10 +89,23 @@ class _Held:
         # (a tensor over ``buf``; RelayServer._expose, let go on drop).
         self.exposed: Any = None
 
-    def progress(self, end: int) -> None:
+    def progress(self, end: int, start: int = 0) -> None:
+        """Bytes ``[start, end)`` have arrived (``start``: where the run
+        that arrives in order, the stream or one of its stripes, begins)."""
         with self.book.cond:
-            self.arrived = max(self.arrived, end)
+            self.runs[start] = max(self.runs.get(start, start), end)
             self.book.cond.notify_all()
+
+    def _reach(self, pos: int) -> int:
+        """Under the lock: the end of the bytes arrived from ``pos`` on
+        without a gap (``pos`` if byte ``pos`` has not arrived)."""
+        reach, moved = pos, True
+        while moved:
+            moved = False
+            for lo, hi in self.runs.items():
+                if lo <= reach < hi:
+                    reach, moved = hi, True
+        return reach
 
     def finish(self, ok: bool) -> None:
         with self.book.cond:
@@ -88,18 +115,20 @@ class _Held:
         self.book.expire_later()
 
     def wait_beyond(self, pos: int, timeout: float) -> int:
-        """Bytes arrived, once more than ``pos`` have (or ``pos`` after
-        ``timeout``). Raises PeerGoneError if the relay's own receive failed."""
+        """Where the bytes arrived from ``pos`` on without a gap end, once
+        byte ``pos`` has arrived (or ``pos`` after ``timeout``). Raises
+        PeerGoneError if the relay's own receive failed before it did."""
         deadline = time.monotonic() + timeout
         with self.book.cond:
-            while self.arrived <= pos and self.state == "receiving":
+            while (reach := self._reach(pos)) <= pos and self.state == "receiving":
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return self.arrived
+                    return pos
                 self.book.cond.wait(left)
-            if self.arrived <= pos and self.state == "failed":
-                raise PeerGoneError(f"the relay lost ticket {self.ticket_id} after {self.arrived:,} of {self.total:,} bytes")
-            return self.arrived
+            if reach <= pos and self.state != "receiving":
+                got = sum(hi - lo for lo, hi in self.runs.items())
+                raise PeerGoneError(f"the relay lost ticket {self.ticket_id} after {got:,} of {self.total:,} bytes (byte {pos:,} never arrived)")
+            return reach
 
 
 class RelayBook(Holdings):

@@ -50,9 +50,11 @@ def pull(
     nixl: Any = None,
     links: RelayLinks | None = None,
     tls: ssl.SSLContext | None = None,
+    stop: int | None = None,
 ) -> None:
-    """Child side: bytes ``[start, len(buf))`` of a ticket's stream from the
-    relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
+    """Child side: bytes ``[start, stop)`` (``stop`` None: ``len(buf)``, the
+    stream's end; less: a two-tree broadcast's half) of a ticket's stream
+    from the relay at ``address`` into ``buf``, ``progress(end)`` after each chunk.
 
     A relay on this host (``reads`` enabled) lends its memory and the child
     copies out of it (process_vm_readv); else, or where the kernel refuses
@@ -81,7 +83,7 @@ def pull(
 
     session = functools.partial(_pull_session, address, token=token, ticket_id=ticket_id, digest=digest, buf=buf, progress=advance,
                                 stall_seconds=stall_seconds, deadline=deadline, chunk_nbytes=chunk_nbytes, reads=reads, nixl=nixl, links=links,
-                                tls=tls)
+                                tls=tls, stop=len(buf) if stop is None else stop)
     if reads is not None and reads.wanted(address):
         try:
             session(start, host_identity())
@@ -94,12 +96,14 @@ def pull(
 def _pull_session(
     address: str, start: int, host: bytes, *, token: bytes, ticket_id: int, digest: bytes, buf: memoryview,
     progress: Callable[[int], None], stall_seconds: float, deadline: float, chunk_nbytes: int, reads: SameHostReads | None,
-    nixl: Any, links: RelayLinks | None, tls: ssl.SSLContext | None,
+    nixl: Any, links: RelayLinks | None, tls: ssl.SSLContext | None, stop: int,
 ) -> None:
-    """One connection to the relay: a Pull from ``start`` (naming this
+    """One connection to the relay: a Pull of ``[start, stop)`` (naming this
     ``host`` when not b"", asking for NIXL READs with ``nixl``), then the
     bytes as a stream or by reads of its memory, whichever it answers."""
-    total = len(buf)
+    whole, total = len(buf), stop
+    if not 0 <= start <= stop <= whole:
+        raise ConfigurationError(f"a pull of bytes {start:,} to {stop:,} of a {whole:,}-byte stream")
     pull_msg = P.Pull(ticket_id=ticket_id, digest=digest, start=start, nbytes=total - start, host=host, nixl=nixl is not None)
     sock, session, kept = None, None, False
     try:
@@ -109,14 +113,14 @@ def _pull_session(
                 raise AuthenticationError(f"the relay at {address} refused our Pull as not signed for this connection: {reply.message}")
             raise PeerGoneError(f"relay at {address}: {reply.message}")
         if isinstance(reply, P.Lend) and host:
-            if reply.nbytes != total:
-                raise ProtocolError(f"relay at {address} lends a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            if reply.nbytes != whole:
+                raise ProtocolError(f"relay at {address} lends a {reply.nbytes:,}-byte stream, the ticket has {whole:,}")
             _read_lent(sock, session, address, _LentReader(address, reply, buf, reads, min(stall_seconds, 2.0)), start, total, progress,
                        stall_seconds, deadline, reads)
             return
         if isinstance(reply, P.Exposed) and nixl is not None:
-            if reply.nbytes != total:
-                raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {total:,}")
+            if reply.nbytes != whole:
+                raise ProtocolError(f"relay at {address} exposes a {reply.nbytes:,}-byte stream, the ticket has {whole:,}")
             _read_lent(sock, session, address, _NixlReader(nixl, address, reply, buf, deadline), start, total, progress, stall_seconds,
                        deadline, reads)
             return
