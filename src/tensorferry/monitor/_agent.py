@@ -36,7 +36,7 @@ from ._config import AgentConfig
 from ._exact_schedule import ExactScheduler
 from ._sample import Backend, default_backend
 from ._selection import Selection, Selector
-from ._snapshot import AgentStats, Snapshot
+from ._snapshot import AgentStats, PendingSamples, Snapshot
 from ._types import ProcessMemory
 
 # Snapshots list samples largest RSS first.
@@ -95,8 +95,11 @@ class Agent:
         self._fds: dict[int, int] = {}
         # Linux: keep each process's stat/status open, skip status while stat
         # shows RSS and VmSize unchanged, and hand out the last sample again
-        # while stat reads the same (ProcfsBackend.cheap_many).
-        self._cheap_many = getattr(self.backend, "cheap_many", None)
+        # while stat reads the same (ProcfsBackend.cheap_tick).
+        self._cheap_tick = getattr(self.backend, "cheap_tick", None)
+        # The selection the last tick sampled (select() returns the same
+        # list while nothing changed), to know when the watched set moved.
+        self._last_pids: list[int] | None = None
         self._retain = getattr(self.backend, "retain", None)
         self._counters = _Counters()
         self._cpu_start = time.process_time()
@@ -129,43 +132,71 @@ class Agent:
         cfg = self.config
         pids = self.select()
         t0 = time.perf_counter()
-        if self._cheap_many is not None:
-            # Linux: one loop in the backend; a process whose stat reads as
-            # last tick costs one pread.
-            samples, errors = self._cheap_many(
-                pids, count_fds=cfg.count_fds, max_status_age_seconds=cfg.status_max_age_seconds,
-                fds_every_calls=cfg.fds_every_ticks, call=c.ticks,
-            )
-        else:
+        if self._cheap_tick is None:
             samples, errors = self._sample_each(pids)
+            c.sample_seconds += time.perf_counter() - t0
+            c.samples += len(pids)
+            samples = self._selector.observe_all(samples)
+            self._forget_others(samples, pids)
+            stall_skipped = self._exact.run(samples, now) if cfg.exact else set()
+            attach = self._exact.attach
+            out = [attach(s, now) for s in samples]
+            out.sort(key=_RSS, reverse=True)
+            return self._snapshot(tuple(out), errors, stall_skipped, tick_start)
+        # Linux: one loop in the backend; a process whose stat reads as last
+        # tick costs one pread, and its record is the last one, as it was.
+        reads = self._cheap_tick(
+            pids, count_fds=cfg.count_fds, max_status_age_seconds=cfg.status_max_age_seconds,
+            fds_every_calls=cfg.fds_every_ticks, call=c.ticks,
+        )
         c.sample_seconds += time.perf_counter() - t0
         c.samples += len(pids)
-        samples = self._selector.observe_all(samples)
+        samples, read_ats, errors = reads.samples, reads.read_ats, reads.errors
+        dropped = False
+        if reads.fresh:
+            # A record handed out again was observed when it was built: only
+            # new ones can bring a new parent, command line or start time.
+            kept = self._selector.observe_all(reads.fresh)
+            if len(kept) != len(reads.fresh):
+                dropped = True
+                out_ids = {id(s) for s in reads.fresh} - {id(s) for s in kept}
+                pairs = [(s, r) for s, r in zip(samples, read_ats) if id(s) not in out_ids]
+                samples, read_ats = [p[0] for p in pairs], [p[1] for p in pairs]
+        if dropped or reads.new or pids is not self._last_pids or any(errors.values()):
+            self._forget_others(samples, pids)
+        stall_skipped = self._exact.run(samples, now) if cfg.exact else set()
+        pending = PendingSamples(samples, read_ats, self._exact.published(), reads.wall, reads.now, now)
+        return self._snapshot(pending, errors, stall_skipped, tick_start)
+
+    def _forget_others(self, samples: list[ProcessMemory], pids: list[int]) -> None:
+        """Let go of what is kept for processes no longer sampled (gone,
+        zombies, deselected): the backend's open files, fd counts, exact state."""
+        self._last_pids = pids
         alive = {s.pid for s in samples}
         if self._retain is not None:
-            # Close the files of processes no longer sampled (gone, zombies, deselected).
             self._retain(alive)
         fds_cache = self._fds
         if len(fds_cache) > 2 * len(samples) + 64:
             for pid in [p for p in fds_cache if p not in alive]:
                 del fds_cache[pid]
-        exact = self._exact
-        exact.keep_only({(s.pid, s.create_time) for s in samples})
-        stall_skipped = exact.run(samples, now) if self.config.exact else set()
-        attach = exact.attach
-        out = [attach(s, now) for s in samples]
-        out.sort(key=_RSS, reverse=True)
+        self._exact.keep_only({(s.pid, s.create_time) for s in samples})
+
+    def _snapshot(self, samples: tuple[ProcessMemory, ...] | PendingSamples, errors: dict[str, int],
+                  stall_skipped: set[int], tick_start: float) -> Snapshot:
+        c = self._counters
         for k, v in errors.items():
             c.errors[k] += v
         c.ticks += 1
         cgroups: tuple[CgroupMemory, ...] = ()
         if self.cgroup_reader is not None and self.config.cgroups:
-            cgroups = tuple(self.cgroup_reader.for_samples(out))
+            if isinstance(samples, PendingSamples):
+                samples = samples.finish()
+            cgroups = tuple(self.cgroup_reader.for_samples(samples))
         c.last_tick_seconds = time.perf_counter() - tick_start
         c.tick_seconds += c.last_tick_seconds
         snap = Snapshot(
             timestamp=time.time(),
-            samples=tuple(out),
+            samples=samples,
             max_groups=self.config.max_groups,
             names=self.config.names,
             max_name_chars=self.config.max_name_chars,

@@ -82,6 +82,10 @@ class ExactScheduler:
         self._bucket_cap = cap
         self.tokens = cap
         self._last_refill = now
+        # published(): every process's figures as attach() would attach them,
+        # made anew only after a tick changed some (a snapshot keeps it).
+        self._published: dict[tuple[int, float], tuple[ExactMemory, float]] = {}
+        self._changed = False
 
     @property
     def walks_in_progress(self) -> int:
@@ -93,6 +97,7 @@ class ExactScheduler:
         keep = alive if isinstance(alive, (set, frozenset)) else set(alive)
         for key in [k for k in self._states if k not in keep]:
             gone = self._states.pop(key)
+            self._changed = True
             if gone.walk is not None:
                 gone.walk.close()
 
@@ -102,6 +107,16 @@ class ExactScheduler:
             if state.walk is not None:
                 state.walk.close()
                 state.walk = None
+
+    def published(self) -> dict[tuple[int, float], tuple[ExactMemory, float]]:
+        """(pid, create_time) -> (exact figures, when read) of every process
+        with some: what :meth:`attach` attaches, as of now. The dict is not
+        changed later (a new one is made once figures change), so a snapshot
+        may keep it and attach them when it is read."""
+        if self._changed:
+            self._changed = False
+            self._published = {k: (st.exact, st.read_at) for k, st in self._states.items() if st.exact is not None}
+        return self._published
 
     def attach(self, s: ProcessMemory, now: float) -> ProcessMemory:
         """``s`` with its last exact figures and their age, if any were read."""
@@ -244,6 +259,7 @@ class ExactScheduler:
             c.exact_denied += 1
         except NoSuchProcess:
             self._states.pop(key, None)
+            self._changed = True
         return True
 
     def _state(self, key: tuple[int, float], s: ProcessMemory, now: float) -> _ExactState:
@@ -273,6 +289,7 @@ class ExactScheduler:
             self._charge(walk.cost_seconds - spent)
         state.walk = None
         state.tried_at = state.read_at = now
+        self._changed = True
         state.rss_at_read = s.rss_bytes
         if walk.result is not None:
             state.exact = walk.result
@@ -286,4 +303,5 @@ class ExactScheduler:
         self._charge(exact.cost_seconds if exact is not None else 0.0)
         self.counters.exact_reads += 1
         state.exact, state.read_at, state.tried_at, state.rss_at_read = exact, now, now, s.rss_bytes
+        self._changed = True
         return True

@@ -164,7 +164,10 @@ class ProcfsBackend(ManyReads, ExactReads):
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise _translate(exc, pid) from exc
+            err = _translate(exc, pid)
+            if isinstance(err, NoSuchProcess):
+                self._listing_stale = True  # pids() lists again
+            raise err from exc
 
     def _open_handle(self, pid: int) -> tuple[int, int] | None:
         if len(self._handles) >= self.max_open_processes:
@@ -204,6 +207,7 @@ class ProcfsBackend(ManyReads, ExactReads):
         for pid in list(self._handles):
             self._close_handle(pid)
         self._last.clear()
+        self.close_listing()
         if self._kpagecount_fd is not None and self._kpagecount_fd >= 0:
             os.close(self._kpagecount_fd)
             self._kpagecount_fd = None
@@ -235,10 +239,6 @@ class ProcfsBackend(ManyReads, ExactReads):
         return self._boot_time
 
     # -- listing -----------------------------------------------------------------
-
-    def pids(self) -> list[int]:
-        """Every process id now in the tree (threads are not listed)."""
-        return [int(n) for n in os.listdir(self.proc_root) if n.isdigit()]
 
     def stat(self, pid: int) -> tuple[str, str, int, int, float, float, int, int]:
         """``(name, state, ppid, flags, user_s, system_s, threads, starttime_ticks)``.

@@ -1,9 +1,10 @@
-"""Linux: the agent's tick over many processes, :meth:`ProcfsBackend.cheap_many`.
+"""Linux: the agent's tick over many processes, :meth:`ProcfsBackend.cheap_tick`
+(and :meth:`ProcfsBackend.cheap_many`, the same with finished records).
 
 A mixin of :class:`~tensorferry.monitor._procfs.ProcfsBackend` (it uses the
 backend's held files, last samples and ``_cheap``): one loop over every
-watched process, handing a process's last sample out again while its
-``stat`` reads the same bytes.
+watched process, handing a process's last record out again, as the same
+object, while its ``stat`` reads the same bytes.
 """
 
 from __future__ import annotations
@@ -11,42 +12,146 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
 from ._checks import check_int, check_number
+from ._sample import restamp
 from ._types import ProcessMemory
 
-__all__ = ["ManyReads", "READ_NBYTES"]
+__all__ = ["LISTING_MAX_AGE_SECONDS", "ManyReads", "READ_NBYTES", "TickReads"]
 
 # One read covers status (~1.5 KiB) or stat.
 READ_NBYTES = 16384
-# Where cheap_many puts a new fd count and status age into a sample it hands out again.
+# The longest a listing of the kernel's /proc is handed out again (pids):
+# while no pid was handed out since it was made, and no watched process went,
+# it is still the listing; this bounds what a gap in that reasoning could cost.
+LISTING_MAX_AGE_SECONDS = 30.0
+# Where a record handed out again gets a new fd count.
 _FDS = ProcessMemory._fields.index("num_fds")
-_STATUS_AGE = ProcessMemory._fields.index("status_age_seconds")  # the last field
+
+
+class TickReads(NamedTuple):
+    """What :meth:`ManyReads.cheap_tick` read: records, most of them handed out
+    again as they were (their timestamp and status age are brought up to the
+    call's time by :func:`~tensorferry.monitor._sample.restamp`, by whoever needs the finished record)."""
+
+    samples: list[ProcessMemory]
+    """One record per process that could be read, in the order asked."""
+    read_ats: list[float | None]
+    """Per record: None where it was built by this call (finished as it is);
+    else when (monotonic) its status figures were read, for ``_sample.restamp``."""
+    fresh: list[ProcessMemory]
+    """The records this call built: a process that moved (its stat changed),
+    or whose status or command line were due again. Only these can carry a
+    new parent, command line or start time."""
+    errors: dict[str, int]
+    """Processes that could not be read: ``{"vanished": n, "zombie": n, "denied": n}``."""
+    new: int
+    """Processes read for the first time (or under a pid another process had)."""
+    wall: float
+    """When the call began, seconds since the epoch (the timestamp of the records handed out again)."""
+    now: float
+    """The same instant, monotonic."""
+
+
+def _open_loadavg(proc_root: str) -> int | None:
+    """/proc/loadavg, open, where ``proc_root`` is the kernel's /proc of this
+    process's pid namespace (its ``self`` is us); else None."""
+    try:
+        if os.readlink(f"{proc_root}/self") != str(os.getpid()):
+            return None
+        return os.open(f"{proc_root}/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 class ManyReads:
-    """``cheap_many`` for :class:`~tensorferry.monitor._procfs.ProcfsBackend`."""
+    """``cheap_tick`` and ``cheap_many`` for :class:`~tensorferry.monitor._procfs.ProcfsBackend`."""
 
     _last: dict[int, Any]
     _handles: dict[int, tuple[int, int]]
     _fds: Any
     count_fds: bool
+    proc_root: str
+    # pids()'s listing, and what it was made under: /proc/loadavg's last pid
+    # (None: not the kernel's /proc, list every call), when (monotonic), and
+    # whether a watched process went since.
+    _loadavg_fd: int | None = -1  # -1: not opened yet
+    _listed: list[int] | None = None
+    _listed_under = b""
+    _listed_at = 0.0
+    _listing_stale = True
+    _listing_kept = False  # the last pids() handed out a kept listing
+
+    def pids(self) -> list[int]:
+        """Every process id now in the tree (threads are not listed).
+
+        On the kernel's /proc a listing is handed out again, the same list,
+        while no pid was handed out since it was made (the last pid in
+        ``/proc/loadavg`` stands: a new process or thread moves it) and no
+        process :meth:`cheap_tick` read went: listing /proc costs ~3 µs a
+        process, more than reading each one's stat. At most
+        :data:`LISTING_MAX_AGE_SECONDS` old. The caller must not change it.
+        """
+        fd = self._loadavg_fd
+        if fd == -1:
+            fd = self._loadavg_fd = _open_loadavg(self.proc_root)
+        under = b""
+        if fd is not None:
+            try:
+                under = os.pread(fd, 256, 0).rpartition(b" ")[2]
+            except OSError:
+                under = b""
+            now = time.monotonic()
+            if (under and under == self._listed_under and not self._listing_stale and self._listed is not None
+                    and now - self._listed_at <= LISTING_MAX_AGE_SECONDS):
+                self._listing_kept = True
+                return self._listed
+            self._listed_at = now
+        listed = [int(n) for n in os.listdir(self.proc_root) if n.isdigit()]
+        self._listed, self._listed_under, self._listing_stale, self._listing_kept = listed, under, False, False
+        return listed
+
+    def close_listing(self) -> None:
+        """Forget the listing and close /proc/loadavg (reopened if listed again)."""
+        fd, self._loadavg_fd, self._listed = self._loadavg_fd, -1, None
+        if fd is not None and fd >= 0:
+            os.close(fd)
 
     def cheap_many(
         self, pids: Iterable[int], *, count_fds: bool | None = None, max_status_age_seconds: float = 10.0,
         fds_every_calls: int = 1, call: int = 0,
     ) -> tuple[list[ProcessMemory], dict[str, int]]:
-        """:meth:`cheap_reusing` of every pid in ``pids``: the agent's tick.
+        """:meth:`cheap_reusing` of every pid in ``pids``: :meth:`cheap_tick`
+        with every record finished (timestamped now).
+
+        Returns:
+            The samples of the processes that could be read, and how many
+            could not: ``{"vanished": n, "zombie": n, "denied": n}``.
+        """
+        reads = self.cheap_tick(pids, count_fds=count_fds, max_status_age_seconds=max_status_age_seconds,
+                                fds_every_calls=fds_every_calls, call=call)
+        wall, now = reads.wall, reads.now
+        return [restamp(s, r, wall, now) for s, r in zip(reads.samples, reads.read_ats)], reads.errors
+
+    def cheap_tick(
+        self, pids: Iterable[int], *, count_fds: bool | None = None, max_status_age_seconds: float = 10.0,
+        fds_every_calls: int = 1, call: int = 0,
+    ) -> TickReads:
+        """:meth:`cheap_reusing` of every pid in ``pids``, the agent's tick, at
+        the cost of what moved.
 
         One loop over the processes, with the same figures :meth:`cheap_reusing`
         gives. Most processes of a node stand still between ticks: where a
         process's stat reads the same bytes as at its last sample, nothing
         in that sample can differ (stat holds its state, CPU, threads, RSS
         and VmSize; status is carried while RSS and VmSize stand), so that
-        sample is handed out again with a new timestamp and status age, for
-        one ``pread``, until status or the command line are due again.
+        record is handed out again, the same object, for one ``pread``, until
+        status or the command line are due again. Its timestamp and status
+        age are those of when it was built; ``_sample.restamp`` gives the record
+        as of this call (``TickReads.wall``/``now``), so a caller that keeps
+        the records but reads few of them pays for those it reads.
 
         Args:
             pids: the processes.
@@ -57,10 +162,6 @@ class ManyReads:
                 first sample; the last count is carried in between.
             call: the caller's call number (the agent's tick).
 
-        Returns:
-            The samples of the processes that could be read, and how many
-            could not: ``{"vanished": n, "zombie": n, "denied": n}``.
-
         Raises:
             ConfigurationError: ``max_status_age_seconds`` is negative or
                 ``fds_every_calls`` is below 1.
@@ -68,14 +169,16 @@ class ManyReads:
         check_number("cheap_many(max_status_age_seconds)", max_status_age_seconds, lambda v: v >= 0,
                      "must be >= 0 seconds (0 re-reads status every call)")
         check_int("cheap_many(fds_every_calls)", fds_every_calls, 1, "must be an int >= 1 (1: count every call)")
-        errors = {"vanished": 0, "zombie": 0, "denied": 0}
+        vanished = zombie = denied = new = 0
         out: list[ProcessMemory] = []
-        append = out.append
-        lasts, handles, pread, monotonic, wall = self._last, self._handles, os.pread, time.monotonic, time.time
-        fds, read = self._fds, self._read
+        read_ats: list[float | None] = []
+        fresh: list[ProcessMemory] = []
+        append, append_at, append_fresh = out.append, read_ats.append, fresh.append
+        lasts, handles, pread = self._last, self._handles, os.pread
+        fds, read, cheap = self._fds, self._read, self._cheap
         if count_fds is None:
             count_fds = self.count_fds
-        new = tuple.__new__
+        wall, now = time.time(), time.monotonic()
         for pid in pids:
             last = lasts.get(pid)
             count = count_fds and (last is None or (call + pid) % fds_every_calls == 0)
@@ -87,23 +190,38 @@ class ManyReads:
                 except (OSError, NoSuchProcess, AccessDenied):
                     raw = handle = None  # _cheap reopens, or raises what it was
                 else:
-                    now = monotonic()
                     if raw == last.stat and now <= last.reuse_until:
                         s = last.sample
                         if count:
-                            s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_FDS] + (fds.count(pid),)
-                                    + s[_FDS + 1:_STATUS_AGE] + (now - last.read_at,))
-                            last.sample, last.num_fds = s, s[_FDS]
-                        else:
-                            s = new(ProcessMemory, s[:5] + (wall(),) + s[6:_STATUS_AGE] + (now - last.read_at,))
+                            n = fds.count(pid)
+                            if n != last.num_fds:
+                                s = last.sample = tuple.__new__(ProcessMemory, s[:_FDS] + (n,) + s[_FDS + 1:])
+                                last.num_fds = n
                         append(s)
+                        append_at(last.read_at)
                         continue
             try:
-                append(self._cheap(pid, count, max_status_age_seconds, raw, handle))
+                s = cheap(pid, count, max_status_age_seconds, raw, handle)
             except ZombieProcess:
-                errors["zombie"] += 1
+                zombie += 1
+                continue
             except NoSuchProcess:
-                errors["vanished"] += 1
+                vanished += 1
+                continue
             except AccessDenied:
-                errors["denied"] += 1
-        return out, errors
+                denied += 1
+                continue
+            if last is None or last.start != lasts[pid].start:
+                new += 1
+            append(s)
+            append_at(None)
+            append_fresh(s)
+        if vanished:
+            # A process went: the next pids() lists /proc again. Where this
+            # tick's pids came from a kept listing, they went before the tick
+            # (a listing made now would not hold them): not counted, as a
+            # process that is not listed is not.
+            self._listing_stale = True
+            if self._listing_kept:
+                vanished = 0
+        return TickReads(out, read_ats, fresh, {"vanished": vanished, "zombie": zombie, "denied": denied}, new, wall, now)

@@ -2,15 +2,53 @@
 
 from __future__ import annotations
 
-__all__ = ["AgentStats", "Snapshot"]
+__all__ = ["AgentStats", "PendingSamples", "Snapshot"]
 
+import operator
 from typing import NamedTuple
 
 from ._cgroup import CgroupMemory
 from ._checks import check_int
 from ._group import GroupMemory, group_key, group_samples
 from ._names import NameSource
-from ._types import ProcessMemory
+from ._sample import restamp, with_exact
+from ._types import ExactMemory, ProcessMemory
+
+_RSS = operator.itemgetter(ProcessMemory._fields.index("rss_bytes"))
+_PID, _CREATE_TIME, _USS_SOURCE = (ProcessMemory._fields.index(f) for f in ("pid", "create_time", "uss_source"))
+
+
+class PendingSamples(NamedTuple):
+    """A tick's records before they are finished: what :class:`Snapshot`
+    needs to make its ``samples`` when they are first read. Everything in it
+    stays as it is after the tick (the records are immutable, the dicts are
+    made anew when they change), so a snapshot read late reads its own tick."""
+
+    samples: list[ProcessMemory]
+    """The backend's records (``ProcfsBackend.cheap_tick``), in pid order."""
+    read_ats: list[float | None]
+    """Per record: when its status was read, for a record handed out again; None for one built at the tick."""
+    exact: dict[tuple[int, float], tuple[ExactMemory, float]]
+    """(pid, create_time) -> exact figures and when read (the agent's clock)."""
+    wall: float
+    """The tick's time, seconds since the epoch."""
+    now: float
+    """The same, monotonic (status ages)."""
+    exact_now: float
+    """The same, on the agent's clock (exact ages)."""
+
+    def finish(self) -> tuple[ProcessMemory, ...]:
+        """The records as the tick saw them, exact figures attached, largest RSS first."""
+        wall, now, exact, exact_now = self.wall, self.now, self.exact, self.exact_now
+        out = [restamp(s, r, wall, now) for s, r in zip(self.samples, self.read_ats)]
+        if exact:
+            get = exact.get
+            for i, s in enumerate(out):
+                e = get((s[_PID], s[_CREATE_TIME])) if s[_USS_SOURCE] == "none" else None
+                if e is not None:
+                    out[i] = with_exact(s, e[0], exact_now - e[1])
+        out.sort(key=_RSS, reverse=True)
+        return tuple(out)
 
 
 class AgentStats(NamedTuple):
@@ -57,13 +95,11 @@ class Snapshot:
     them, at a 15 s scrape interval and 1 Hz ticks) never pays for grouping.
     """
 
-    __slots__ = ("timestamp", "samples", "cgroups", "errors", "stall_skipped_pids", "stats",
+    __slots__ = ("timestamp", "_samples", "_pending", "cgroups", "errors", "stall_skipped_pids", "stats",
                  "_max_groups", "_names", "_max_name_chars", "_groups")
 
     timestamp: float
     """When the tick ran, seconds since the epoch."""
-    samples: tuple[ProcessMemory, ...]
-    """One per selected process that could be read, largest RSS first."""
     cgroups: tuple[CgroupMemory, ...]
     """Memory cgroups of the samples (empty unless AgentConfig.cgroups)."""
     errors: dict[str, int]
@@ -77,7 +113,7 @@ class Snapshot:
         self,
         *,
         timestamp: float,
-        samples: tuple[ProcessMemory, ...],
+        samples: tuple[ProcessMemory, ...] | PendingSamples,
         cgroups: tuple[CgroupMemory, ...] = (),
         errors: dict[str, int],
         stall_skipped_pids: frozenset[int] = frozenset(),
@@ -88,7 +124,11 @@ class Snapshot:
     ) -> None:
         check_int("Snapshot(max_groups)", max_groups, 1, "must be an int >= 1 groups (default 50)")
         self.timestamp = timestamp
-        self.samples = samples
+        if isinstance(samples, PendingSamples):
+            self._samples: tuple[ProcessMemory, ...] | None = None
+            self._pending: PendingSamples | None = samples
+        else:
+            self._samples, self._pending = samples, None
         self.cgroups = cgroups
         self.errors = errors
         self.stall_skipped_pids = stall_skipped_pids
@@ -97,6 +137,19 @@ class Snapshot:
         self._names = names
         self._max_name_chars = max_name_chars
         self._groups: tuple[GroupMemory, ...] | None = None
+
+    @property
+    def samples(self) -> tuple[ProcessMemory, ...]:
+        """One per selected process that could be read, largest RSS first.
+
+        The agent's snapshot makes them when they are first read (a tick
+        nobody reads, such as most ticks between two scrapes, never pays for
+        a record per process): the same records either way."""
+        samples = self._samples
+        if samples is None:
+            # Two threads may both make them; they get equal tuples.
+            samples = self._samples = self._pending.finish()  # type: ignore[union-attr]
+        return samples
 
     @property
     def groups(self) -> tuple[GroupMemory, ...]:
@@ -114,5 +167,6 @@ class Snapshot:
         return group_key(sample, self._names, self._max_name_chars)
 
     def __repr__(self) -> str:
-        return (f"Snapshot(timestamp={self.timestamp!r}, samples=<{len(self.samples)}>, "
+        n = len(self._samples) if self._samples is not None else len(self._pending.samples)  # type: ignore[union-attr]
+        return (f"Snapshot(timestamp={self.timestamp!r}, samples=<{n}>, "
                 f"errors={self.errors!r}, stall_skipped_pids=<{len(self.stall_skipped_pids)}>)")
