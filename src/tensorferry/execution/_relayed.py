@@ -22,9 +22,9 @@ import torch
 from ..errors import PeerGoneError, ProtocolError, TicketError, TransferTimeoutError
 from ..memory import ReceiveCache
 from ..plans import RecvPlan
-from ..transports import CHUNK_NBYTES, Channel, RelayBook, RelayLinks, SameHostReads, chunk_nbytes_for, pull
+from ..transports import CHUNK_NBYTES, Channel, RelayBook, RelayLinks, SameHostReads, chunk_nbytes_for, half_chunk_nbytes, pull
 from ..wire import Ticket
-from ._stripes import Source, half_chunk_nbytes, pull_halves
+from ._stripes import Source, pull_halves
 
 __all__ = ["Relayed"]
 

@@ -11,25 +11,16 @@ apart). See :mod:`tensorferry.execution._trees` for the layout.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Callable, Union
 
-from ..transports import chunk_nbytes_for, stripe_bounds
+from ..transports import stripe_bounds
 
-__all__ = ["Source", "half_chunk_nbytes", "pull_halves"]
+__all__ = ["Source", "pull_halves"]
 
 Source = Union[str, tuple[str, ...]]
 """Whom a broadcast's block comes from: one source (``""``: the sender),
 or one a half (a two-tree broadcast)."""
-
-
-def half_chunk_nbytes(total_nbytes: int, readers: int, *, most: int, least: int) -> int:
-    """The chunk a two-tree broadcast's relays pass on: as a chain's
-    (:func:`~tensorferry.transports.chunk_nbytes_for`) for a half, over the
-    trees' depth (about log2 of the readers) instead of a chain's length."""
-    depth = max(1, math.ceil(math.log2(readers + 1))) if readers > 0 else 0
-    return chunk_nbytes_for(total_nbytes // 2, depth, most=most, least=least)
 
 
 def pull_halves(sources: tuple[str, ...], total_nbytes: int, pull_half: Callable[[int, str, int, int], None]) -> None:

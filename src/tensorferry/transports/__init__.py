@@ -23,7 +23,7 @@ from ..errors import ConfigurationError
 __all__ = [
     "TRANSPORTS", "TransportName", "make_server", "channel_class", "available",
     "Channel", "ChannelPool", "ReceiveContext", "Releaser", "is_loopback",
-    "CHUNK_NBYTES", "chunk_nbytes_for", "pull", "stripe_bounds", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads",
+    "CHUNK_NBYTES", "chunk_nbytes_for", "half_chunk_nbytes", "pull", "stripe_bounds", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads",
     "Held", "Holdings", "backend_available",
     "new_token", "resolve_token", "tls_context", "relay_tls_context", "open_control", "Session", "MIN_TOKEN_NBYTES",
 ]
@@ -33,7 +33,7 @@ from ._auth import MIN_TOKEN_NBYTES, Session, client_handshake, new_token, resol
 from ._base import Held, Holdings
 from ._channel import Channel
 from ._connections import ChannelPool, ReceiveContext, Releaser
-from ._relay import CHUNK_NBYTES, RelayBook, RelayLinks, RelayServer, SameHostReads, chunk_nbytes_for, pull, stripe_bounds
+from ._relay import CHUNK_NBYTES, RelayBook, RelayLinks, RelayServer, SameHostReads, chunk_nbytes_for, half_chunk_nbytes, pull, stripe_bounds
 from ._tcp import connect, is_loopback
 from ._tls import relay_tls_context, tls_context, wrap_client
 

@@ -41,11 +41,11 @@ out of a same-host relay's memory), ``_pull`` (the child's side: :func:`pull`).
 
 from __future__ import annotations
 
-from ._book import CHUNK_NBYTES, MIN_CHUNK_NBYTES, RelayBook, chunk_nbytes_for, stripe_bounds
+from ._book import CHUNK_NBYTES, MIN_CHUNK_NBYTES, RelayBook, chunk_nbytes_for, half_chunk_nbytes, stripe_bounds
 from ._links import RelayLinks
 from ._pull import pull
 from ._same_host import LEND_READ_NBYTES, SameHostReads, host_identity
 from ._server import RelayServer
 
-__all__ = ["CHUNK_NBYTES", "LEND_READ_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads", "chunk_nbytes_for", "host_identity", "pull",
-           "stripe_bounds"]
+__all__ = ["CHUNK_NBYTES", "LEND_READ_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "RelayLinks", "RelayServer", "SameHostReads", "chunk_nbytes_for", "half_chunk_nbytes", "host_identity",
+           "pull", "stripe_bounds"]

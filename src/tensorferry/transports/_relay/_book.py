@@ -4,6 +4,7 @@ children, then let go. See :mod:`tensorferry.transports._relay`."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from ...errors import PeerGoneError
 from ...wire import protocol as P
 from .._base import Holdings
 
-__all__ = ["CHUNK_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "chunk_nbytes_for", "stripe_bounds"]
+__all__ = ["CHUNK_NBYTES", "MIN_CHUNK_NBYTES", "RelayBook", "chunk_nbytes_for", "half_chunk_nbytes", "stripe_bounds"]
 
 # Bytes a relay receives before it passes them on: each hop of a chain
 # adds one chunk's time (1 MiB: 8.4 ms at 1 Gbit/s; 4 MiB made a chain of 8
@@ -51,6 +52,14 @@ def chunk_nbytes_for(total_nbytes: int, hops: int, *, most: int = CHUNK_NBYTES, 
         return max(most, least)
     fair = total_nbytes // (hops * _HOP_SHARE) // _CHUNK_ALIGNMENT * _CHUNK_ALIGNMENT
     return max(least, min(most, fair))
+
+
+def half_chunk_nbytes(total_nbytes: int, readers: int, *, most: int = CHUNK_NBYTES, least: int = MIN_CHUNK_NBYTES) -> int:
+    """The chunk a two-tree broadcast's relays pass on: as a chain's
+    (:func:`chunk_nbytes_for`) for a half, over the trees' depth (about
+    log2 of the readers) instead of a chain's length. Receiver side."""
+    depth = max(1, math.ceil(math.log2(readers + 1))) if readers > 0 else 0
+    return chunk_nbytes_for(total_nbytes // 2, depth, most=most, least=least)
 
 
 def stripe_bounds(total_nbytes: int, stripes: int) -> list[tuple[int, int]]:
