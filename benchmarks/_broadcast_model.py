@@ -27,13 +27,15 @@ Schedules (who sends to whom, in the product's join order):
   the sender (``put(fanout=1)``);
 * ``tree``: ``fanout=k``, breadth first: the first ``k`` from the sender,
   the next ``k`` from the first relay, and so on (``Tree.join``);
-* ``double``: two complementary binary trees, each carrying half of the
-  object (stripe A and B). Tree A is the receivers in heap order (``i``'s
-  children ``2i + 1`` and ``2i + 2``), tree B the same over the receivers in
-  reverse order, so a receiver interior in one is a leaf in the other: each
-  uploads half the object to two children, one object in all, and the depth
-  is about log2(N). The sender's uplink alternates the roots' chunks. Not in
-  the product (see docs/broadcast.md).
+* ``trees``: two complementary binary trees, each carrying half of the
+  object (``put(trees=True)``; ``execution/_trees.py``). Tree A is the
+  receivers in join order as a heap (``i``'s children ``2i + 1`` and
+  ``2i + 2``), tree B the same over the receivers in reverse order, so a
+  receiver interior in one is a leaf in the other: each uploads half the
+  object to two children, one object in all, and the depth is about
+  log2(N). The sender's uplink alternates the roots' chunks. The halves are
+  the product's (``stripe_bounds``: page-aligned), and so is their chunk
+  (``half_chunk_nbytes``: a half over the trees' depth).
 
 Not modelled: receive-side contention (each downlink carries at most one
 object's rate here in every schedule), CPU limits of the relays (the model
@@ -47,9 +49,11 @@ from typing import Literal
 
 import numpy as np
 
+from tensorferry.transports import stripe_bounds
+
 __all__ = ["Link", "broadcast_seconds", "ratio", "SCHEDULES"]
 
-SCHEDULES = ("chain", "tree", "double")
+SCHEDULES = ("chain", "tree", "trees")
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def _tree_done(parents: list[int], ready0: np.ndarray, sizes: np.ndarray, link: 
     return done
 
 
-def broadcast_seconds(nbytes: int, receivers: int, schedule: Literal["chain", "tree", "double"], chunk_nbytes: int, link: Link,
+def broadcast_seconds(nbytes: int, receivers: int, schedule: Literal["chain", "tree", "trees"], chunk_nbytes: int, link: Link,
                       fanout: int = 2) -> float:
     """Put to the last receiver holding the object, by ``schedule``."""
     start = link.start_seconds
@@ -117,12 +121,15 @@ def broadcast_seconds(nbytes: int, receivers: int, schedule: Literal["chain", "t
         parents = [-1 if j < k else (j - k) // k for j in range(receivers)]
         sizes = _chunks(nbytes, chunk_nbytes)
         return float(_tree_done(parents, np.full(len(sizes), start), sizes, link).max())
-    if schedule != "double":
+    if schedule != "trees":
         raise ValueError(f"schedule {schedule!r}: one of {SCHEDULES}")
     if receivers == 1:
         sizes = _chunks(nbytes, chunk_nbytes)
         return float(_tree_done([-1], np.full(len(sizes), start), sizes, link).max())
-    half = _chunks(nbytes // 2, chunk_nbytes)
+    # The halves as the product cuts them (page-aligned: B is the larger by
+    # under a page; both are modelled at B's size).
+    (_, mid), (_, hi) = stripe_bounds(nbytes, 2)
+    half = _chunks(hi - mid, chunk_nbytes)
     # The sender's uplink alternates stripe A's root and stripe B's.
     roots = _uplink(np.full(len(half), start), half, 2, link)
     done = np.zeros(receivers)
@@ -138,7 +145,7 @@ def broadcast_seconds(nbytes: int, receivers: int, schedule: Literal["chain", "t
     return float(done.max())
 
 
-def ratio(nbytes: int, receivers: int, schedule: Literal["chain", "tree", "double"], chunk_nbytes: int, link: Link,
+def ratio(nbytes: int, receivers: int, schedule: Literal["chain", "tree", "trees"], chunk_nbytes: int, link: Link,
           fanout: int = 2, one_chunk_nbytes: int | None = None) -> float:
     """``receivers`` by ``schedule`` against one receiver (whose chunk is
     ``one_chunk_nbytes``: the product's chunk for one reader)."""

@@ -51,11 +51,12 @@ def summarize(doc: dict) -> None:
             })
     doc["rows"] = rows
     targets = {}
-    chain = {r["receivers"]: r for r in rows.get("chain", [])}
-    if 1 in chain and len(chain) > 1:
-        n = max(chain)
-        limit = TARGET_CHAIN_VS_ONE_AT_16 if n >= 16 else TARGET_CHAIN_VS_ONE
-        targets[f"chain: {n} receivers vs 1 (at most {limit}x)"] = (chain[n]["vs_one_receiver"], limit)
+    for strategy in ("chain", "trees"):
+        by_n = {r["receivers"]: r for r in rows.get(strategy, [])}
+        if 1 in by_n and len(by_n) > 1:
+            n = max(by_n)
+            limit = TARGET_CHAIN_VS_ONE_AT_16 if n >= 16 else TARGET_CHAIN_VS_ONE
+            targets[f"{strategy}: {n} receivers vs 1 (at most {limit}x)"] = (by_n[n]["vs_one_receiver"], limit)
     if doc["fault"]:
         worst = max(r["seconds"] / r["fault_free_seconds"] for r in doc["fault"])
         targets[f"chain, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(doc['fault'])})"] = (
@@ -147,7 +148,7 @@ def plot(doc: dict, path: Path) -> None:
     the line-rate limits (one copy: the ideal of a relay; N copies: the
     star's bound)."""
     names = {"star": "star (every receiver pulls from the sender)", "chain": "chain (fanout=1, relays)",
-             "tree": "tree (fanout=2, relays)"}
+             "tree": "tree (fanout=2, relays)", "trees": "two trees (trees=True, relays)"}
     rows = doc["rows"]
     strategies = {names.get(k, k): {r["receivers"]: r["seconds"] for r in rs} for k, rs in rows.items()}
     any_rows = next(iter(rows.values()))

@@ -74,7 +74,7 @@ def sender_worker(args: argparse.Namespace) -> None:
             try:
                 if cmd["cmd"] == "put":
                     t0 = time.monotonic()
-                    ticket = sender.put(obj, readers=cmd["readers"], one_shot=True, fanout=cmd["fanout"])
+                    ticket = sender.put(obj, readers=cmd["readers"], one_shot=True, fanout=cmd["fanout"], trees=cmd.get("trees", False))
                     _say(ticket=ticket.to_bytes().hex(), t_put=t0, put_seconds=time.monotonic() - t0,
                          total_nbytes=ticket.total_nbytes, bytes_sent=sender.stats()["bytes_sent"], transport=args.transport)
                 elif cmd["cmd"] == "wait":

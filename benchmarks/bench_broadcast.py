@@ -17,6 +17,10 @@ Strategies:
 * ``tree``: ``fanout=2``, the same receivers: the sender and each relay serve
   two, so each sending link carries two copies (about 2x one receiver),
   depth about log2(N).
+* ``trees``: ``put(trees=True)``, the same receivers: two complementary
+  binary trees, each carrying half the object; every relay is interior in
+  at most one (two half-copies out), the sender sends each half once, and
+  each half is about log2(N) hops deep (issue 47).
 * ``chain, relay killed``: the chain to the most receivers, the gets sent
   ``FAULT_STAGGER_SECONDS`` apart so that the chain follows the hosts'
   order; the receiver in its middle (host N/2) is SIGKILLed halfway through
@@ -128,7 +132,8 @@ from _harness import namespace_hosts
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-STRATEGIES = {"star": None, "chain": 1, "tree": 2}  # name -> put(fanout=)
+STRATEGIES = {"star": None, "chain": 1, "tree": 2, "trees": 2}  # name -> put(fanout=)
+TWO_TREES = {"trees"}  # put(trees=True): each half down a binary tree of its own
 # The fault rounds' gets go out this far apart, so that the chain is in the
 # hosts' order and the victim has a child: a few ms of a busy machine's
 # scheduling, and a small part of a round (10 s at 400 Mbit/s, 512 MiB).
@@ -205,7 +210,7 @@ def broadcast_round(sender: Worker, receivers: list[Worker], strategy: str, *, v
     get was sent. The time is to the last surviving receiver's bytes."""
     fanout = STRATEGIES[strategy]
     cpu0 = [r.call(timeout, cmd="cpu")["cpu_seconds"] for r in receivers]
-    put = sender.call(timeout, cmd="put", readers=len(receivers), fanout=fanout)
+    put = sender.call(timeout, cmd="put", readers=len(receivers), fanout=fanout, trees=strategy in TWO_TREES)
     kill_at = None
     for k, r in enumerate(receivers):
         if k and stagger:
@@ -327,7 +332,7 @@ def main() -> int:
             log(f"workers up in {time.monotonic() - started:.1f} s; sender at {info['address']}")
             # Chain, star, tree for each N: a relay's ticket lingers less
             # than a star round lasts, so it is let go before the tree's.
-            order = [k for k in ("chain", "star", "tree") if k in repeats]
+            order = [k for k in ("chain", "star", "tree", "trees") if k in repeats]
             for strategy in order:
                 warm = broadcast_round(sender, receivers, strategy, verify=True, timeout=timeout)
                 check(doc, f"warm-up {strategy}", warm, info["digest"])

@@ -4,7 +4,9 @@ ratios, and its predictions for 100 and 1,000 hosts (issue 47).
 Measured: ``interleave.py`` JSONs of ``bench_broadcast.py`` runs of two
 trees, labelled ``old`` (relays pass on a fixed 1 MiB chunk) and ``new``
 (the chunk of ``chunk_nbytes_for``: the object's size over its readers);
-each run's rate and size are read from its command. For each tree, rate,
+each run's rate and size are read from its command. Plain
+``bench_broadcast.py`` JSONs are runs of the code as it is, labelled
+``now`` (the new chunk, and ``trees``: ``put(trees=True)``). For each tree, rate,
 size, schedule and N the model's ratio (N receivers against one) is put
 beside the median of the measured ones.
 
@@ -41,7 +43,7 @@ from _broadcast_model import Link, ratio  # noqa: E402
 from _common import MIB, write_json  # noqa: E402
 from bench_broadcast import parse_nbytes  # noqa: E402
 
-from tensorferry.transports import CHUNK_NBYTES, chunk_nbytes_for  # noqa: E402
+from tensorferry.transports import chunk_nbytes_for, half_chunk_nbytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TCP_PAYLOAD = 1448 / 1514
@@ -58,9 +60,11 @@ def parse_rate(text: str) -> float:
     return float(text)
 
 
-def chunk(rule: str, nbytes: int, readers: int) -> int:
-    """The chunk a tree's relays use for ``readers``."""
-    return FIXED_CHUNK_NBYTES if rule == "old" else chunk_nbytes_for(nbytes, readers)
+def chunk(rule: str, nbytes: int, readers: int, schedule: str = "chain") -> int:
+    """The chunk a tree's relays use for ``readers`` (two trees: each half's)."""
+    if rule == "old":
+        return FIXED_CHUNK_NBYTES
+    return half_chunk_nbytes(nbytes, readers) if schedule == "trees" else chunk_nbytes_for(nbytes, readers)
 
 
 def measured_points(paths: list[Path]) -> list[dict]:
@@ -69,6 +73,9 @@ def measured_points(paths: list[Path]) -> list[dict]:
     points: dict[tuple, list[float]] = {}
     for path in paths:
         doc = json.loads(path.read_text())
+        if "runs" not in doc:  # one bench_broadcast run of this code ("now": the new chunk, and two trees)
+            env = doc["env"]
+            doc = {"runs": {"b": [doc]}, "labels": {"b": "now"}, "command": ["--rate", env["rate"], "--nbytes", str(env["nbytes"])]}
         cmd = doc["command"]
         rate = cmd[cmd.index("--rate") + 1]
         nbytes = parse_nbytes(cmd[cmd.index("--nbytes") + 1])
@@ -88,7 +95,8 @@ def model_ratio(p: dict, hop_seconds: float) -> float:
     bits = parse_rate(p["rate"])
     link = Link(bits * TCP_PAYLOAD / 8, hop_seconds)
     n, nbytes = p["receivers"], p["nbytes"]
-    return ratio(nbytes, n, p["schedule"], chunk(p["tree"], nbytes, n), link, one_chunk_nbytes=chunk(p["tree"], nbytes, 1))
+    return ratio(nbytes, n, p["schedule"], chunk(p["tree"], nbytes, n, p["schedule"]), link,
+                 one_chunk_nbytes=chunk(p["tree"], nbytes, 1, p["schedule"]))
 
 
 def fit_hop(points: list[dict], fit: list[dict]) -> float:
@@ -129,7 +137,7 @@ def _one(nbytes: int, n: int, hop: float, link_bits: float) -> dict:
         "chain, 1 MiB chunk (old)": ratio(nbytes, n, "chain", FIXED_CHUNK_NBYTES, link, one_chunk_nbytes=FIXED_CHUNK_NBYTES),
         "chain, chunk by size and readers (new)": ratio(nbytes, n, "chain", new, link, one_chunk_nbytes=one),
         "tree, fanout 2": ratio(nbytes, n, "tree", new, link, one_chunk_nbytes=one),
-        "two complementary binary trees": ratio(nbytes, n, "double", new, link, one_chunk_nbytes=one),
+        "two complementary binary trees": ratio(nbytes, n, "trees", half_chunk_nbytes(nbytes, n), link, one_chunk_nbytes=one),
     }
 
 
@@ -144,14 +152,15 @@ def plot(points: list[dict], preds: list[dict], hop_fit: float, path: Path) -> N
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13.5, 5.6))
     style = {("old", "chain"): ("tab:red", "o"), ("new", "chain"): ("tab:blue", "o"),
-             ("old", "tree"): ("tab:orange", "s"), ("new", "tree"): ("tab:cyan", "s")}
+             ("old", "tree"): ("tab:orange", "s"), ("new", "tree"): ("tab:cyan", "s"), ("now", "chain"): ("tab:purple", "o"), ("now", "tree"): ("tab:olive", "s"),
+             ("now", "trees"): ("tab:green", "D")}
     labels_done = set()
     for p in points:
         color, marker = style.get((p["tree"], p["schedule"]), ("gray", "x"))
         if p["cpu_bound"]:
             marker = "x"
         setting = f"{p['nbytes'] // MIB} MiB @ {p['rate']}"
-        label = f"{p['schedule']}, {p['tree']} chunk"
+        label = f"{p['schedule']}, {p['tree']} chunk" if p["tree"] != "now" else f"{p['schedule']}, this code (new chunk)"
         x = p["receivers"] * (1.04 if "1gbit" in p["rate"] else 0.96)
         left.plot([x], [p["measured"]], marker, color=color, ms=8, mfc="none" if "1gbit" in p["rate"] else color,
                   label=label if label not in labels_done else None)
@@ -220,7 +229,7 @@ def main() -> int:
     print(f"per-hop latency {'fitted on ' + args.fit if args.hop_ms is None else 'given'}: {hop * 1e3:.2f} ms")
     print(f"{'tree':>4} {'rate':>8} {'MiB':>5} {'schedule':>8} {'N':>3} {'chunk KiB':>9} {'measured':>9} {'model':>7} {'error':>7}  runs")
     for p in points:
-        c = chunk(p["tree"], p["nbytes"], p["receivers"]) // 1024
+        c = chunk(p["tree"], p["nbytes"], p["receivers"], p["schedule"]) // 1024
         print(f"{p['tree']:>4} {p['rate']:>8} {p['nbytes'] // MIB:>5} {p['schedule']:>8} {p['receivers']:>3} {c:>9} "
               f"{p['measured']:>8.3f}x {p['model']:>6.3f}x {p['error']:>+6.1%}{' (fit)' if p['fitted_on'] else ' (CPU-bound)' if p['cpu_bound'] else ''}  "
               f"{', '.join(f'{v:.3f}' for v in p['measured_all'])}")
