@@ -86,11 +86,14 @@ class ExactScheduler:
         # made anew only after a tick changed some (a snapshot keeps it).
         self._published: dict[tuple[int, float], tuple[ExactMemory, float]] = {}
         self._changed = False
+        # The keys whose state has a walk in progress (the agent's stats read
+        # their number every tick).
+        self._walking: set[tuple[int, float]] = set()
 
     @property
     def walks_in_progress(self) -> int:
         """pagemap walks started and not finished."""
-        return sum(1 for st in self._states.values() if st.walk is not None)
+        return len(self._walking)
 
     def keep_only(self, alive: Iterable[tuple[int, float]]) -> None:
         """Forget processes not in ``alive`` ((pid, create_time) keys), closing their walks."""
@@ -98,6 +101,7 @@ class ExactScheduler:
         for key in [k for k in self._states if k not in keep]:
             gone = self._states.pop(key)
             self._changed = True
+            self._walking.discard(key)
             if gone.walk is not None:
                 gone.walk.close()
 
@@ -107,6 +111,7 @@ class ExactScheduler:
             if state.walk is not None:
                 state.walk.close()
                 state.walk = None
+        self._walking.clear()
 
     def published(self) -> dict[tuple[int, float], tuple[ExactMemory, float]]:
         """(pid, create_time) -> (exact figures, when read) of every process
@@ -249,6 +254,7 @@ class ExactScheduler:
                         return self._read_rollup(s, state, now, est)
                     state = self._state(key, s, now)
                     state.walk = walk
+                    self._walking.add(key)
                     self._charge(walk.cost_seconds)
                 return self._step_walk(s, state, walk, now, est)
             state = self._state(key, s, now)
@@ -256,10 +262,12 @@ class ExactScheduler:
         except AccessDenied:
             st = self._state(key, s, now)
             st.denied, st.walk = True, None
+            self._walking.discard(key)
             c.exact_denied += 1
         except NoSuchProcess:
             self._states.pop(key, None)
             self._changed = True
+            self._walking.discard(key)
         return True
 
     def _state(self, key: tuple[int, float], s: ProcessMemory, now: float) -> _ExactState:
@@ -281,6 +289,7 @@ class ExactScheduler:
                 # figure this time, the last one stands with its age.
                 self._charge(walk.cost_seconds - spent)
                 state.walk, state.tried_at = None, now
+                self._walking.discard((s.pid, s.create_time))
                 self.counters.exact_unstable += 1
                 return True
             except BaseException:
@@ -288,6 +297,7 @@ class ExactScheduler:
                 raise
             self._charge(walk.cost_seconds - spent)
         state.walk = None
+        self._walking.discard((s.pid, s.create_time))
         state.tried_at = state.read_at = now
         self._changed = True
         state.rss_at_read = s.rss_bytes

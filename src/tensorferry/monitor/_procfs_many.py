@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
 from ._checks import check_int, check_number
 from ._sample import restamp
+from ._status import status_block_figures
 from ._types import ProcessMemory
 
 __all__ = ["LISTING_MAX_AGE_SECONDS", "ManyReads", "READ_NBYTES", "TickReads"]
@@ -72,8 +73,13 @@ class ManyReads:
     _last: dict[int, Any]
     _handles: dict[int, tuple[int, int]]
     _fds: Any
+    _cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float, bytes, bytes, float]]
     count_fds: bool
+    carry_status: bool
     proc_root: str
+    _read: Any
+    _cheap: Any
+    _cached_cmdline: Any
     # pids()'s listing, and what it was made under: /proc/loadavg's last pid
     # (None: not the kernel's /proc, list every call), when (monotonic), and
     # whether a watched process went since.
@@ -175,7 +181,7 @@ class ManyReads:
         fresh: list[ProcessMemory] = []
         append, append_at, append_fresh = out.append, read_ats.append, fresh.append
         lasts, handles, pread = self._last, self._handles, os.pread
-        fds, read, cheap = self._fds, self._read, self._cheap
+        fds, read, cheap, refresh = self._fds, self._read, self._cheap, self._refresh
         if count_fds is None:
             count_fds = self.count_fds
         wall, now = time.time(), time.monotonic()
@@ -190,7 +196,7 @@ class ManyReads:
                 except (OSError, NoSuchProcess, AccessDenied):
                     raw = handle = None  # _cheap reopens, or raises what it was
                 else:
-                    if raw == last.stat and now <= last.reuse_until:
+                    if raw == last.stat and (now <= last.reuse_until or refresh(pid, last, handle, now, max_status_age_seconds)):
                         s = last.sample
                         if count:
                             n = fds.count(pid)
@@ -225,3 +231,29 @@ class ManyReads:
             if self._listing_kept:
                 vanished = 0
         return TickReads(out, read_ats, fresh, {"vanished": vanished, "zombie": zombie, "denied": denied}, new, wall, now)
+
+    def _refresh(self, pid: int, last: Any, handle: tuple[int, int] | None, now: float, max_age: float) -> bool:
+        """A still process (its stat reads as at its last sample) whose status
+        or command line are due: read them again, and True where they read
+        as before, so its record stands (its status read now, its next due
+        time moved on); False to build it anew (:meth:`_cheap`)."""
+        if not (self.carry_status and max_age) or last.sample.kernel_thread:
+            return False
+        try:
+            read_at = last.read_at
+            if now - read_at > max_age:
+                status = os.pread(handle[1], READ_NBYTES, 0) if handle is not None else self._read(pid, "status")
+                if status_block_figures(status) != last.figures:
+                    return False  # moved, or another layout: _cheap reads it
+                read_at = now
+            entry = self._cmdline_cache.get((pid, last.start))
+            if entry is None:
+                return False
+            entry = self._cached_cmdline(pid, last.start, entry[2], entry[3], now)
+            if entry[0] is not last.sample.cmdline:
+                return False
+        except (OSError, NoSuchProcess, AccessDenied):
+            return False  # _cheap reads it again, and raises what it is
+        last.read_at = read_at
+        last.reuse_until = min(read_at + max_age, entry[1] + entry[4])
+        return True
