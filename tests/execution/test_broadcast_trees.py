@@ -126,3 +126,11 @@ def test_the_halves_are_page_aligned_and_cover_the_stream():
     assert stripe_bounds(100, 2) == [(0, 0), (0, 100)]  # under a page: one half holds it all
     with pytest.raises(ValueError):
         stripe_bounds(100, 0)
+
+
+def test_a_relay_that_acquires_again_is_never_its_own_source():
+    t = Trees(2)
+    t.settle("10.0.0.2:7", t.join("10.0.0.2:7", host="10.0.0.2"))
+    # The same relay's second slot (a second get of the ticket): it is
+    # the only relay of its host, and must not pull from itself.
+    assert "10.0.0.2:7" not in t.join("10.0.0.2:7", host="10.0.0.2")

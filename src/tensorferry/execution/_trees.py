@@ -49,6 +49,7 @@ class Trees:
     def __init__(self, readers: int) -> None:
         self.n = max(1, readers)
         self.order: list[str] = []  # relays with a place, in the order they joined (place i)
+        self.place: dict[str, int] = {}  # relay -> its place
         self.relays: list[str] = []  # every relay that joined (with a place or not)
         self.children: tuple[dict[str, int], dict[str, int]] = ({SENDER: 0}, {SENDER: 0})
         self.parent: tuple[dict[str, str], dict[str, str]] = ({}, {})  # per tree: relay -> its source
@@ -61,14 +62,17 @@ class Trees:
         if it does not; ``host``: its address as the sender sees it, when
         not the sender's own): the source of each half, None where that is
         a relay yet to join (:meth:`resolve` again, then :meth:`settle`)."""
-        local = self._local(host)
+        local = self._local(host, relay)
         new = bool(relay) and relay not in self.children[0] and relay not in self.failed
         if new:
             self._add(relay)
         if local:
             return [self._take(t, local, relay if new else "") for t in (0, 1)]
         if not new:
-            return self.settle("", [None, None])
+            # A leaf, or a relay's second slot: a source with room, never
+            # itself nor below it (its own place, if any, stays as it is).
+            return [self._take(t, self._pick(t, relay), "") for t in (0, 1)]
+        self.place[relay] = len(self.order)
         self.order.append(relay)
         place: list[str | None] = [None, None]
         self.resolve(relay, place)
@@ -82,9 +86,9 @@ class Trees:
     def resolve(self, relay: str, place: list[str | None]) -> None:
         """Fill in the halves of ``place`` whose planned parent has joined
         since (or failed: then any source with room)."""
-        if relay not in self.order:
+        i = self.place.get(relay)
+        if i is None:
             return
-        i = self.order.index(relay)
         for t in (0, 1):
             if place[t] is not None:
                 continue
@@ -158,16 +162,17 @@ class Trees:
             return SENDER
         exclude = self._below(tree, relay) | {relay} if relay else set()
         planned = [r for i, r in enumerate(self.order) if self.interior(tree, i)]
-        for r in planned + [r for r in self.relays if r not in planned]:
+        chosen = set(planned)
+        for r in planned + [r for r in self.relays if r not in chosen]:
             if r not in self.failed and r not in exclude and self.children[tree].get(r, _DEGREE) < _DEGREE:
                 return r
         return SENDER  # every source full, or failed: the sender never refuses
 
-    def _local(self, host: str) -> str:
-        """A relay on ``host`` (the one with the fewest children), or ``""``."""
+    def _local(self, host: str, relay: str) -> str:
+        """A relay on ``host`` other than ``relay`` (the one with the fewest children), or ``""``."""
         if not host:
             return ""
-        local = [r for r in self.relays if r not in self.failed and _host_of(r) == host]
+        local = [r for r in self.relays if r not in self.failed and r != relay and _host_of(r) == host]
         return min(local, key=lambda r: self.children[0].get(r, 0) + self.children[1].get(r, 0)) if local else ""
 
     def _below(self, tree: int, relay: str) -> set[str]:
