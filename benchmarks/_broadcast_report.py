@@ -57,9 +57,10 @@ def summarize(doc: dict) -> None:
             n = max(by_n)
             limit = TARGET_CHAIN_VS_ONE_AT_16 if n >= 16 else TARGET_CHAIN_VS_ONE
             targets[f"{strategy}: {n} receivers vs 1 (at most {limit}x)"] = (by_n[n]["vs_one_receiver"], limit)
-    if doc["fault"]:
-        worst = max(r["seconds"] / r["fault_free_seconds"] for r in doc["fault"])
-        targets[f"chain, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(doc['fault'])})"] = (
+    for strategy in sorted({r.get("strategy", "chain") for r in doc["fault"]}):
+        faults = [r for r in doc["fault"] if r.get("strategy", "chain") == strategy]
+        worst = max(r["seconds"] / r["fault_free_seconds"] for r in faults)
+        targets[f"{strategy}, relay killed halfway: the others vs fault-free (at most {TARGET_FAULT_VS_FREE}x, worst of {len(faults)})"] = (
             worst, TARGET_FAULT_VS_FREE)
     doc["targets"] = {k: {"ratio": v, "target": t, "met": v <= t} for k, (v, t) in targets.items()}
 
@@ -129,12 +130,12 @@ def print_table(doc: dict) -> None:
         t.add_row(*cells)
     con.print(t)
     if doc["fault"]:
-        f = Table(title="chain, the relay in the middle SIGKILLed halfway through its receive")
-        for col in ("round", "killed host", "seconds (last other receiver)", "fault-free chain s", "vs fault-free",
+        f = Table(title="a relay SIGKILLed halfway through its receive (the chain's in its middle; the two trees' in host 2)")
+        for col in ("round", "layout", "killed host", "seconds (last other receiver)", "fault-free s", "vs fault-free",
                     "sender copies", "verified"):
             f.add_column(col, justify="right")
         for k, r in enumerate(doc["fault"], 1):
-            f.add_row(str(k), str(r["killed_host"]), f"{r['seconds']:.2f}", f"{r['fault_free_seconds']:.2f}",
+            f.add_row(str(k), r.get("strategy", "chain"), str(r["killed_host"]), f"{r['seconds']:.2f}", f"{r['fault_free_seconds']:.2f}",
                       f"{r['seconds'] / r['fault_free_seconds']:.2f}x", f"{r['sender_copies']:.2f}", "yes" if r.get("verified") else "[red]NO[/]")
         con.print(f)
     for name, v in doc.get("targets", {}).items():

@@ -28,7 +28,10 @@ Strategies:
   child re-attaches (to the sender: the relays above it are full, the ones
   below are its own) and resumes at the byte it reached; the time is to the
   last of the other receivers, against the fault-free chain's median. The
-  killed worker is started again before the next round.
+  killed worker is started again before the next round. With ``trees``
+  among the strategies the same for the two trees, the victim the relay in
+  host 2 (the second to acquire: interior in tree A, two children of half
+  0), against the fault-free trees' median.
 
 Processes: one long-lived worker per host, started with ``ip netns exec``:
 the SENDER in host 0 (a tcp ``Sender`` bound to its address, with a token),
@@ -349,17 +352,20 @@ def main() -> int:
                         log(f"{strategy}, {n} receivers, round {rep + 1}: {r['seconds']:.2f} s (put {r['put_seconds']:.2f} s, "
                             f"first done {r['first_done_seconds']:.2f} s, sender sent {r['sender_copies']:.2f} copies)"
                             + (f", verified {r['verified']}" if last else ""))
-            if args.fault_repeats and "chain" in repeats and ns[-1] >= 3:
-                n = ns[-1]
-                free = med([r["seconds"] for r in doc["rounds"]["chain"][str(n)]])
+            n = ns[-1]
+            # The chain's victim: host n/2, in its middle. The two trees':
+            # host 2, the second to acquire, interior in tree A (two children).
+            victims = {"chain": n // 2 - 1, "trees": 1}
+            for strategy in [k for k in victims if k in repeats] if args.fault_repeats and n >= 3 else []:
+                free = med([r["seconds"] for r in doc["rounds"][strategy][str(n)]])
                 for rep in range(args.fault_repeats):
-                    k = n // 2 - 1  # host n/2: in the middle of the chain
-                    r = broadcast_round(sender, receivers[:n], "chain", verify=True, timeout=timeout, stagger=FAULT_STAGGER_SECONDS,
+                    k = victims[strategy]
+                    r = broadcast_round(sender, receivers[:n], strategy, verify=True, timeout=timeout, stagger=FAULT_STAGGER_SECONDS,
                                         victim=receivers[k], kill_after=0.5 * free)
-                    check(doc, f"chain to {n}, relay killed", r, info["digest"])
-                    r.update(killed_host=k + 1, fault_free_seconds=free)
+                    check(doc, f"{strategy} to {n}, relay killed", r, info["digest"])
+                    r.update(strategy=strategy, killed_host=k + 1, fault_free_seconds=free)
                     doc["fault"].append(r)
-                    log(f"chain to {n}, the relay in host {k + 1} killed after {0.5 * free:.2f} s: {r['seconds']:.2f} s "
+                    log(f"{strategy} to {n}, the relay in host {k + 1} killed after {0.5 * free:.2f} s: {r['seconds']:.2f} s "
                         f"({r['seconds'] / free:.2f}x fault-free), sender sent {r['sender_copies']:.2f} copies, verified {r['verified']}")
                     receivers[k] = Worker(hosts, k + 1, "receiver", args, timeout)
                     receivers[k].recv(120)
