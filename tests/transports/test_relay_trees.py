@@ -10,12 +10,20 @@ links, and a relay process killed mid-stream, are in tests/hosts/.
 
 from __future__ import annotations
 
+import json
+import secrets
+import signal
+import time
+
 import pytest
 import torch
+import test_relay as relay_test
 
 from _transfer_helpers import assert_same, broadcast_object as obj, get_all, in_threads, pool_empty, require, wait_until
+from _proxy import RecordingProxy
 from tensorferry import ConfigurationError, Receiver, Sender
 from tensorferry.transports import stripe_bounds
+from test_relay import procs  # noqa: F401 - the fixture: relay processes on loopback
 
 MiB = 1 << 20
 
@@ -177,3 +185,31 @@ def test_sharded_gets_of_a_two_tree_broadcast_relay_their_ranges_in_a_plain_tree
         # A binary tree of the range set: the sender serves two of the four.
         assert sender.stats()["bytes_sent"] == 2 * plans[0].nbytes
         sender.wait_released(ticket, timeout=10.0)
+
+
+def test_a_relay_process_killed_mid_stream_its_children_resume_their_half_elsewhere(procs):
+    """Four relay processes on loopback (children copy out of their relay's
+    memory), the sender's link slowed by a proxy to about a second a half:
+    0.4 s in, while every half is still moving, one relay is SIGKILLed. The
+    other three end with the exact bytes, and the sender's pool empties."""
+    token = secrets.token_hex(8)
+    want = relay_test.workers.make_object(4747, 16 * MiB)
+    # The sender listens on 127.0.0.2 and tells receivers 127.0.0.1 at the
+    # same port, where the proxy passes each of its streams at 8 MB/s.
+    with Sender("tcp", capacity_nbytes=32 * MiB, token=token, host="127.0.0.2", advertise_host="127.0.0.1") as sender:
+        port = int(sender.address.rsplit(":", 1)[1])
+        with RecordingProxy(f"127.0.0.2:{port}", port=port, rate_nbytes=8_000_000):
+            relays = [procs(token, relay=True) for _ in range(4)]
+            ticket = sender.put(want, readers=4, trees=True)
+            for p in relays:
+                p.proc.stdin.write(json.dumps({"cmd": "get", "ticket": ticket.to_bytes().hex()}) + "\n")
+                p.proc.stdin.flush()
+            time.sleep(0.4)
+            victim = relays[1]
+            victim.proc.send_signal(signal.SIGKILL)
+            assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+            assert victim.proc.stdout.read() == ""  # killed before its get returned
+            for p in relays[:1] + relays[2:]:
+                assert p.fact()["checksum"] == relay_test.workers.checksum(want)
+            sender.wait_released(ticket, timeout=30.0)  # the victim's slot went with its connection
+            assert wait_until(lambda: pool_empty(sender.pool), 10.0)
