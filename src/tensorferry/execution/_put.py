@@ -13,7 +13,8 @@ chooses, once per put, how its bytes reach the readers:
 
 A broadcast (``fanout``) is an option of resident: one block (relays pass
 on one stream) and a :class:`~tensorferry._broadcast.Tree` of who pulls
-from whom (needs a server that ``broadcasts``). The choice is made from
+from whom, or with ``trees`` the :class:`~tensorferry._trees.Trees` of
+who pulls each half (needs a server that ``broadcasts``). The choice is made from
 the capabilities servers declare, never from a transport's name.
 """
 

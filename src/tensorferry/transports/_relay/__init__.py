@@ -5,9 +5,12 @@ receivers from another receiver rather than from the sender (see
 ``tensorferry._broadcast``). A receiver made with ``relay=True`` keeps a
 :class:`RelayBook` of the tickets it receives: each one's stream (the
 ticket's one block, as it arrives, chunk by chunk) and how much of it has
-arrived. Its :class:`RelayServer` answers children's :class:`Pull`
-requests from that stream while the rest still comes in (pipelined by
-chunks), so a chain of relays moves the object about as fast as one link.
+arrived (of a two-tree broadcast, ``put(trees=True)``, each half apart:
+its halves, :func:`stripe_bounds`, arrive from two parents at once). Its
+:class:`RelayServer` answers children's :class:`Pull` requests (a byte
+range: the stream, or one half) from that stream while the rest still
+comes in (pipelined by chunks), so a chain of relays moves the object
+about as fast as one link.
 
 A child on the relay's own host (same boot, network and pid namespace:
 :func:`host_identity`) does not take a stream: the relay lends it its
