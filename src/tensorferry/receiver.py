@@ -87,7 +87,9 @@ class Receiver:
         relay: tcp or nixl: pass on broadcast tickets (``Sender.put(fanout=)``) to the receivers
             the sender places below this one, while still receiving them; children present the
             ``token``. tcp children on other hosts take a stream; nixl children READ the ticket's
-            memory, which a relay registers with a NIXL agent of its own.
+            memory, which a relay registers with a NIXL agent of its own. Of a two-tree broadcast
+            (``Sender.put(trees=True)``) it pulls each half from its parent in that half's tree at
+            once, and passes each on as it arrives.
         host: ``relay=True`` only: the address it listens on (default loopback; any other needs the ``token``).
         port: ``relay=True`` only: its port (default 0: any free one; ``relay_address`` says which).
         advertise_host: ``relay=True`` only: the address children are told to connect to (default
