@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tensorferry import ConfigurationError
 from tensorferry.execution._broadcast import SENDER
 from tensorferry.execution._trees import Trees
 from tensorferry.transports import stripe_bounds
@@ -124,7 +125,7 @@ def test_the_halves_are_page_aligned_and_cover_the_stream():
     assert stripe_bounds(10 << 20, 2) == [(0, 5 << 20), (5 << 20, 10 << 20)]
     assert stripe_bounds(4097 * 3, 2) == [(0, 4096), (4096, 4097 * 3)]
     assert stripe_bounds(100, 2) == [(0, 0), (0, 100)]  # under a page: one half holds it all
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError, match="stripes=0"):
         stripe_bounds(100, 0)
 
 

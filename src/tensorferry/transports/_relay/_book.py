@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import PeerGoneError
+from ...errors import ConfigurationError, PeerGoneError
 from ...wire import protocol as P
 from .._base import Holdings
 
@@ -68,7 +68,7 @@ def stripe_bounds(total_nbytes: int, stripes: int) -> list[tuple[int, int]]:
     own): as equal as whole pages allow, the last one taking the rest.
     Every receiver of a ticket computes the same."""
     if stripes < 1:
-        raise ValueError(f"stripes={stripes}: expected 1 or more")
+        raise ConfigurationError(f"stripe_bounds(stripes={stripes}): expected 1 or more parts")
     step = total_nbytes // stripes // _CHUNK_ALIGNMENT * _CHUNK_ALIGNMENT
     cuts = [k * step for k in range(stripes)] + [total_nbytes]
     return list(zip(cuts[:-1], cuts[1:]))
