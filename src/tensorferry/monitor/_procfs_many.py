@@ -10,6 +10,7 @@ object, while its ``stat`` reads the same bytes.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -20,7 +21,7 @@ from ._sample import restamp
 from ._status import status_block_figures
 from ._types import ProcessMemory
 
-__all__ = ["LISTING_MAX_AGE_SECONDS", "ManyReads", "READ_NBYTES", "TickReads"]
+__all__ = ["LISTING_MAX_AGE_SECONDS", "ManyReads", "PROBE_MAX_PIDS", "READ_NBYTES", "TickReads"]
 
 # One read covers status (~1.5 KiB) or stat.
 READ_NBYTES = 16384
@@ -28,6 +29,11 @@ READ_NBYTES = 16384
 # while no pid was handed out since it was made, and no watched process went,
 # it is still the listing; this bounds what a gap in that reasoning could cost.
 LISTING_MAX_AGE_SECONDS = 30.0
+# Pids handed out since the last listing that pids() looks at one by one
+# (~15 µs each: is it a process, not a thread?) before it lists /proc again
+# instead (~3 µs a process listed): a node's threads come and go.
+PROBE_MAX_PIDS = 64
+_TGID = re.compile(rb"\nTgid:\s*(\d+)")
 # Where a record handed out again gets a new fd count.
 _FDS = ProcessMemory._fields.index("num_fds")
 
@@ -93,12 +99,16 @@ class ManyReads:
     def pids(self) -> list[int]:
         """Every process id now in the tree (threads are not listed).
 
-        On the kernel's /proc a listing is handed out again, the same list,
-        while no pid was handed out since it was made (the last pid in
-        ``/proc/loadavg`` stands: a new process or thread moves it) and no
-        process :meth:`cheap_tick` read went: listing /proc costs ~3 µs a
-        process, more than reading each one's stat. At most
-        :data:`LISTING_MAX_AGE_SECONDS` old. The caller must not change it.
+        On the kernel's /proc the last listing is kept while no watched
+        process went (:meth:`cheap_tick` saw it gone) and is handed out
+        again, the same list, while no pid was handed out since it was made
+        (the last pid in ``/proc/loadavg`` stands: a new process or thread
+        moves it). Where at most :data:`PROBE_MAX_PIDS` pids were handed out
+        since, those pids are looked at one by one (a process, or a thread?)
+        and the processes among them are added. Listing /proc costs ~3 µs a
+        process, more than reading each one's stat; it is listed again
+        otherwise, and at least every :data:`LISTING_MAX_AGE_SECONDS`. The
+        caller must not change the list.
         """
         fd = self._loadavg_fd
         if fd == -1:
@@ -106,18 +116,36 @@ class ManyReads:
         under = b""
         if fd is not None:
             try:
-                under = os.pread(fd, 256, 0).rpartition(b" ")[2]
+                under = os.pread(fd, 256, 0).rpartition(b" ")[2].strip()
             except OSError:
                 under = b""
             now = time.monotonic()
-            if (under and under == self._listed_under and not self._listing_stale and self._listed is not None
+            listed = self._listed
+            if (under and listed is not None and not self._listing_stale
                     and now - self._listed_at <= LISTING_MAX_AGE_SECONDS):
-                self._listing_kept = True
-                return self._listed
+                if under == self._listed_under:
+                    self._listing_kept = True
+                    return listed
+                first, last = int(self._listed_under) + 1, int(under)
+                if 0 < last - first + 1 <= PROBE_MAX_PIDS:  # no wrap past pid_max either
+                    born = [p for p in range(first, last + 1) if self._is_process(p)]
+                    if born:
+                        listed = self._listed = sorted({*listed, *born})
+                    self._listed_under, self._listing_kept = under, True
+                    return listed
             self._listed_at = now
         listed = [int(n) for n in os.listdir(self.proc_root) if n.isdigit()]
         self._listed, self._listed_under, self._listing_stale, self._listing_kept = listed, under, False, False
         return listed
+
+    def _is_process(self, pid: int) -> bool:
+        """Whether ``pid`` is a live process (its thread group's leader), not a thread."""
+        try:
+            with open(f"{self.proc_root}/{pid}/status", "rb") as f:
+                m = _TGID.search(f.read(1024))
+        except OSError:
+            return False  # gone already, or never a process's
+        return m is not None and int(m.group(1)) == pid
 
     def close_listing(self) -> None:
         """Forget the listing and close /proc/loadavg (reopened if listed again)."""
