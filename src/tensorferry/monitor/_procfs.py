@@ -49,10 +49,11 @@ def _is_kernel_proc(proc_root: str) -> bool:
 class _Held:
     """What :meth:`ProcfsBackend.cheap_reusing` keeps per process between calls."""
 
-    __slots__ = ("start", "vsize", "rss", "figures", "read_at", "num_fds", "stat", "sample", "reuse_until")
+    __slots__ = ("start", "vsize", "rss", "figures", "read_at", "num_fds", "stat", "sample", "reuse_until", "handle")
 
     def __init__(self, start: int, vsize: bytes, rss: bytes, figures: tuple[int, ...], read_at: float,
-                 num_fds: int | None, stat: bytes, sample: ProcessMemory, reuse_until: float) -> None:
+                 num_fds: int | None, stat: bytes, sample: ProcessMemory, reuse_until: float,
+                 handle: tuple[int, int] | None) -> None:
         self.start = start
         """stat's starttime (ticks since boot): a reused pid has another."""
         self.vsize = vsize
@@ -71,6 +72,8 @@ class _Held:
         self.reuse_until = reuse_until
         """Until when (monotonic) ``sample`` may be handed out again while stat reads the same bytes:
         status and the command line are then due again."""
+        self.handle = handle
+        """The held (stat, status) files it was read through (None: opened per read); closed with it."""
 
 
 def _exec_identity(f: list[bytes]) -> bytes:
@@ -482,7 +485,7 @@ class ProcfsBackend(ManyReads, ExactReads):
             # command line are due again (cheap_many); never where status is
             # read every call.
             until = min(read_at + reuse_age, cmdline_until) if reuse_age and self.carry_status else -math.inf
-            self._last[pid] = _Held(start, f[20], f[21], figures, read_at, num_fds, raw, sample, until)
+            self._last[pid] = _Held(start, f[20], f[21], figures, read_at, num_fds, raw, sample, until, handle)
         return sample
 
     def self_rss_bytes(self) -> int:

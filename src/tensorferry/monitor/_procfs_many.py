@@ -208,7 +208,7 @@ class ManyReads:
         read_ats: list[float | None] = []
         fresh: list[ProcessMemory] = []
         append, append_at, append_fresh = out.append, read_ats.append, fresh.append
-        lasts, handles, pread = self._last, self._handles, os.pread
+        lasts, pread = self._last, os.pread
         fds, read, cheap, refresh = self._fds, self._read, self._cheap, self._refresh
         if count_fds is None:
             count_fds = self.count_fds
@@ -218,7 +218,7 @@ class ManyReads:
             count = count_fds and (last is None or (call + pid) % fds_every_calls == 0)
             raw = handle = None
             if last is not None:
-                handle = handles.get(pid)
+                handle = last.handle
                 try:
                     raw = pread(handle[0], READ_NBYTES, 0) if handle is not None else read(pid, "stat")
                 except (OSError, NoSuchProcess, AccessDenied):
