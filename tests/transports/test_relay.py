@@ -522,7 +522,9 @@ def test_a_relay_that_closes_mid_stream_is_named_in_its_childs_error(lending):
     # The stream's bytes, not the chunk's; the relay, not the sender.
     assert message.startswith(f"the relay at {server.address} closed the connection after 2,621,440 of 8,388,608 bytes"), message
     assert "sender" not in message.lower(), message
-    assert reached[-1] == 2 * MiB
+    # At least two whole chunks reached, more where a chunk's receive took
+    # what more had arrived in the same call; never past the bytes sent.
+    assert 2 * MiB <= reached[-1] <= 5 * MiB // 2, reached
 
 
 def test_what_a_child_copies_out_of_a_relay_is_the_relays_bytes(lending):

@@ -61,7 +61,8 @@ def receivers():
 def test_every_relay_receives_and_passes_on_the_chunk_of_the_tickets_size_and_readers(receivers, monkeypatch, fanout):
     """Each relay publishes its stream to its children chunk by chunk: the
     first from the sender's stream, the others from their relays' streams
-    (relay_reads="tcp": no same-host lend), all in the ticket's chunk."""
+    (relay_reads="tcp": no same-host lend), each step at least the ticket's
+    chunk (more where more had arrived)."""
     steps: dict[int, list[int]] = {}
     progress = _Held.progress
 
@@ -84,7 +85,10 @@ def test_every_relay_receives_and_passes_on_the_chunk_of_the_tickets_size_and_re
         for ends in steps.values():
             assert ends[-1] == total
             sizes = [b - a for a, b in zip([0, *ends], ends)]
-            assert all(s == chunk for s in sizes[:-1]) and 0 < sizes[-1] <= chunk, sizes[:4]
+            # A chunk at least a step (a busy relay takes what more has
+            # arrived in the same call), never less but for the last.
+            assert all(s >= chunk for s in sizes[:-1]) and 0 < sizes[-1], sizes[:4]
+            assert len(sizes) <= -(-(total) // chunk)
         # Relays still carry it: the sender sent fanout copies.
         sender.wait_released(ticket, timeout=10.0)
         assert sender.stats()["bytes_sent"] == fanout * total

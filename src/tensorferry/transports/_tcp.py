@@ -336,9 +336,8 @@ class TcpChannel(Channel):
         self._fetch(ticket_id, piece, blocks, deadline, start)
         pos = start
         while pos < total:
-            k = min(chunk_nbytes, total - pos)
-            P.recv_exact_into(self.sock, buf[pos : pos + k], deadline=deadline)
-            pos += k
+            # A chunk, and what more has arrived (a backlog in one call).
+            pos += P.recv_some_into(self.sock, buf[pos:total], chunk_nbytes, deadline=deadline)
             progress(pos)
 
     def read_ranges(self, ticket_id, piece, blocks, pos, address, nbytes, *, deadline):
@@ -373,9 +372,7 @@ class TcpChannel(Channel):
             self._fetch(ticket_id, piece, blocks, deadline, ranges=np.stack([p[part], n[part]], axis=1))
             at_, end = int(at[part][0]), int(at[part][-1] + n[part][-1])
             while at_ < end:
-                k = min(chunk_nbytes, end - at_)
-                P.recv_exact_into(self.sock, buf[at_ : at_ + k], deadline=deadline)
-                at_ += k
+                at_ += P.recv_some_into(self.sock, buf[at_:end], chunk_nbytes, deadline=deadline)
                 progress(at_)
 
     def _receive_staged(self, address: np.ndarray, nbytes: np.ndarray, deadline: float) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import PeerGoneError, TransferTimeoutError
 
-__all__ = ["IOV_MAX", "is_tls", "recv_bounded", "recv_exact_into", "recv_runs", "send_runs", "transfer_failure"]
+__all__ = ["IOV_MAX", "is_tls", "recv_bounded", "recv_exact_into", "recv_runs", "recv_some_into", "send_runs", "transfer_failure"]
 
 # Linux's IOV_MAX (UIO_MAXIOV): the most buffers one recvmsg_into, sendmsg,
 # preadv, pwritev or process_vm_readv takes. The one definition.
@@ -120,6 +120,21 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, deadline: float, d
     total = n if total is None else total
     while at < n:
         at += recv_bounded(sock, lambda: sock.recv_into(view[at:], min(n - at, 1 << 26)), deadline, done + at, total, relay)
+
+
+def recv_some_into(sock: socket.socket, view: memoryview, least: int, *, deadline: float, done: int = 0, total: int | None = None,
+                   relay: str = "") -> int:
+    """Receive at least ``least`` bytes into the front of ``view`` (all of it
+    if shorter), and whatever more has arrived by then, up to its end; the
+    bytes received. A relay's chunk loop: a backlog (a busy receiver) is
+    taken in one call, not a chunk a call, while a chunk still waits for
+    no more than itself. Errors as :func:`recv_exact_into`'s."""
+    n, at = len(view), 0
+    least = min(least, n)
+    total = n if total is None else total
+    while at < least:
+        at += recv_bounded(sock, lambda: sock.recv_into(view[at:], min(n - at, 1 << 26)), deadline, done + at, total, relay)
+    return at
 
 
 def recv_bounded(sock: socket.socket, call: Callable[[], int], deadline: float, done: int, total: int, relay: str = "") -> int:

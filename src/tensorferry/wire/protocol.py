@@ -24,13 +24,13 @@ import msgspec
 from ..errors import PeerGoneError, ProtocolError, TransferTimeoutError
 from ._blocks import recv_exact_into, recv_scatter_into, send_all_views
 from ._ticket import MAX_BLOCKS as _MAX_BLOCKS  # a Located names a ticket's blocks: the same limit
-from ._iovec import IOV_MAX, is_tls, recv_runs, send_runs, transfer_failure
+from ._iovec import IOV_MAX, is_tls, recv_runs, recv_some_into, send_runs, transfer_failure
 
 __all__ = [
     "MAGIC", "VERSION", "MAX_FRAME_NBYTES", "MsgType", "Hello", "Challenge", "Proof", "Claim", "Welcome",
     "Acquire", "Located", "Fetch", "Pull", "Lend", "Exposed", "Arrived", "Sources", "SourceRuns", "Release",
     "Released", "Failure", "send_msg", "send_data_header", "recv_msg", "encode", "is_tls", "recv_exact_into",
-    "recv_scatter_into", "send_all_views", "IOV_MAX", "recv_runs", "send_runs",
+    "recv_scatter_into", "send_all_views", "IOV_MAX", "recv_runs", "send_runs", "recv_some_into",
 ]
 
 MAGIC = b"TFCP"

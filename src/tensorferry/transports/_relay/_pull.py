@@ -132,8 +132,9 @@ def _pull_session(
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(f"the get ran out of time after {pos:,} of {total:,} bytes from the relay at {address}")
             try:
-                P.recv_exact_into(sock, buf[pos : pos + k], deadline=min(deadline, time.monotonic() + stall_seconds), done=pos,
-                                  total=total, relay=address)
+                # A chunk, and what more has arrived (a backlog in one call).
+                k = P.recv_some_into(sock, buf[pos:total], k, deadline=min(deadline, time.monotonic() + stall_seconds), done=pos,
+                                     total=total, relay=address)
             except TransferTimeoutError as exc:
                 raise TransferTimeoutError(f"the relay at {address} stalled: no {k:,}-byte chunk within {stall_seconds} s ({exc})") from exc
             pos += k
