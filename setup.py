@@ -19,5 +19,9 @@ setup(
         # back to map() over Python's data_ptr without it).
         Extension("tensorferry.tensors._ptrs", ["src/tensorferry/tensors/_ptrs.cpp"], extra_compile_args=["-O2"],
                   optional=True),
+        # The monitor's tick over processes that stand still (monitor/_procfs_many.py;
+        # without it, the same loop in Python).
+        Extension("tensorferry.monitor._still", ["src/tensorferry/monitor/_still.c"], extra_compile_args=["-O2"],
+                  optional=True),
     ],
 )

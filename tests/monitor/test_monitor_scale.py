@@ -22,7 +22,7 @@ from test_monitor_cheap_reuse import set_stat_field
 from tensorferry.monitor import Agent, AgentConfig, Selection, serve_prometheus
 from tensorferry.monitor._cli import _snapshot_json
 from tensorferry.monitor._names import process_name
-from tensorferry.monitor import _procfs
+from tensorferry.monitor import _procfs, _procfs_many
 from tensorferry.monitor._procfs import ProcfsBackend
 from tensorferry.monitor._sample import EXACT_FIELDS
 from tensorferry.monitor._types import ProcessMemory
@@ -64,9 +64,13 @@ def same_figures(a: ProcessMemory, b: ProcessMemory) -> dict[str, tuple[object, 
     return {f: (x, y) for f, x, y in zip(ProcessMemory._fields, a, b) if f not in _MOVING and x != y}
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["C loop", "Python loop"])
 def test_agent_figures_equal_a_one_shot_sample_and_a_steady_tick_reads_only_stat(
-    sleepers: Sleepers, monkeypatch: pytest.MonkeyPatch
+    sleepers: Sleepers, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
+    if native and _procfs_many._native is None:
+        pytest.skip("tensorferry.monitor._still was not built (no C compiler at install)")
+    monkeypatch.setattr(ProcfsBackend, "use_native", native)
     pids = sleepers.start(40)
     # Status and command lines are due again after 10 s; a loaded machine may
     # take that long between ticks here, and then reads them as it should.
@@ -79,15 +83,28 @@ def test_agent_figures_equal_a_one_shot_sample_and_a_steady_tick_reads_only_stat
     real_open, real_pread = os.open, os.pread
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k))
     monkeypatch.setattr(os, "pread", lambda fd, *a: preads.append(fd) or real_pread(fd, *a))
+    handed_back: list[list[tuple[int, object]]] = []
+    if native:
+        real_still = _procfs_many._native.still_many
+        monkeypatch.setattr(_procfs_many._native, "still_many",
+                            lambda *a: handed_back.append(real_still(*a)) or handed_back[-1])
     mine = tuple(f"/proc/{pid}/" for pid in pids)
     for _ in range(3):
         preads.clear()
+        handed_back.clear()
         snap = agent.tick()
         # Idle processes: one pread of each one's stat, no status, no cmdline,
         # none of their files opened (other processes of the machine that
         # start meanwhile have their command lines read, to be matched); and
         # one of /proc/loadavg (is the last listing of /proc still whole?).
-        assert len(preads) == len(pids) + 1
+        if native:
+            # The C loop made the reads; it handed back only processes whose
+            # fds are counted this tick (fds_every_ticks), with stat as read.
+            assert len(preads) == 1
+            (back,) = handed_back
+            assert all(raw is not None for _, raw in back) and len(back) <= len(pids) // 10 + 1
+        else:
+            assert len(preads) == len(pids) + 1
         assert [path for path in opened if path.startswith(mine)] == []
     monkeypatch.undo()
     one_shot = ProcfsBackend(count_fds=True)

@@ -17,9 +17,14 @@ from typing import Any, NamedTuple
 
 from ..errors import AccessDenied, NoSuchProcess, ZombieProcess
 from ._checks import check_int, check_number
-from ._sample import restamp
+from ._types import restamp
 from ._status import status_block_figures
 from ._types import ProcessMemory
+
+try:
+    from . import _still as _native  # the still processes' loop in C (setup.py builds it where a compiler is)
+except ImportError:  # pragma: no cover - a build without a compiler
+    _native = None
 
 __all__ = ["LISTING_MAX_AGE_SECONDS", "ManyReads", "PROBE_MAX_PIDS", "READ_NBYTES", "TickReads"]
 
@@ -41,13 +46,13 @@ _FDS = ProcessMemory._fields.index("num_fds")
 class TickReads(NamedTuple):
     """What :meth:`ManyReads.cheap_tick` read: records, most of them handed out
     again as they were (their timestamp and status age are brought up to the
-    call's time by :func:`~tensorferry.monitor._sample.restamp`, by whoever needs the finished record)."""
+    call's time by :func:`~tensorferry.monitor._types.restamp`, by whoever needs the finished record)."""
 
     samples: list[ProcessMemory]
     """One record per process that could be read, in the order asked."""
     read_ats: list[float | None]
     """Per record: None where it was built by this call (finished as it is);
-    else when (monotonic) its status figures were read, for ``_sample.restamp``."""
+    else when (monotonic) its status figures were read, for ``_types.restamp``."""
     fresh: list[ProcessMemory]
     """The records this call built: a process that moved (its stat changed),
     or whose status or command line were due again. Only these can carry a
@@ -95,6 +100,8 @@ class ManyReads:
     _listed_at = 0.0
     _listing_stale = True
     _listing_kept = False  # the last pids() handed out a kept listing
+    # cheap_tick's still processes in C (where it was built); the Python loop does the same.
+    use_native = True
 
     def pids(self) -> list[int]:
         """Every process id now in the tree (threads are not listed).
@@ -183,7 +190,7 @@ class ManyReads:
         and VmSize; status is carried while RSS and VmSize stand), so that
         record is handed out again, the same object, for one ``pread``, until
         status or the command line are due again. Its timestamp and status
-        age are those of when it was built; ``_sample.restamp`` gives the record
+        age are those of when it was built; ``_types.restamp`` gives the record
         as of this call (``TickReads.wall``/``now``), so a caller that keeps
         the records but reads few of them pays for those it reads.
 
@@ -204,36 +211,46 @@ class ManyReads:
                      "must be >= 0 seconds (0 re-reads status every call)")
         check_int("cheap_many(fds_every_calls)", fds_every_calls, 1, "must be an int >= 1 (1: count every call)")
         vanished = zombie = denied = new = 0
-        out: list[ProcessMemory] = []
-        read_ats: list[float | None] = []
+        pids = pids if isinstance(pids, list) else list(pids)
+        n = len(pids)
+        out: list[Any] = [None] * n
+        read_ats: list[float | None] = [None] * n
         fresh: list[ProcessMemory] = []
-        append, append_at, append_fresh = out.append, read_ats.append, fresh.append
+        append_fresh = fresh.append
         lasts, pread = self._last, os.pread
         fds, read, cheap, refresh = self._fds, self._read, self._cheap, self._refresh
         if count_fds is None:
             count_fds = self.count_fds
         wall, now = time.time(), time.monotonic()
-        for pid in pids:
+        if _native is not None and self.use_native:
+            # The processes that stand still, in C: their records go into
+            # out/read_ats; the others come back here, with stat as read.
+            todo: Any = _native.still_many(pids, lasts, now, call, fds_every_calls if count_fds else 0, out, read_ats)
+        else:
+            todo = ((i, None) for i in range(n))
+        for i, raw in todo:
+            pid = pids[i]
             last = lasts.get(pid)
             count = count_fds and (last is None or (call + pid) % fds_every_calls == 0)
-            raw = handle = None
+            handle = None
             if last is not None:
                 handle = last.handle
-                try:
-                    raw = pread(handle[0], READ_NBYTES, 0) if handle is not None else read(pid, "stat")
-                except (OSError, NoSuchProcess, AccessDenied):
-                    raw = handle = None  # _cheap reopens, or raises what it was
-                else:
-                    if raw == last.stat and (now <= last.reuse_until or refresh(pid, last, handle, now, max_status_age_seconds)):
-                        s = last.sample
-                        if count:
-                            n = fds.count(pid)
-                            if n != last.num_fds:
-                                s = last.sample = tuple.__new__(ProcessMemory, s[:_FDS] + (n,) + s[_FDS + 1:])
-                                last.num_fds = n
-                        append(s)
-                        append_at(last.read_at)
-                        continue
+                if raw is None:
+                    try:
+                        raw = pread(handle[0], READ_NBYTES, 0) if handle is not None else read(pid, "stat")
+                    except (OSError, NoSuchProcess, AccessDenied):
+                        raw = handle = None  # _cheap reopens, or raises what it was
+                if raw is not None and raw == last.stat and (now <= last.reuse_until
+                                                             or refresh(pid, last, handle, now, max_status_age_seconds)):
+                    s = last.sample
+                    if count:
+                        k = fds.count(pid)
+                        if k != last.num_fds:
+                            s = last.sample = tuple.__new__(ProcessMemory, s[:_FDS] + (k,) + s[_FDS + 1:])
+                            last.num_fds = k
+                    out[i] = s
+                    read_ats[i] = last.read_at
+                    continue
             try:
                 s = cheap(pid, count, max_status_age_seconds, raw, handle)
             except ZombieProcess:
@@ -247,9 +264,11 @@ class ManyReads:
                 continue
             if last is None or last.start != lasts[pid].start:
                 new += 1
-            append(s)
-            append_at(None)
+            out[i] = s
             append_fresh(s)
+        if zombie or vanished or denied:
+            kept = [i for i in range(n) if out[i] is not None]
+            out, read_ats = [out[i] for i in kept], [read_ats[i] for i in kept]
         if vanished:
             # A process went: the next pids() lists /proc again. Where this
             # tick's pids came from a kept listing, they went before the tick

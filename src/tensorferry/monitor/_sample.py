@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Backend", "default_backend", "restamp", "sample"]
+__all__ = ["Backend", "default_backend", "sample"]
 
 import sys
 from typing import Protocol
@@ -67,21 +67,6 @@ def with_exact(cheap: ProcessMemory, exact: ExactMemory | None, age_seconds: flo
         + (exact.uss_bytes, exact.pss_bytes, exact.source, age_seconds, exact.cost_seconds)
         + cheap[_EXACT_FIELDS_END:],
     )
-
-
-_TIMESTAMP = ProcessMemory._fields.index("timestamp")
-_STATUS_AGE = ProcessMemory._fields.index("status_age_seconds")  # the last field
-
-
-def restamp(sample: ProcessMemory, read_at: float | None, wall: float, now: float) -> ProcessMemory:
-    """``sample`` as taken at ``wall`` (epoch) / ``now`` (monotonic): a record
-    handed out again by ``ProcfsBackend.cheap_tick`` because the process
-    stood still, whose figures stand while its timestamp and the age of its
-    status figures (read at ``read_at``) move. ``sample`` itself where
-    ``read_at`` is None (a record built at the tick)."""
-    if read_at is None:
-        return sample
-    return tuple.__new__(ProcessMemory, sample[:_TIMESTAMP] + (wall,) + sample[_TIMESTAMP + 1:_STATUS_AGE] + (now - read_at,))
 
 
 def sample(pid: int, *, exact: bool = False, backend: Backend | None = None) -> ProcessMemory:

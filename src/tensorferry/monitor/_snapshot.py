@@ -11,8 +11,8 @@ from ._cgroup import CgroupMemory
 from ._checks import check_int
 from ._group import GroupMemory, group_key, group_samples
 from ._names import NameSource
-from ._sample import restamp, with_exact
-from ._types import ExactMemory, ProcessMemory
+from ._sample import with_exact
+from ._types import ExactMemory, ProcessMemory, restamp
 
 _RSS = operator.itemgetter(ProcessMemory._fields.index("rss_bytes"))
 _PID, _CREATE_TIME, _USS_SOURCE = (ProcessMemory._fields.index(f) for f in ("pid", "create_time", "uss_source"))

@@ -5,7 +5,7 @@ Every figure is in bytes or seconds, and every estimate says what it is.
 
 from __future__ import annotations
 
-__all__ = ["ExactMemory", "ProcessMemory", "SortKey", "UssSource"]
+__all__ = ["ExactMemory", "ProcessMemory", "SortKey", "UssSource", "restamp"]
 
 from typing import Literal, NamedTuple
 
@@ -113,3 +113,18 @@ class ProcessMemory(NamedTuple):
     changed, or at least every ``AgentConfig.status_max_age_seconds``; in between it
     carries them over and this says for how long. RSS, VmSize, CPU and threads are
     always read fresh."""
+
+
+_TIMESTAMP = ProcessMemory._fields.index("timestamp")
+_STATUS_AGE = ProcessMemory._fields.index("status_age_seconds")  # the last field
+
+
+def restamp(sample: ProcessMemory, read_at: float | None, wall: float, now: float) -> ProcessMemory:
+    """``sample`` as taken at ``wall`` (epoch) / ``now`` (monotonic): a record
+    handed out again by ``ProcfsBackend.cheap_tick`` because the process
+    stood still, whose figures stand while its timestamp and the age of its
+    status figures (read at ``read_at``) move. ``sample`` itself where
+    ``read_at`` is None (a record built at the tick)."""
+    if read_at is None:
+        return sample
+    return tuple.__new__(ProcessMemory, sample[:_TIMESTAMP] + (wall,) + sample[_TIMESTAMP + 1:_STATUS_AGE] + (now - read_at,))
