@@ -72,7 +72,8 @@ class AgentConfig:
     max_name_chars: int = 48
     """Names are cut to this many characters (label values stay bounded)."""
     rescan_seconds: float = 10.0
-    """Re-match command lines of processes that did not match this often (they retitle)."""
+    """Re-match command lines of processes that did not match after this long (they retitle), then
+    twice as long each time the command line read the same, up to 40 s (or this, if longer)."""
 
     def __post_init__(self) -> None:
         w = "AgentConfig({})".format

@@ -82,8 +82,10 @@ class ExactScheduler:
         self._bucket_cap = cap
         self.tokens = cap
         self._last_refill = now
-        # published(): every process's figures as attach() would attach them,
-        # made anew only after a tick changed some (a snapshot keeps it).
+        # Every process's figures as attach() would attach them, kept up to
+        # date where they change; published() hands out a copy (a snapshot
+        # keeps it), made anew only after a tick changed some.
+        self._figures: dict[tuple[int, float], tuple[ExactMemory, float]] = {}
         self._published: dict[tuple[int, float], tuple[ExactMemory, float]] = {}
         self._changed = False
         # The keys whose state has a walk in progress (the agent's stats read
@@ -100,7 +102,7 @@ class ExactScheduler:
         keep = alive if isinstance(alive, (set, frozenset)) else set(alive)
         for key in [k for k in self._states if k not in keep]:
             gone = self._states.pop(key)
-            self._changed = True
+            self._publish(key, None)
             self._walking.discard(key)
             if gone.walk is not None:
                 gone.walk.close()
@@ -120,8 +122,16 @@ class ExactScheduler:
         may keep it and attach them when it is read."""
         if self._changed:
             self._changed = False
-            self._published = {k: (st.exact, st.read_at) for k, st in self._states.items() if st.exact is not None}
+            self._published = self._figures.copy()  # ~10 µs for 1,000 (a loop over the states: ~0.5 ms)
         return self._published
+
+    def _publish(self, key: tuple[int, float], state: _ExactState | None) -> None:
+        """``key``'s figures changed (or it went: ``state`` None)."""
+        self._changed = True
+        if state is not None and state.exact is not None:
+            self._figures[key] = (state.exact, state.read_at)
+        else:
+            self._figures.pop(key, None)
 
     def attach(self, s: ProcessMemory, now: float) -> ProcessMemory:
         """``s`` with its last exact figures and their age, if any were read."""
@@ -266,7 +276,7 @@ class ExactScheduler:
             c.exact_denied += 1
         except NoSuchProcess:
             self._states.pop(key, None)
-            self._changed = True
+            self._publish(key, None)
             self._walking.discard(key)
         return True
 
@@ -299,11 +309,11 @@ class ExactScheduler:
         state.walk = None
         self._walking.discard((s.pid, s.create_time))
         state.tried_at = state.read_at = now
-        self._changed = True
         state.rss_at_read = s.rss_bytes
         if walk.result is not None:
             state.exact = walk.result
             self.counters.exact_reads += 1
+        self._publish((s.pid, s.create_time), state)
         return True
 
     def _read_rollup(self, s: ProcessMemory, state: _ExactState, now: float, est: float) -> bool:
@@ -313,5 +323,5 @@ class ExactScheduler:
         self._charge(exact.cost_seconds if exact is not None else 0.0)
         self.counters.exact_reads += 1
         state.exact, state.read_at, state.tried_at, state.rss_at_read = exact, now, now, s.rss_bytes
-        self._changed = True
+        self._publish((s.pid, s.create_time), state)
         return True

@@ -15,6 +15,11 @@ from ._checks import check_int
 from ._sample import Backend
 from ._types import ProcessMemory
 
+# The longest a pattern's miss stands before the process's command line is
+# read again (rescan_seconds at first, then twice as long each time it read
+# the same): a retitle that makes a process match is seen within it.
+MAX_MISS_WAIT_SECONDS = 40.0
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -83,6 +88,8 @@ class Selector:
         self._tree_cache: tuple[int, int, list[int], set[int]] | None = None
         # pid -> (create_time, None before the first sample; the argv matched; matched; when)
         self._matches: dict[int, tuple[float | None, tuple[str, ...], bool, float]] = {}
+        # pid -> seconds a miss stands, where it missed again with the same command line.
+        self._miss_waits: dict[int, float] = {}
         self._kthreads: set[int] = set()
         # The last selection and what it was made from: /proc's listing,
         # the parents' version, the first miss due for a re-match.
@@ -137,11 +144,15 @@ class Selector:
         # The agent's own command line holds the pattern: never match itself.
         return pid != self._own_pid and bool(argv) and pattern.search(" ".join(argv)) is not None
 
+    def _miss_wait(self, pid: int) -> float:
+        """How long a miss of ``pid`` stands before its command line is read again."""
+        return self._miss_waits.get(pid, self._rescan_seconds)
+
     def _matches_pattern(self, pattern: re.Pattern[str], pid: int, now: float) -> bool:
         cached = self._matches.get(pid)
-        if cached is not None and (cached[2] or cached[3] == math.inf or now - cached[3] < self._rescan_seconds):
+        if cached is not None and (cached[2] or cached[3] == math.inf or now - cached[3] < self._miss_wait(pid)):
             if not cached[2]:
-                self._next_rescan_at = min(self._next_rescan_at, cached[3] + self._rescan_seconds)
+                self._next_rescan_at = min(self._next_rescan_at, cached[3] + self._miss_wait(pid))
             return cached[2]
         try:
             argv = self._backend.cmdline(pid)
@@ -163,9 +174,27 @@ class Selector:
             return False
         matched = self._match(pattern, pid, argv)
         self._matches[pid] = (None, argv, matched, now)
+        if matched or cached is None or cached[1] != argv:
+            self._miss_waits.pop(pid, None)
+        else:
+            # The same command line, missed again: looked at twice as late,
+            # up to MAX_MISS_WAIT_SECONDS (a node's other processes: 1,000 of
+            # them every 10 s are 100 reads a tick).
+            self._miss_waits[pid] = max(self._rescan_seconds, min(2 * self._miss_wait(pid), MAX_MISS_WAIT_SECONDS))
         if not matched:
-            self._next_rescan_at = min(self._next_rescan_at, now + self._rescan_seconds)
+            self._next_rescan_at = min(self._next_rescan_at, now + self._miss_wait(pid))
         return matched
+
+    def _a_miss_matches(self, pattern: re.Pattern[str], now: float) -> bool:
+        """Read again the command lines of the processes the pattern missed
+        that are due for it; True if one matches now. Moves the next due time on."""
+        self._next_rescan_at = math.inf
+        wait = self._miss_wait
+        due = [pid for pid, m in self._matches.items() if not m[2] and m[3] != math.inf and now - m[3] >= wait(pid)]
+        for pid, m in self._matches.items():
+            if not m[2] and m[3] != math.inf and now - m[3] < wait(pid):
+                self._next_rescan_at = min(self._next_rescan_at, m[3] + wait(pid))
+        return any([self._matches_pattern(pattern, pid, now) for pid in due])
 
     def _descendants(self, root: int, listed: list[int]) -> set[int]:
         cached = self._tree_cache
@@ -200,11 +229,16 @@ class Selector:
         listed = self._backend.pids()
         now = self._clock() if self._pattern is not None else 0.0
         last = self._selected_from
-        if last is not None and last[1] == self._ppids_version and now < self._next_rescan_at and last[0] == listed:
-            return self._selected
+        if last is not None and last[1] == self._ppids_version and (last[0] is listed or last[0] == listed):
+            if now < self._next_rescan_at:
+                return self._selected
+            if self._pattern is not None and not self._a_miss_matches(self._pattern, now):
+                # Misses due for a look were read again and still miss: the
+                # same selection (misses come due one by one, most ticks).
+                return self._selected
         alive = set(listed)
         # Forget what we learned about pids that are gone (they get reused).
-        for cache in (self._ppids, self._matches):
+        for cache in (self._ppids, self._matches, self._miss_waits):
             for pid in [p for p in cache if p not in alive]:
                 del cache[pid]
         self._kthreads &= alive
