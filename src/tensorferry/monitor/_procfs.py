@@ -31,9 +31,10 @@ from ._types import ExactMemory, ProcessMemory
 
 # A process's title changes rarely but does change (setproctitle); reread it
 # this often at first, then twice as long after each read that found it the
-# same, up to CMDLINE_REFRESH_MAX_SECONDS (a read costs ~10 µs: at 1,000
-# processes every 10 s, 0.1% of a core). A retitle that changes comm too
-# (setproctitle does, Ray's included) moves stat, and is read at once.
+# same, up to CMDLINE_REFRESH_MAX_SECONDS (a read costs 10-50 µs: at 1,000
+# processes every 10 s, 0.1-0.5% of a core), and not while the process stands
+# still (cheap_tick). A retitle that changes comm too (setproctitle does,
+# Ray's included) moves stat, and is read at once.
 CMDLINE_REFRESH_SECONDS = 10.0
 CMDLINE_REFRESH_MAX_SECONDS = 40.0
 

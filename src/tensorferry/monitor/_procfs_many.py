@@ -281,26 +281,25 @@ class ManyReads:
 
     def _refresh(self, pid: int, last: Any, handle: tuple[int, int] | None, now: float, max_age: float) -> bool:
         """A still process (its stat reads as at its last sample) whose status
-        or command line are due: read them again, and True where they read
-        as before, so its record stands (its status read now, its next due
-        time moved on); False to build it anew (:meth:`_cheap`)."""
+        or command line are due: status read again where due, and True where
+        it reads as before, so its record stands (its status read now, its
+        next due time moved on); False to build it anew (:meth:`_cheap`).
+
+        Its command line is not read again while it stands still (a read
+        costs ~50 µs here: the kernel reads the target's memory): a retitle
+        runs the process, and setproctitle's (Ray's ``ray::Actor`` too) also
+        changes its comm, in stat; it is read again, on its schedule, once
+        the process moves."""
         if not (self.carry_status and max_age) or last.sample.kernel_thread:
             return False
-        try:
-            read_at = last.read_at
-            if now - read_at > max_age:
+        read_at = last.read_at
+        if now - read_at > max_age:
+            try:
                 status = os.pread(handle[1], READ_NBYTES, 0) if handle is not None else self._read(pid, "status")
-                if status_block_figures(status) != last.figures:
-                    return False  # moved, or another layout: _cheap reads it
-                read_at = now
-            entry = self._cmdline_cache.get((pid, last.start))
-            if entry is None:
-                return False
-            entry = self._cached_cmdline(pid, last.start, entry[2], entry[3], now)
-            if entry[0] is not last.sample.cmdline:
-                return False
-        except (OSError, NoSuchProcess, AccessDenied):
-            return False  # _cheap reads it again, and raises what it is
-        last.read_at = read_at
-        last.reuse_until = min(read_at + max_age, entry[1] + entry[4])
+            except (OSError, NoSuchProcess, AccessDenied):
+                return False  # _cheap reads it again, and raises what it is
+            if status_block_figures(status) != last.figures:
+                return False  # moved, or another layout: _cheap reads it
+            read_at = last.read_at = now
+        last.reuse_until = read_at + max_age
         return True
