@@ -153,6 +153,7 @@ class Agent:
         c.samples += len(pids)
         samples, read_ats, errors = reads.samples, reads.read_ats, reads.errors
         dropped = False
+        kept = reads.fresh
         if reads.fresh:
             # A record handed out again was observed when it was built: only
             # new ones can bring a new parent, command line or start time.
@@ -164,7 +165,8 @@ class Agent:
                 samples, read_ats = [p[0] for p in pairs], [p[1] for p in pairs]
         if dropped or reads.new or pids is not self._last_pids or any(errors.values()):
             self._forget_others(samples, pids)
-        stall_skipped = self._exact.run(samples, now) if cfg.exact else set()
+        # The exact schedule looks at the records built now, and at those whose time came.
+        stall_skipped = self._exact.run(samples, now, fresh=kept) if cfg.exact else set()
         pending = PendingSamples(samples, read_ats, self._exact.published(), reads.wall, reads.now, now)
         return self._snapshot(pending, errors, stall_skipped, tick_start)
 

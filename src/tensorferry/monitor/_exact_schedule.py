@@ -13,7 +13,9 @@ from __future__ import annotations
 
 __all__ = ["ExactCounters", "ExactScheduler"]
 
+import heapq
 import math
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from ._types import ExactMemory, ProcessMemory
 
 # A walk estimate counts 4 KiB pages; 8 bytes of page table map one such
 # page, so the page table bounds how many of them are resident.
+_PID = operator.itemgetter(0)  # ProcessMemory.pid
 _SMALL_PAGE_NBYTES = 4096
 _PTE_NBYTES = 8
 
@@ -40,6 +43,10 @@ class _ExactState:
     """When a walk last finished or failed; re-reads are paced from here."""
     walk: PagemapWalk | None = None
     """A pagemap walk in progress."""
+    sample: ProcessMemory | None = None
+    """The record last looked at (run(fresh=...): a still process's stays the same object)."""
+    next_at: float | None = None
+    """When its time comes (run(fresh=...)'s heap holds this entry; others there are stale)."""
     rollup_only: bool = False
     """pagemap is not readable for this process: smaps_rollup, under the stall limit."""
 
@@ -91,6 +98,13 @@ class ExactScheduler:
         # The keys whose state has a walk in progress (the agent's stats read
         # their number every tick).
         self._walking: set[tuple[int, float]] = set()
+        # run(fresh=...): (when, order, key) of processes to look at again
+        # once their time comes; those due but not served at the last tick;
+        # those the stall limit forbids (looked at every tick).
+        self._heap: list[tuple[float, int, tuple[int, float]]] = []
+        self._seq = 0
+        self._unserved: dict[tuple[int, float], ProcessMemory] = {}
+        self._forbidden: dict[tuple[int, float], ProcessMemory] = {}
 
     @property
     def walks_in_progress(self) -> int:
@@ -100,6 +114,9 @@ class ExactScheduler:
     def keep_only(self, alive: Iterable[tuple[int, float]]) -> None:
         """Forget processes not in ``alive`` ((pid, create_time) keys), closing their walks."""
         keep = alive if isinstance(alive, (set, frozenset)) else set(alive)
+        for pending in (self._unserved, self._forbidden):
+            for key in [k for k in pending if k not in keep]:
+                del pending[key]
         for key in [k for k in self._states if k not in keep]:
             gone = self._states.pop(key)
             self._publish(key, None)
@@ -183,47 +200,119 @@ class ExactScheduler:
             return (2, -age)
         return None
 
-    def run(self, samples: list[ProcessMemory], now: float) -> set[int]:
+    def run(self, samples: list[ProcessMemory], now: float, fresh: list[ProcessMemory] | None = None) -> set[int]:
         """Spend the budget on the samples' exact figures (walks in progress
         first, oldest first, then due processes); returns the pids whose read
-        the stall limit forbids."""
+        the stall limit forbids.
+
+        With ``fresh`` (the records built at this tick; every other record
+        is the object the last tick had, its process standing still), only
+        what can be due is looked at: those records, walks in progress,
+        processes due but not served at the last tick, those the stall limit
+        forbids, and those whose time has come (kept in a heap): the same
+        choice as looking at every sample, without a pass over them all."""
         self._refill(now)
         cfg = self._config
         stall_skipped: set[int] = set()
         # (order, sample, estimated cost of what is left): walks in progress
         # first (oldest first), then due processes.
         due: list[tuple[tuple[int, float], ProcessMemory, float]] = []
-        states, estimate, is_due = self._states, self.estimate, self._due
         max_stall = math.inf if cfg.force_exact else cfg.max_stall_seconds
-        pagemap = self._start_walk is not None  # _uses_pagemap, hoisted: this loop runs per process per tick
-        for s in samples:
-            if s.kernel_thread or s.uss_source != "none":
-                continue
-            state = states.get((s.pid, s.create_time))
-            if state is not None and state.walk is not None:
-                left = max(estimate(s, state) - state.walk.cost_seconds, cfg.walk_base_seconds)
-                due.append(((-1, -(now - (state.tried_at or 0.0))), s, left))
-                continue
-            if state is not None and pagemap and not state.rollup_only:
-                # A pagemap walk stalls its target a slice at a time: no stall
-                # check, and the estimate only for those due.
-                when = is_due(s, state, now)
-                if when is not None:
-                    due.append((when, s, estimate(s, state)))
-                continue
-            est = estimate(s, state)
-            if not self._uses_pagemap(state) and est > max_stall:
-                stall_skipped.add(s.pid)
-                self.counters.exact_skipped_stall += 1
-                continue
-            when = (0, est) if state is None else is_due(s, state, now)
-            if when is not None:
-                due.append((when, s, est))
+        consider = self._consider
+        if fresh is None:
+            for s in samples:
+                consider(s, now, due, stall_skipped, max_stall)
+        else:
+            looked = self._candidates(fresh, now)
+            # In pid order, as the samples are: equal priorities are read in the same order.
+            for s in sorted(looked.values(), key=_PID):
+                consider(s, now, due, stall_skipped, max_stall)
         due.sort(key=lambda d: d[0])
+        served = 0
         for _, s, est in due:
             if not self._read_exact(s, now, est, max_stall, stall_skipped):
                 break
+            served += 1
+        if fresh is not None:
+            self._schedule(looked, due[served:], stall_skipped, now)
         return stall_skipped
+
+    def _consider(self, s: ProcessMemory, now: float, due: list[tuple[tuple[int, float], ProcessMemory, float]],
+                  stall_skipped: set[int], max_stall: float) -> None:
+        """Append ``s`` to ``due`` if its exact figures should be read now (or
+        its walk goes on); note it in ``stall_skipped`` where the stall limit forbids it."""
+        if s.kernel_thread or s.uss_source != "none":
+            return
+        cfg, estimate = self._config, self.estimate
+        state = self._states.get((s.pid, s.create_time))
+        if state is not None and state.walk is not None:
+            left = max(estimate(s, state) - state.walk.cost_seconds, cfg.walk_base_seconds)
+            due.append(((-1, -(now - (state.tried_at or 0.0))), s, left))
+            return
+        if state is not None and self._start_walk is not None and not state.rollup_only:
+            # A pagemap walk stalls its target a slice at a time: no stall
+            # check, and the estimate only for those due.
+            when = self._due(s, state, now)
+            if when is not None:
+                due.append((when, s, estimate(s, state)))
+            return
+        est = estimate(s, state)
+        if not self._uses_pagemap(state) and est > max_stall:
+            stall_skipped.add(s.pid)
+            self.counters.exact_skipped_stall += 1
+            return
+        when = (0, est) if state is None else self._due(s, state, now)
+        if when is not None:
+            due.append((when, s, est))
+
+    def _candidates(self, fresh: list[ProcessMemory], now: float) -> dict[tuple[int, float], ProcessMemory]:
+        """The records that can be due at ``now`` (see :meth:`run`), by key."""
+        states, looked = self._states, {}
+        for s in fresh:
+            key = (s.pid, s.create_time)
+            looked[key] = s
+            state = states.get(key)
+            if state is not None:
+                state.sample = s
+        for key in self._walking:
+            state = states.get(key)
+            if state is not None and state.sample is not None:
+                looked.setdefault(key, state.sample)
+        for key, s in (*self._unserved.items(), *self._forbidden.items()):
+            looked.setdefault(key, s)
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, _, key = heapq.heappop(heap)
+            state = states.get(key)
+            if state is not None and state.next_at == at and state.sample is not None:
+                state.next_at = None
+                looked.setdefault(key, state.sample)
+        return looked
+
+    def _schedule(self, looked: dict[tuple[int, float], ProcessMemory],
+                  unserved: list[tuple[tuple[int, float], ProcessMemory, float]], stall_skipped: set[int], now: float) -> None:
+        """After a tick: when each record looked at is to be looked at again."""
+        self._unserved = {(s.pid, s.create_time): s for _, s, _ in unserved}
+        self._forbidden = {}
+        rate = self._config.cpu_budget_fraction
+        for key, s in looked.items():
+            state = self._states.get(key)
+            if state is not None:
+                state.sample = s
+            if key in self._unserved or key in self._walking:
+                continue
+            if s.pid in stall_skipped:
+                self._forbidden[key] = s
+                continue
+            if state is None or state.denied:
+                continue  # gone, never due (another user's), or not a candidate (kernel thread, USS from elsewhere)
+            cost = state.exact.cost_seconds if state.exact is not None else self._config.walk_base_seconds
+            base = state.tried_at if state.tried_at is not None else state.read_at
+            at = base + cost / rate  # _due's pace: not before it (its RSS rule needs a new record, looked at anyway)
+            if state.next_at != at:
+                state.next_at = at
+                self._seq += 1
+                heapq.heappush(self._heap, (at, self._seq, key))
 
     def _affordable(self, est: float) -> bool:
         # A full bucket may pay for a step larger than itself (the debt is
