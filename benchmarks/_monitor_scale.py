@@ -1,17 +1,20 @@
 """bench_monitor's section 6 (``--scale``): the monitor's own cost at node
 scale. 100, 1,000 and 3,000 idle processes (``sleep`` children of one
-parent, started here and ended by pid), watched by a real ``tensorferry
-monitor`` process at a 1 s tick with ``--pattern``, ``--tree`` and
-``--all`` selection, fds counted, serving ``/metrics``; its CPU (its
-threads' run time in their schedstat, over the window) per tick and per
-process, its RSS, its tick's wall time (from the tick's start to the snapshot a scrape
-renders), and scrapes of ``/metrics`` (group labels; one ``--per-process``
-row per size, whose exposition is parsed and whose per-process series are
-checked to sum to the group's). With ``--compare SRC`` every row also runs
-the monitor from another tree's ``src`` (the code before a change),
-interleaved with this one's, so both see the same load.
+parent, started here and ended by pid), watched by real ``tensorferry
+monitor`` processes at a 1 s tick with ``--pattern``, ``--tree`` and
+``--all`` selection, fds counted, serving ``/metrics``. All the monitors of
+a size run at once on one fleet, so every row sees the same load, and are
+measured over the same window after a warm-up (command lines are read
+again at 10, 30 and 70 s; exact figures fill in), scraped every
+SCRAPE_EVERY_SECONDS inside it as a Prometheus would. Per row: CPU (its
+live threads' run time in their schedstat, plus what ended scrape threads
+left in its stat) per tick and per process, RSS, a tick's wall time (from
+its start to the snapshot a scrape renders), and scrapes of ``/metrics``
+(group labels; one ``--per-process`` row per size, whose exposition is
+parsed and whose per-process series are checked to sum to the group's).
+With ``--compare SRC`` every row also runs the monitor from another tree's
+``src`` (the code before a change), beside this one's.
 """
-
 from __future__ import annotations
 
 import gzip
@@ -21,6 +24,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -40,6 +44,9 @@ sys.stdin.read()
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 WARM_SECONDS = 6.0  # start-up: every process's first sample, first exact walks, the first full listing
+# Scrapes inside the measured window, as a Prometheus would make them (its
+# common scrape_interval): what a scrape costs the monitor is counted.
+SCRAPE_EVERY_SECONDS = 15.0
 
 
 class Fleet:
@@ -80,16 +87,24 @@ def _stop(mon: subprocess.Popen) -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """CPU time of all of ``pid``'s threads, from their schedstat (ns; stat's
-    utime + stime count 10 ms ticks, too coarse for 100 processes' 0.1%)."""
-    total_ns = 0
+    """CPU time of ``pid``: its live threads' from their schedstat (ns; stat's
+    utime + stime count 10 ms ticks, too coarse for 100 processes' 0.1%),
+    plus what threads that ended (a scrape's) left in the process's stat,
+    in ticks: the process's total less its live threads' totals."""
+    total_ns, live_ticks = 0, 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total_ns += int(f.read().split()[0])
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
         except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that ended meanwhile (a scrape's): none run in the measured windows
-    return total_ns / 1e9
+            continue  # ended meanwhile: counted below, in the process's stat
+        total_ns += ns
+        live_ticks += int(fields[11]) + int(fields[12])
+    user, system = _user_system_seconds(pid)
+    ended = max(0.0, user + system - live_ticks / _CLOCK_TICKS)
+    return total_ns / 1e9 + ended
 
 
 def _user_system_seconds(pid: int) -> tuple[float, float]:
@@ -137,51 +152,85 @@ def _selection(mode: str, fleet: Fleet) -> list[str]:
     return {"pattern": ["-k", f"^{fleet.tag} "], "tree": ["-t", str(fleet.root)], "all": ["-a"]}[mode]
 
 
-def monitor_row(fleet: Fleet, mode: str, src: Path, seconds: float, *, per_process: bool = False) -> dict[str, object]:
-    """One monitor process from ``src`` watching ``fleet`` by ``mode`` for ``seconds`` after the warm-up."""
-    env = dict(os.environ, PYTHONPATH=str(src))
-    cmd = [sys.executable, "-m", "tensorferry", "monitor", *_selection(mode, fleet), "-i", "1", "-P", "0"]
-    if per_process:
-        cmd.append("--per-process")
-    mon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+class _Watch:
+    """One ``tensorferry monitor`` process from ``src`` serving /metrics,
+    watching ``fleet`` by ``mode``: started at once, measured between
+    :meth:`begin` and :meth:`end`, ended by :meth:`close`."""
+
+    def __init__(self, fleet: Fleet, mode: str, src: Path, *, per_process: bool = False) -> None:
+        self.fleet, self.mode, self.src, self.per_process = fleet, mode, src, per_process
+        env = dict(os.environ, PYTHONPATH=str(src))
+        cmd = [sys.executable, "-m", "tensorferry", "monitor", *_selection(mode, fleet), "-i", "1", "-P", "0"]
+        if per_process:
+            cmd.append("--per-process")
+        self.mon = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         line = ""
         for _ in range(20):  # "serving http://127.0.0.1:PORT/metrics and ...", after any warnings
-            line = mon.stderr.readline()
+            line = self.mon.stderr.readline()
             if not line or line.startswith("serving"):
                 break
         if not line.startswith("serving"):
+            self.close()
             raise RuntimeError(f"monitor did not start: {line!r}")
-        url = line.split()[1]
-        time.sleep(WARM_SECONDS)
-        _, body = _scrape(url)
-        ticks0, tick_s0 = _metric(body, "tensorferry_monitor_tick_seconds_count"), _metric(
-            body, "tensorferry_monitor_tick_seconds_sum")
-        cpu0, t0, us0 = _cpu_seconds(mon.pid), time.monotonic(), _user_system_seconds(mon.pid)
-        time.sleep(seconds)
-        cpu1, t1, us1 = _cpu_seconds(mon.pid), time.monotonic(), _user_system_seconds(mon.pid)
-        rss = _rss_bytes(mon.pid)
-        scrapes = [_scrape(url) for _ in range(5)]
+        self.url = line.split()[1]
+        self.scrapes_in_window = 0
+
+    def begin(self) -> None:
+        _, body = _scrape(self.url)
+        self.ticks0 = _metric(body, "tensorferry_monitor_tick_seconds_count")
+        self.tick_s0 = _metric(body, "tensorferry_monitor_tick_seconds_sum")
+        self.cpu0, self.t0, self.us0 = _cpu_seconds(self.mon.pid), time.monotonic(), _user_system_seconds(self.mon.pid)
+
+    def scrape(self) -> None:
+        _scrape(self.url)
+        self.scrapes_in_window += 1
+
+    def end(self, warm: float) -> dict[str, object]:
+        cpu1, t1, us1 = _cpu_seconds(self.mon.pid), time.monotonic(), _user_system_seconds(self.mon.pid)
+        rss = _rss_bytes(self.mon.pid)
+        scrapes = [_scrape(self.url) for _ in range(5)]
         body = scrapes[-1][1]
-        ticks = _metric(body, "tensorferry_monitor_tick_seconds_count") - ticks0
-        tick_s = _metric(body, "tensorferry_monitor_tick_seconds_sum") - tick_s0
+        ticks = _metric(body, "tensorferry_monitor_tick_seconds_count") - self.ticks0
+        tick_s = _metric(body, "tensorferry_monitor_tick_seconds_sum") - self.tick_s0
         watched = sum(float(ln.rsplit(" ", 1)[1]) for ln in body.splitlines() if ln.startswith("tensorferry_processes{"))
+        cpu, span = cpu1 - self.cpu0, t1 - self.t0
         row: dict[str, object] = {
-            "mode": mode, "src": str(src), "per_process": per_process, "fleet": len(fleet.pids),
-            "watched": watched, "seconds": t1 - t0, "cpu_seconds": cpu1 - cpu0,
-            "core_percent": (cpu1 - cpu0) / (t1 - t0) * 100, "ticks": ticks,
-            "user_percent": (us1[0] - us0[0]) / (t1 - t0) * 100, "system_percent": (us1[1] - us0[1]) / (t1 - t0) * 100,
-            "cpu_ms_per_tick": (cpu1 - cpu0) / max(ticks, 1) * 1e3,
-            "cpu_us_per_process_tick": (cpu1 - cpu0) / max(ticks, 1) / max(watched, 1) * 1e6,
+            "mode": self.mode, "src": str(self.src), "per_process": self.per_process, "fleet": len(self.fleet.pids),
+            "warm_seconds": warm, "scrapes_in_window": self.scrapes_in_window,
+            "watched": watched, "seconds": span, "cpu_seconds": cpu,
+            "core_percent": cpu / span * 100, "ticks": ticks,
+            "user_percent": (us1[0] - self.us0[0]) / span * 100, "system_percent": (us1[1] - self.us0[1]) / span * 100,
+            "cpu_ms_per_tick": cpu / max(ticks, 1) * 1e3,
+            "cpu_us_per_process_tick": cpu / max(ticks, 1) / max(watched, 1) * 1e6,
             "tick_wall_ms": tick_s / max(ticks, 1) * 1e3, "rss_mib": rss / 2**20,
-            "scrape_ms": statistics.median(s for s, _ in scrapes) * 1e3, "scrape_bytes": len(body),
+            "scrape_ms": statistics.median(t for t, _ in scrapes) * 1e3, "scrape_bytes": len(body),
             "load_1min": os.getloadavg()[0],
         }
-        if per_process:
+        if self.per_process:
             row.update(check_exposition(body))
         return row
-    finally:
-        _stop(mon)
+
+    def close(self) -> None:
+        _stop(self.mon)
+
+
+def watch_together(watches: list[_Watch], seconds: float, warm: float) -> list[dict[str, object]]:
+    """Warm up, then measure every watch over the same ``seconds``, each
+    scraped every SCRAPE_EVERY_SECONDS (staggered): all see the same load."""
+    time.sleep(warm)
+    for w in watches:
+        w.begin()
+    t0 = time.monotonic()
+    due = [t0 + SCRAPE_EVERY_SECONDS * (i + 1) / len(watches) for i in range(len(watches))]
+    while True:
+        i = min(range(len(watches)), key=due.__getitem__)
+        if due[i] > t0 + seconds - 0.5:
+            break
+        time.sleep(max(0.0, due[i] - time.monotonic()))
+        watches[i].scrape()
+        due[i] += SCRAPE_EVERY_SECONDS
+    time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+    return [w.end(warm) for w in watches]
 
 
 def check_exposition(body: str) -> dict[str, object]:
@@ -207,26 +256,32 @@ def check_exposition(body: str) -> dict[str, object]:
             "resident_sum_bytes": sum(by_name.values()), "resident_series": len(pids_seen)}
 
 
-def scale(sizes: tuple[int, ...], modes: tuple[str, ...], seconds: float, compare: Path | None) -> dict[str, object]:
-    """Every (size, mode) row, with this tree's src and ``compare``'s interleaved (alternating which goes first)."""
+def scale(sizes: tuple[int, ...], modes: tuple[str, ...], seconds: float, compare: Path | None,
+          warm: float = WARM_SECONDS) -> dict[str, object]:
+    """Every (size, mode) row, with this tree's src and ``compare``'s: for each
+    size, all its monitors at once on one fleet, over one window."""
     here = ROOT / "src"
     srcs = [here] if compare is None else [compare, here]
     rows: list[dict[str, object]] = []
     load_start = os.getloadavg()
     for n in sizes:
         fleet = Fleet(n, f"tfscale{os.getpid()}x{n}")
+        watches: list[_Watch] = []
         try:
-            for i, mode in enumerate(modes):
-                order = srcs if i % 2 == 0 else srcs[::-1]
-                for src in order:
-                    rows.append(monitor_row(fleet, mode, src, seconds))
-                    _log(rows[-1])
-            rows.append(monitor_row(fleet, "pattern", here, seconds, per_process=True))
-            _log(rows[-1])
+            for mode in modes:
+                for src in srcs:
+                    watches.append(_Watch(fleet, mode, src))
+            watches.append(_Watch(fleet, "pattern", here, per_process=True))
+            for row in watch_together(watches, seconds, warm):
+                rows.append(row)
+                _log(row)
         finally:
+            for w in watches:
+                w.close()
             fleet.close()
     return {"rows": rows, "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
-            "cpus": os.cpu_count(), "kernel": os.uname().release, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "cpus": os.cpu_count(), "kernel": os.uname().release, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "warm_seconds": warm, "seconds": seconds, "scrape_every_seconds": SCRAPE_EVERY_SECONDS}
 
 
 def _log(r: dict[str, object]) -> None:
@@ -289,27 +344,44 @@ def plot_scale(doc: dict[str, object], path: Path) -> None:
     plt.close(fig)
 
 
-def json_row(fleet_n: int, src: Path, seconds: float) -> dict[str, object]:
-    """``monitor -k ... --json`` (one JSON object per tick to a pipe): the issue's own measurement."""
+def json_rows(fleet_n: int, srcs: list[Path], seconds: float, warm: float = WARM_SECONDS) -> list[dict[str, object]]:
+    """``monitor -k ... --json`` (one JSON object per tick to a pipe), the
+    issue's own measurement: one monitor per src, at once, on one fleet."""
     fleet = Fleet(fleet_n, f"tfjson{os.getpid()}x{fleet_n}")
-    env = dict(os.environ, PYTHONPATH=str(src))
-    mon = subprocess.Popen([sys.executable, "-m", "tensorferry", "monitor", "-k", f"^{fleet.tag} ", "-i", "1", "-j"],
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    mons: list[subprocess.Popen] = []
     try:
-        t_end = time.monotonic() + WARM_SECONDS
-        while time.monotonic() < t_end:
-            mon.stdout.readline()
-        cpu0, t0 = _cpu_seconds(mon.pid), time.monotonic()
-        lines = 0
-        while time.monotonic() < t0 + seconds:
-            last = mon.stdout.readline()
-            lines += 1
-        cpu1, t1 = _cpu_seconds(mon.pid), time.monotonic()
-        watched = len(json.loads(last)["processes"])
-        return {"mode": "pattern --json", "src": str(src), "fleet": fleet_n, "watched": watched,
-                "core_percent": (cpu1 - cpu0) / (t1 - t0) * 100, "ticks": lines,
-                "cpu_us_per_process_tick": (cpu1 - cpu0) / max(lines, 1) / max(watched, 1) * 1e6,
-                "load_1min": os.getloadavg()[0]}
+        for src in srcs:
+            env = dict(os.environ, PYTHONPATH=str(src))
+            mons.append(subprocess.Popen([sys.executable, "-m", "tensorferry", "monitor", "-k", f"^{fleet.tag} ", "-i", "1", "-j"],
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+        lines = [[0, ""] for _ in mons]
+        counting = threading.Event()
+
+        def drain(i: int) -> None:  # a full pipe would block the monitor
+            for line in mons[i].stdout:
+                if counting.is_set():
+                    lines[i][0] += 1
+                lines[i][1] = line
+
+        readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(mons))]
+        for r in readers:
+            r.start()
+        time.sleep(warm)
+        cpu0, t0 = [_cpu_seconds(m.pid) for m in mons], time.monotonic()
+        counting.set()
+        time.sleep(seconds)
+        cpu1, t1 = [_cpu_seconds(m.pid) for m in mons], time.monotonic()
+        counting.clear()
+        out = []
+        for i, src in enumerate(srcs):
+            watched = len(json.loads(lines[i][1])["processes"])
+            cpu = cpu1[i] - cpu0[i]
+            out.append({"mode": "pattern --json", "src": str(src), "fleet": fleet_n, "watched": watched, "warm_seconds": warm,
+                        "core_percent": cpu / (t1 - t0) * 100, "ticks": lines[i][0],
+                        "cpu_us_per_process_tick": cpu / max(lines[i][0], 1) / max(watched, 1) * 1e6,
+                        "load_1min": os.getloadavg()[0]})
+        return out
     finally:
-        _stop(mon)
+        for m in mons:
+            _stop(m)
         fleet.close()

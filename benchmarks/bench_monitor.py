@@ -47,17 +47,20 @@ Measures (see docs/monitor.md for the reading):
      ``--pattern``, ``--tree`` and ``--all``, fds counted, serving /metrics:
      its CPU per tick and per process, RSS, tick wall time and scrape time;
      a ``--per-process`` row per size whose scrape is parsed and summed, and
-     the issue's own ``monitor -k ... --json`` row at 1,000. ``--compare
-     SRC`` runs every row also from another tree's ``src`` (the code before
-     a change), interleaved. ``--plot PATH`` draws CPU against watched
-     processes.
+     the issue's own ``monitor -k ... --json`` row at 1,000. Every monitor
+     of a size runs at once on one fleet, is measured over the same window
+     (``--scale-seconds``, 60 s) after ``--scale-warm`` (90 s: command lines
+     and exact figures settle) and is scraped every 15 s inside it.
+     ``--compare SRC`` runs every row also from another tree's ``src`` (the
+     code before a change), side by side. ``--plot PATH`` draws CPU against
+     watched processes.
 
 Sections 1, 2 and the tables are here; ``_monitor_targets.py`` holds the
 target processes, ``_monitor_exact.py`` section 4, ``_monitor_loops.py``
 sections 3 and 5, ``_monitor_scale.py`` section 6.
 
 Run: .venv/bin/python benchmarks/bench_monitor.py [--quick] [--exact-only] [--exact-rounds N] [--loops]
-     [--scale [--scale-sizes 100,1000,3000] [--scale-seconds S] [--compare SRC] [--plot PATH]]
+     [--scale [--scale-sizes 100,1000,3000] [--scale-seconds S] [--scale-warm S] [--compare SRC] [--plot PATH]]
 Writes benchmarks/results/bench_monitor.json (bench_monitor_scale.json) and prints a table.
 """
 
@@ -83,7 +86,7 @@ from tensorferry.monitor._procfs import ProcfsBackend  # noqa: E402
 from _common import results_dir, write_json  # noqa: E402
 from _monitor_exact import exact_figures, exact_targets, print_exact  # noqa: E402
 from _monitor_loops import agent_self_cost, loop_timing  # noqa: E402
-from _monitor_scale import json_row, plot_scale, print_scale, scale  # noqa: E402
+from _monitor_scale import json_rows, plot_scale, print_scale, scale  # noqa: E402
 from _monitor_targets import Target, per_call, pin_apart  # noqa: E402
 
 # $TENSORFERRY_BENCH_OUT (interleave.py) or benchmarks/results.
@@ -257,10 +260,10 @@ def run_scale(args: argparse.Namespace) -> int:
     if not set(modes) <= {"pattern", "tree", "all"} or min(sizes) < 1:
         raise SystemExit(f"--scale-sizes {args.scale_sizes} / --scale-modes {args.scale_modes}: sizes >= 1, "
                          "modes among pattern, tree, all")
-    doc = scale(sizes, modes, args.scale_seconds, args.compare)
+    doc = scale(sizes, modes, args.scale_seconds, args.compare, args.scale_warm)
     json_sizes = [n for n in sizes if n == 1000] or [max(sizes)]
     srcs = [ROOT / "src"] if args.compare is None else [args.compare, ROOT / "src"]
-    doc["json_rows"] = [json_row(n, src, args.scale_seconds) for n in json_sizes for src in srcs]
+    doc["json_rows"] = [r for n in json_sizes for r in json_rows(n, srcs, args.scale_seconds, args.scale_warm)]
     doc["load_average_at_end"] = os.getloadavg()
     print_scale(doc)
     for r in doc["json_rows"]:
@@ -284,7 +287,10 @@ def main() -> int:
     ap.add_argument("--scale", action="store_true", help="only section 6 (the monitor at node scale)")
     ap.add_argument("--scale-sizes", default="100,1000,3000", metavar="N,N,...", help="idle processes per row")
     ap.add_argument("--scale-modes", default="pattern,tree,all", metavar="MODE,...", help="selections per size")
-    ap.add_argument("--scale-seconds", type=float, default=20.0, metavar="S", help="measured window per row")
+    ap.add_argument("--scale-seconds", type=float, default=60.0, metavar="S",
+                    help="measured window per size (every row of a size at once)")
+    ap.add_argument("--scale-warm", type=float, default=90.0, metavar="S",
+                    help="seconds before the window: command lines are read again at 10, 30 and 70 s, then every 40 s")
     ap.add_argument("--compare", type=Path, metavar="SRC", help="also run every scale row from this src tree")
     ap.add_argument("--plot", type=Path, metavar="PATH", help="section 6: plot CPU against watched processes")
     args = ap.parse_args()
