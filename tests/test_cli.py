@@ -35,7 +35,7 @@ def test_info_lists_versions_and_backends():
     import importlib.util
 
     parts = rows["c-extensions"].strip().split("; ")
-    modules = ("copy._memcpy", "tensors._ptrs", "plans._diff")  # every C extension, by the layer that loads it
+    modules = ("copy._memcpy", "tensors._ptrs", "plans._diff", "monitor._still")  # every C extension, by the layer that loads it
     assert len(parts) == len(modules), parts
     for part, module in zip(parts, modules):
         built = importlib.util.find_spec(f"tensorferry.{module}") is not None

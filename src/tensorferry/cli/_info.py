@@ -18,6 +18,7 @@ _EXTENSIONS = (
     ("copy._memcpy", "the batched copy loop; without it copies of many small tensors take Python loops"),
     ("tensors._ptrs", "the pointer checks; without it data pointers are read one tensor at a time"),
     ("plans._diff", "delta plans' compare and apply; without it a delta plan sends the whole object every put"),
+    ("monitor._still", "the monitor's tick over still processes; without it the same loop runs in Python"),
 )
 OPTIONAL = (
     ("prometheus-client", "monitor's /metrics"),
