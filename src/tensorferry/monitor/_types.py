@@ -68,7 +68,8 @@ class ProcessMemory(NamedTuple):
     create_time: float
     """When the process started, seconds since the epoch (pid + create_time is unique)."""
     timestamp: float
-    """When this sample was taken, seconds since the epoch."""
+    """When this sample was taken, seconds since the epoch (the agent's tick: when
+    the tick began, for a process that stood still since its last sample)."""
     rss_bytes: int
     """Resident set size: anon + file + shmem pages mapped now."""
     anon_bytes: int
