@@ -419,7 +419,12 @@ def test_a_tls_relay_process_killed_mid_stream_its_child_resumes_from_the_sender
         assert_same(out[0], want)
         streamed = child.stats()["relay_stream_nbytes"]
         assert 2 * MiB <= streamed < total, streamed  # part from the relay, the rest from the sender
-        sender.wait_released(ticket, timeout=10.0)
+        # The killed relay's reader slot is let go when the sender sees its
+        # connections close, or at the latest when its lease ends (60 s after
+        # the last acquire). The first does not always come here: about 1 run
+        # in 4 on a loaded machine, with the code before 2026-12-07's changes
+        # too (not traced yet; see the session note). The lease bounds it.
+        sender.wait_released(ticket, timeout=75.0)
         assert wait_until(lambda: pool_empty(sender.pool), 5.0)
 
 
