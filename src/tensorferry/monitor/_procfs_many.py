@@ -82,15 +82,12 @@ class ManyReads:
     """``cheap_tick`` and ``cheap_many`` for :class:`~tensorferry.monitor._procfs.ProcfsBackend`."""
 
     _last: dict[int, Any]
-    _handles: dict[int, tuple[int, int]]
     _fds: Any
-    _cmdline_cache: dict[tuple[int, int], tuple[tuple[str, ...], float, bytes, bytes, float]]
     count_fds: bool
     carry_status: bool
     proc_root: str
     _read: Any
     _cheap: Any
-    _cached_cmdline: Any
     # pids()'s listing, and what it was made under: /proc/loadavg's last pid
     # (None: not the kernel's /proc, list every call), when (monotonic), and
     # whether a watched process went since.

@@ -189,11 +189,15 @@ class Selector:
         """Read again the command lines of the processes the pattern missed
         that are due for it; True if one matches now. Moves the next due time on."""
         self._next_rescan_at = math.inf
-        wait = self._miss_wait
-        due = [pid for pid, m in self._matches.items() if not m[2] and m[3] != math.inf and now - m[3] >= wait(pid)]
+        due = []
         for pid, m in self._matches.items():
-            if not m[2] and m[3] != math.inf and now - m[3] < wait(pid):
-                self._next_rescan_at = min(self._next_rescan_at, m[3] + wait(pid))
+            if not m[2] and m[3] != math.inf:
+                at = m[3] + self._miss_wait(pid)
+                if now >= at:
+                    due.append(pid)
+                else:
+                    self._next_rescan_at = min(self._next_rescan_at, at)
+        # Every due one is read (its next look moves on), not only up to the first match.
         return any([self._matches_pattern(pattern, pid, now) for pid in due])
 
     def _descendants(self, root: int, listed: list[int]) -> set[int]:
